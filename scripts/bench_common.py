@@ -1,0 +1,70 @@
+"""Shared benchmark plumbing: CUDA-event timing (median, warm-up, rotated inputs), environment, output."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import platform
+import statistics
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+
+def median_ms(fn: Callable[..., object], input_sets: Sequence[tuple], replays: int = 50, warmup: int = 3) -> float:
+    """Median GPU time of one ``fn(*inputs)`` call in ms.
+
+    The calls (one per input set, so consecutive calls touch different buffers) are captured in a
+    CUDA graph and its replays are timed with CUDA events: this measures the GPU's work, not
+    Python's launch overhead, which a decode in graph mode does not pay either.
+    """
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # warm-up off the capture stream: compiles, autotunes, allocates
+        for _ in range(warmup):
+            for inputs in input_sets:
+                fn(*inputs)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for inputs in input_sets:
+            fn(*inputs)
+    for _ in range(warmup):
+        graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / len(input_sets))
+    return statistics.median(times)
+
+
+def environment() -> dict:
+    import triton
+
+    props = torch.cuda.get_device_properties(0)
+    return {
+        "device": torch.cuda.get_device_name(0),
+        "sm_count": props.multi_processor_count,
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "python": platform.python_version(),
+    }
+
+
+def write_results(out_dir: Path, stem: str, payload: dict, markdown: str) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown)
+    print(f"wrote {out_dir / stem}.json and .md")
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,169 @@
+"""FastSNAC: upstream SNAC with snac-fast's surgery applied, behind upstream's encode/decode contracts."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from snac_fast.codes import validate_audio, validate_codes
+from snac_fast.loading import build_upstream, resolve_checkpoint
+from snac_fast.noise import seeded_noise
+from snac_fast.surgery import SurgeryReport, accelerate
+
+DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
+               "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+               "float32": torch.float32, "fp32": torch.float32, "float": torch.float32}
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def parse_dtype(dtype: torch.dtype | str | None, device: torch.device) -> torch.dtype:
+    """float16 on CUDA and float32 on CPU unless named; accepts torch dtypes and their names."""
+    if dtype is None:
+        return torch.float16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, str):
+        if dtype not in DTYPE_NAMES:
+            raise ValueError(f"unknown dtype {dtype!r}; use float16, bfloat16 or float32")
+        dtype = DTYPE_NAMES[dtype]
+    if dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"dtype must be float16, bfloat16 or float32, got {dtype}")
+    return dtype
+
+
+class FastSNAC:
+    """A SNAC codec whose decoder (and encoder) Snake1d run snac-fast's Triton kernels.
+
+    Build with :meth:`from_pretrained`, or wrap a ``snac.SNAC`` you already have (its weights are
+    used as they are; it is modified in place). ``model`` is the upstream module tree after surgery.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        accelerate_encoder: bool = True,
+        config: dict | None = None,
+        source: str | None = None,
+        reference_factory: Callable[[], nn.Module] | None = None,
+    ) -> None:
+        self.device = torch.device(device) if device is not None else default_device()
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device} requested but CUDA is not available; use device='cpu'")
+        self.dtype = parse_dtype(dtype, self.device)
+        self.config = dict(config) if config is not None else _config_of(model)
+        self.source = source
+        if reference_factory is None:  # keep the original weights to rebuild the reference model on demand
+            state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+            reference_factory = _rebuilder(self.config, state)
+        self._reference_factory = reference_factory
+        self.report: SurgeryReport = accelerate(model, encoder=accelerate_encoder, device=self.device, dtype=self.dtype)
+        self.model = model.eval()
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        name_or_path: str | os.PathLike,
+        *,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | str | None = None,
+        revision: str | None = None,
+        cache_dir: str | os.PathLike | None = None,
+        local_files_only: bool = False,
+        token: str | bool | None = None,
+        accelerate_encoder: bool = True,
+    ) -> "FastSNAC":
+        """Load a published SNAC ("hubertsiuzdak/snac_24khz", _32khz, _44khz), a local folder with
+        config.json + pytorch_model.bin (or model.safetensors), or ``synthetic:snac_24khz`` (seeded,
+        untrained weights built offline). Defaults: CUDA if available, float16 there, float32 on CPU.
+        Raises :class:`snac_fast.loading.CheckpointError` (a ValueError) saying what to do."""
+        checkpoint = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir,
+                                        local_files_only=local_files_only, token=token)
+        model = build_upstream(checkpoint)
+        return cls(model, device=device, dtype=dtype, accelerate_encoder=accelerate_encoder,
+                   config=checkpoint.config, source=checkpoint.source,
+                   reference_factory=lambda: build_upstream(checkpoint))
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def sampling_rate(self) -> int:
+        return int(self.config["sampling_rate"])
+
+    @property
+    def hop_length(self) -> int:
+        return int(self.model.hop_length)
+
+    @property
+    def n_levels(self) -> int:
+        return len(self.config["vq_strides"])
+
+    @property
+    def swapped(self) -> list[str]:
+        """Qualified names of the Snake1d modules replaced by FastSnake1d (decoder, then encoder)."""
+        return self.report.decoder_snakes + self.report.encoder_snakes
+
+    def reference_model(self) -> nn.Module:
+        """A fresh original upstream SNAC (its own Snake1d, weight norm intact, float32, CPU)."""
+        return self._reference_factory()
+
+    def __repr__(self) -> str:
+        return (f"FastSNAC(source={self.source!r}, sampling_rate={self.sampling_rate}, device={self.device}, "
+                f"dtype={self.dtype}, swapped={len(self.report.decoder_snakes)} decoder + "
+                f"{len(self.report.encoder_snakes)} encoder Snake1d)")
+
+    # -- codec ---------------------------------------------------------------------------------
+
+    def latent_length(self, codes: list[Tensor]) -> int:
+        return codes[0].shape[1] * self.config["vq_strides"][0]
+
+    @torch.inference_mode()
+    def decode(self, codes: list[Tensor], *, seed: int | None = None) -> Tensor:
+        """Codes -> audio [B, 1, latent_length * hop_length] in the model's dtype, on its device.
+
+        codes: one integer tensor [B, L_i] per level (upstream's ``encode`` output), any device.
+        seed: make the NoiseBlocks' noise reproducible (same seed, same device: same audio);
+        None draws fresh noise like upstream.
+        """
+        codes = [c.to(self.device) for c in validate_codes(codes, self.config)]
+        noise = seeded_noise(self.model, seed, self.device) if seed is not None else contextlib.nullcontext()
+        with noise:
+            return self.model.decode(codes)
+
+    @torch.inference_mode()
+    def encode(self, audio: Tensor) -> list[Tensor]:
+        """Audio [B, 1, T] (floating, at :attr:`sampling_rate`) -> codes, one int64 [B, L_i] per level."""
+        audio = validate_audio(audio).to(device=self.device, dtype=self.dtype)
+        return self.model.encode(audio)
+
+
+def _config_of(model: nn.Module) -> dict:
+    """A config dict from an upstream SNAC's attributes (for models built without a config file)."""
+    return {
+        "sampling_rate": model.sampling_rate, "encoder_dim": model.encoder_dim,
+        "encoder_rates": list(model.encoder_rates), "latent_dim": model.latent_dim,
+        "decoder_dim": model.decoder_dim, "decoder_rates": list(model.decoder_rates),
+        "attn_window_size": model.attn_window_size,
+        "codebook_size": model.codebook_size, "codebook_dim": model.codebook_dim,
+        "vq_strides": list(model.vq_strides),
+        "noise": any(type(m).__name__ == "NoiseBlock" for m in model.decoder.modules()),
+        "depthwise": model.decoder.model[0].groups > 1,
+    }
+
+
+def _rebuilder(config: dict, state: dict) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        import snac
+
+        model = snac.SNAC(**config)
+        model.load_state_dict(state)
+        return model.eval()
+
+    return build

@@ -1,0 +1,146 @@
+"""``snac-fast`` command line: decode and encode token files, check fidelity, profile a decode."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from snac_fast.configs import DEFAULT_MODEL
+
+EPILOG = """\
+models: a hub id (hubertsiuzdak/snac_24khz, _32khz, _44khz), a local folder with config.json and
+pytorch_model.bin, or synthetic:snac_24khz (also synthetic:snac_32khz, synthetic:snac_44khz):
+seeded, UNTRAINED weights built offline with the published architecture. Synthetic models make
+noise, not speech; their timing and fidelity figures are real. Model precedence: --model, then the
+token file's "model" entry, then hubertsiuzdak/snac_24khz.
+"""
+
+
+class UsageError(Exception):
+    """Bad input: reported in one line, exit code 2."""
+
+
+def _add_model_args(p: argparse.ArgumentParser, with_seed: bool = False) -> None:
+    p.add_argument("--model", help="hub id, local folder, or synthetic:<name> (see below)")
+    p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
+    p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
+                   help="compute dtype (default: float16 on cuda, float32 on cpu)")
+    p.add_argument("--local-files-only", action="store_true", help="never touch the network; use the hub cache")
+    if with_seed:
+        p.add_argument("--seed", type=int, help="seed the decoder's noise (same seed, same audio)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="snac-fast", description="SNAC neural audio codec with Triton kernels: decode, encode, check, profile.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    fmt = argparse.RawDescriptionHelpFormatter
+
+    p = sub.add_parser("decode", help="token file -> WAV", epilog=EPILOG, formatter_class=fmt,
+                       description="Decode a token file (torch.save of the codes list, or a dict with 'codes' and 'model') to a WAV at the model's rate.")
+    p.add_argument("tokens", type=Path, help="token file (.pt)")
+    p.add_argument("out", type=Path, help="output WAV path")
+    _add_model_args(p, with_seed=True)
+
+    p = sub.add_parser("encode", help="audio file -> token file", epilog=EPILOG, formatter_class=fmt,
+                       description="Encode any soundfile-readable audio: mixed to mono, resampled to the model's rate; writes {'codes', 'model'}.")
+    p.add_argument("audio", type=Path, help="input audio (WAV, FLAC, OGG, ...)")
+    p.add_argument("tokens", type=Path, help="output token file (.pt)")
+    _add_model_args(p)
+    return parser
+
+
+def _load_model(args: argparse.Namespace, file_model: str | None):
+    from snac_fast.api import FastSNAC
+
+    name = args.model or file_model or DEFAULT_MODEL
+    return FastSNAC.from_pretrained(name, device=args.device, dtype=args.dtype, local_files_only=args.local_files_only)
+
+
+class _Stages:
+    """A tqdm bar over named steps (on a terminal only); cleared on exit, errors included."""
+
+    def __init__(self, names: list[str]) -> None:
+        from tqdm import tqdm
+
+        self._names = iter(names)
+        self._bar = tqdm(total=len(names), desc=next(self._names), unit="step", file=sys.stderr, leave=False, disable=None)
+
+    def next(self) -> None:
+        self._bar.update()
+        self._bar.set_description(next(self._names, "done"))
+
+    def __enter__(self) -> "_Stages":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._bar.close()
+
+
+def cmd_decode(args: argparse.Namespace) -> None:
+    import soundfile
+
+    from snac_fast.codes import load_tokens
+
+    codes, file_model = load_tokens(args.tokens)
+    if codes[0].dim() == 2 and codes[0].shape[0] != 1:
+        raise UsageError(f"{args.tokens} holds a batch of {codes[0].shape[0]}; the CLI writes one WAV, decode batches from Python")
+    with _Stages(["loading model", "decoding", "writing"]) as stages:
+        model = _load_model(args, file_model)
+        stages.next()
+        audio = model.decode(codes, seed=args.seed)
+        stages.next()
+        samples = audio[0, 0].float().cpu().numpy()
+        try:
+            soundfile.write(str(args.out), samples, model.sampling_rate, subtype="FLOAT")
+        except (OSError, RuntimeError, soundfile.LibsndfileError) as e:
+            raise UsageError(f"cannot write {args.out}: {e}") from e
+        stages.next()
+    print(f"{args.out}: {samples.size} samples at {model.sampling_rate} Hz ({samples.size / model.sampling_rate:.2f} s)")
+
+
+def cmd_encode(args: argparse.Namespace) -> None:
+    import soundfile
+    import torch
+    import torchaudio.functional as AF
+
+    from snac_fast.codes import save_tokens
+
+    with _Stages(["reading", "loading model", "encoding", "writing"]) as stages:
+        try:
+            data, rate = soundfile.read(str(args.audio), dtype="float32", always_2d=True)
+        except (OSError, RuntimeError, soundfile.LibsndfileError) as e:
+            raise UsageError(f"cannot read audio {args.audio}: {e}") from e
+        if data.shape[0] == 0:
+            raise UsageError(f"{args.audio} holds no samples")
+        stages.next()
+        model = _load_model(args, None)
+        stages.next()
+        mono = torch.from_numpy(data).mean(dim=1)  # [frames, channels] -> [frames]
+        if rate != model.sampling_rate:
+            mono = AF.resample(mono, orig_freq=rate, new_freq=model.sampling_rate)
+        codes = model.encode(mono.view(1, 1, -1))
+        stages.next()
+        save_tokens(args.tokens, codes, model=model.source)
+        stages.next()
+    print(f"{args.tokens}: {len(codes)} levels, lengths {[c.shape[1] for c in codes]}, model {model.source}")
+
+
+COMMANDS = {"decode": cmd_decode, "encode": cmd_encode}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        result = COMMANDS[args.command](args)
+    except (UsageError, ValueError, OSError) as e:  # bad input: one line, no traceback
+        print(f"snac-fast {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return int(result or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""Validation of codes and audio, and token files (what ``torch.save(codes)`` writes)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+TOKEN_FILE_KEYS = {"codes", "model"}
+
+
+def validate_codes(codes: object, config: dict) -> list[Tensor]:
+    """Check codes against a model config before any kernel runs; ValueError names what is wrong.
+
+    codes: one integer tensor [B, L_i] per level (``len(config["vq_strides"])`` levels), with
+    L_i * vq_strides[i] equal across levels, ids in [0, codebook_size), equal batch sizes.
+    """
+    strides = config["vq_strides"]
+    if isinstance(codes, Tensor):
+        raise ValueError(f"codes must be a list of {len(strides)} tensors, one per level, not a single tensor")
+    if not isinstance(codes, (list, tuple)) or not all(isinstance(c, Tensor) for c in codes):
+        raise ValueError(f"codes must be a list of {len(strides)} tensors, got {type(codes).__name__}")
+    if len(codes) != len(strides):
+        raise ValueError(f"this model has {len(strides)} code levels (vq_strides {strides}), got {len(codes)}")
+    for i, c in enumerate(codes):
+        if c.dtype.is_floating_point or c.dtype.is_complex or c.dtype == torch.bool:
+            raise ValueError(f"codes level {i} must be an integer tensor, got {c.dtype}")
+        if c.dim() != 2:
+            raise ValueError(f"codes level {i} must be shaped [B, L], got {tuple(c.shape)}")
+    batch = {c.shape[0] for c in codes}
+    if len(batch) != 1:
+        raise ValueError(f"codes levels have different batch sizes: {[c.shape[0] for c in codes]}")
+    if codes[0].shape[0] == 0:
+        raise ValueError("codes have batch size 0")
+    latent = codes[-1].shape[1] * strides[-1]
+    expected = [latent // s if latent % s == 0 else None for s in strides]
+    lengths = [c.shape[1] for c in codes]
+    if lengths != expected or latent == 0:
+        coarse = max(1, lengths[0])
+        want = [coarse * strides[0] // s for s in strides]
+        raise ValueError(f"code lengths {lengths} do not follow vq_strides {strides}: for {coarse} coarse frames expect {want}")
+    window = config.get("attn_window_size")
+    if window and latent % window:
+        step = window // strides[0] if window % strides[0] == 0 else window
+        raise ValueError(f"this model's attention needs the latent length ({latent} = {lengths[0]} coarse frames x {strides[0]}) "
+                         f"to be a multiple of {window}: use a multiple of {step} coarse frames")
+    size = config["codebook_size"]
+    # one host sync for all levels (the codes may live on the GPU)
+    bounds = torch.stack([torch.stack([c.min(), c.max()]) for c in codes]).cpu()
+    for i, (lo, hi) in enumerate(bounds.tolist()):
+        if lo < 0 or hi >= size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"codes level {i} holds id {bad}, outside [0, {size}) of this model's codebook")
+    return list(codes)
+
+
+def validate_audio(audio: object) -> Tensor:
+    """audio must be a floating tensor [B, 1, T] with T >= 1 and finite samples."""
+    if not isinstance(audio, Tensor):
+        raise ValueError(f"audio must be a tensor shaped [B, 1, T], got {type(audio).__name__}")
+    if audio.dim() != 3 or audio.shape[1] != 1:
+        raise ValueError(f"audio must be shaped [B, 1, T] (mono), got {tuple(audio.shape)}")
+    if not audio.dtype.is_floating_point:
+        raise ValueError(f"audio must be floating point, got {audio.dtype}")
+    if audio.shape[0] == 0 or audio.shape[2] == 0:
+        raise ValueError(f"audio is empty: shape {tuple(audio.shape)}")
+    if not torch.isfinite(audio).all():
+        raise ValueError("audio holds NaN or infinite samples")
+    return audio
+
+
+def save_tokens(path: str | os.PathLike, codes: list[Tensor], model: str | None = None) -> None:
+    """Write a token file: ``{"codes": [...], "model": model}`` (codes moved to CPU)."""
+    payload: dict = {"codes": [c.detach().cpu() for c in codes]}
+    if model is not None:
+        payload["model"] = model
+    torch.save(payload, path)
+
+
+def load_tokens(path: str | os.PathLike) -> tuple[list[Tensor], str | None]:
+    """Read a token file: the list upstream ``encode`` returns, as ``torch.save`` wrote it, or a dict
+    ``{"codes": [...], "model": repo-or-path}``. Loaded with ``weights_only=True``.
+    Returns (codes, model name or None). ValueError for anything else."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"token file {str(p)!r} does not exist")
+    try:
+        payload = torch.load(p, map_location="cpu", weights_only=True)
+    except Exception as e:  # pickle/zip errors of many types for a foreign or truncated file
+        raise ValueError(f"cannot read token file {str(p)!r}: not a torch.save file of codes ({type(e).__name__})") from e
+    model = None
+    if isinstance(payload, dict):
+        unknown = set(payload) - TOKEN_FILE_KEYS
+        if "codes" not in payload or unknown:
+            raise ValueError(f"token file {str(p)!r} must hold a list of code tensors or a dict with keys "
+                             f"'codes' and optionally 'model'; found keys {sorted(payload)}")
+        model = payload.get("model")
+        if model is not None and not isinstance(model, str):
+            raise ValueError(f"token file {str(p)!r}: 'model' must be a string, got {type(model).__name__}")
+        payload = payload["codes"]
+    if not isinstance(payload, (list, tuple)) or not payload or not all(isinstance(c, Tensor) for c in payload):
+        raise ValueError(f"token file {str(p)!r} must hold a non-empty list of code tensors, got {type(payload).__name__}")
+    return list(payload), model

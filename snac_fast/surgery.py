@@ -1,0 +1,89 @@
+"""Module surgery on an upstream ``snac.SNAC``: Snake1d -> FastSnake1d, weight norm folded.
+
+Everything else in the module tree stays as it is, so code that knows upstream's layout keeps working.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from snac_fast.modules import FastSnake1d
+
+
+@dataclass
+class SurgeryReport:
+    """What :func:`accelerate` changed: qualified module names."""
+
+    decoder_snakes: list[str] = field(default_factory=list)  # Snake1d -> FastSnake1d in the decoder
+    encoder_snakes: list[str] = field(default_factory=list)
+    folded_weight_norms: list[str] = field(default_factory=list)
+
+
+def expected_snake_counts(model: nn.Module) -> tuple[int, int]:
+    """(decoder, encoder) Snake1d counts that upstream's architecture builds: each DecoderBlock has
+    1 + 3 residual units x 2, plus the decoder's last layer; each EncoderBlock 3 x 2 + 1."""
+    return 7 * len(model.decoder_rates) + 1, 7 * len(model.encoder_rates)
+
+
+def _swap_snakes(root: nn.Module, prefix: str) -> list[str]:
+    from snac.layers import Snake1d
+
+    swapped = []
+    for parent_name, parent in list(root.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, Snake1d):
+                setattr(parent, child_name, FastSnake1d.from_snake(child))
+                swapped.append(".".join(p for p in (prefix, parent_name, child_name) if p))
+    return swapped
+
+
+def fold_weight_norm(model: nn.Module) -> list[str]:
+    """Replace every weight-norm parametrization by the plain weight it computes (same values, no
+    per-forward recomputation: upstream rebuilds 38 decoder weights on every call)."""
+    folded = []
+    for name, module in model.named_modules():
+        if parametrize.is_parametrized(module, "weight"):
+            parametrize.remove_parametrizations(module, "weight", leave_parametrized=True)
+            folded.append(name)
+    return folded
+
+
+def accelerate(
+    model: nn.Module,
+    *,
+    encoder: bool = True,
+    fold_weights: bool = True,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+) -> SurgeryReport:
+    """Apply snac-fast's surgery to an upstream ``snac.SNAC`` in place.
+
+    Swaps the decoder's Snake1d (29 in the published models) for :class:`FastSnake1d` sharing the
+    same alpha, the encoder's too unless ``encoder=False``, folds weight norm unless
+    ``fold_weights=False``, then moves the model to ``device``/``dtype`` when given.
+    Raises ValueError when the model is not a SNAC or its Snake1d count is not the architecture's.
+    """
+    import snac
+
+    if not isinstance(model, snac.SNAC):
+        raise ValueError(f"accelerate expects a snac.SNAC, got {type(model).__name__}")
+    want_dec, want_enc = expected_snake_counts(model)
+    report = SurgeryReport()
+    report.decoder_snakes = _swap_snakes(model.decoder, "decoder")
+    if encoder:
+        report.encoder_snakes = _swap_snakes(model.encoder, "encoder")
+    for part, want in (("decoder", want_dec), ("encoder", want_enc if encoder else None)):
+        if want is None:
+            continue
+        have = sum(isinstance(m, FastSnake1d) for m in getattr(model, part).modules())
+        if have != want:
+            raise ValueError(f"{part} has {have} FastSnake1d after surgery, the architecture has {want} Snake1d")
+    if fold_weights:
+        report.folded_weight_norms = fold_weight_norm(model)
+    if device is not None or dtype is not None:
+        model.to(device=device, dtype=dtype)
+    return report

@@ -1,0 +1,61 @@
+"""Offline checkpoints: seeded, untrained SNAC weights in the exact hub layout.
+
+The audio such a model makes is noise-like (the weights are untrained), but its architecture, shapes
+and arithmetic are the published models', so timing and fidelity figures measured on it are real.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import torch
+
+from snac_fast.configs import published_config
+
+SYNTHETIC_PREFIX = "synthetic:"
+ALPHA_RANGE = (0.2, 5.0)  # Snake alphas drawn log-uniformly: trained models' alphas are not all 1
+
+
+def synthetic_model(model: str = "snac_24khz", seed: int = 0):
+    """An upstream ``snac.SNAC`` (float32, CPU, eval) with seeded weights; ``model`` is a published
+    name ("snac_24khz", "snac_32khz", "snac_44khz", or the hub id)."""
+    import snac
+    from snac.layers import Snake1d
+
+    config = published_config(model)
+    with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
+        torch.manual_seed(seed)
+        net = snac.SNAC(**config)
+    gen = torch.Generator().manual_seed(seed + 1)
+    lo, hi = math.log(ALPHA_RANGE[0]), math.log(ALPHA_RANGE[1])
+    with torch.no_grad():
+        for module in net.modules():
+            if isinstance(module, Snake1d):
+                module.alpha.copy_(torch.empty(module.alpha.shape).uniform_(lo, hi, generator=gen).exp())
+    return net.eval()
+
+
+def make_checkpoint(folder: str | Path, model: str = "snac_24khz", seed: int = 0) -> Path:
+    """Write config.json + pytorch_model.bin for a seeded synthetic model into ``folder``."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    net = synthetic_model(model, seed)
+    (folder / "config.json").write_text(json.dumps(published_config(model), indent=2) + "\n")
+    torch.save(net.state_dict(), folder / "pytorch_model.bin")
+    return folder
+
+
+def fill_hub_cache(cache_dir: str | Path, repo_id: str, folder: str | Path, commit: str = "0" * 40) -> Path:
+    """Lay ``folder``'s files out as huggingface_hub's cache does for ``repo_id`` at revision main,
+    so that ``hf_hub_download(..., cache_dir=cache_dir)`` finds them offline. Returns the snapshot."""
+    repo_dir = Path(cache_dir) / ("models--" + repo_id.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs").mkdir(exist_ok=True)
+    (repo_dir / "refs" / "main").write_text(commit)
+    for f in Path(folder).iterdir():
+        shutil.copy2(f, snapshot / f.name)
+    return snapshot

@@ -1,0 +1,95 @@
+"""The snac-fast command line, end to end in subprocesses."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile
+import torch
+
+from snac_fast import load_tokens
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLE_24 = ROOT / "samples" / "snac_24khz.pt"
+
+
+def cli(*args, timeout=600):
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "snac_fast.cli", *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+def assert_usage_error(proc, *fragments):
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("snac-fast") and "error:" in last
+    for f in fragments:
+        assert f in last, last
+
+
+def test_help_explains_commands_and_synthetic_models():
+    proc = cli("--help")
+    assert proc.returncode == 0
+    for word in ("decode", "encode", "synthetic:snac_24khz", "UNTRAINED"):
+        assert word in proc.stdout
+    decode_help = cli("decode", "--help").stdout
+    for word in ("--model", "--device", "--dtype", "--seed"):
+        assert word in decode_help
+
+
+def test_decode_sample_writes_wav(tmp_path):
+    out = tmp_path / "out.wav"
+    proc = cli("decode", SAMPLE_24, out, "--seed", "0", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    data, rate = soundfile.read(str(out), dtype="float32")
+    codes, model = load_tokens(SAMPLE_24)
+    assert model == "synthetic:snac_24khz"
+    assert rate == 24000 and data.ndim == 1 and data.shape[0] == codes[-1].shape[1] * 512
+    assert np.isfinite(data).all() and np.abs(data).max() <= 1.0 and data.std() > 0
+
+
+def test_encode_then_decode_uses_the_files_model(tmp_path):
+    rng = np.random.default_rng(0)
+    t = np.arange(int(0.3 * 16000)) / 16000
+    stereo = np.stack([np.sin(2 * np.pi * 220 * t), 0.1 * rng.standard_normal(t.size)], axis=1).astype(np.float32)
+    wav = tmp_path / "in.wav"
+    soundfile.write(str(wav), stereo, 16000)  # 16 kHz stereo: mixed to mono, resampled to 32 kHz
+    tokens = tmp_path / "t.pt"
+    proc = cli("encode", wav, tokens, "--model", "synthetic:snac_32khz", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    codes, model = load_tokens(tokens)
+    assert model == "synthetic:snac_32khz" and len(codes) == 4
+    # 0.3 s at 32 kHz = 9,600 samples, padded to a multiple of hop 384 x lcm(8, 32) = 12,288
+    assert [c.shape for c in codes] == [torch.Size([1, n]) for n in (4, 8, 16, 32)]
+    out = tmp_path / "out.wav"
+    proc = cli("decode", tokens, out, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    info = soundfile.info(str(out))
+    assert info.samplerate == 32000 and info.frames == 32 * 384
+
+
+def test_model_flag_overrides_the_file(tmp_path):
+    proc = cli("decode", SAMPLE_24, tmp_path / "x.wav", "--model", "synthetic:snac_32khz", "--device", "cpu")
+    assert_usage_error(proc, "4 code levels")
+
+
+@pytest.mark.parametrize("make_args, fragments", [
+    (lambda d: ["decode", d / "missing.pt", d / "o.wav"], ["does not exist"]),
+    (lambda d: ["decode", d / "junk.pt", d / "o.wav"], ["cannot read token file"]),
+    (lambda d: ["encode", d / "junk.pt", d / "t.pt", "--model", "synthetic:snac_24khz"], ["cannot read audio"]),
+    (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--model", "synthetic:nope"], ["unknown SNAC model"]),
+    (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--model", str(d)], ["no config.json"]),
+    (lambda d: ["decode", SAMPLE_24, d / "no" / "dir" / "o.wav", "--device", "cpu"], ["cannot write"]),
+])
+def test_bad_input_exits_2_with_one_line(tmp_path, make_args, fragments):
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    assert_usage_error(cli(*make_args(tmp_path)), *fragments)
+
+
+def test_unknown_dtype_is_an_argparse_error(tmp_path):
+    proc = cli("decode", SAMPLE_24, tmp_path / "o.wav", "--dtype", "float8")
+    assert proc.returncode == 2 and "invalid choice" in proc.stderr

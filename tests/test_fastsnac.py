@@ -1,0 +1,176 @@
+"""FastSNAC: surgery, decode/encode against upstream with the same noise, accelerate, validation."""
+
+import pytest
+import torch
+from snac.layers import NoiseBlock, Snake1d
+from torch.nn.utils import parametrize
+
+from helpers import random_codes, upstream_decode
+from snac_fast import FastSNAC, FastSnake1d, accelerate
+from snac_fast.configs import published_config
+from snac_fast.metrics import snr_db
+from snac_fast.noise import seeded_noise
+from snac_fast.testing import synthetic_model
+
+MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
+
+
+def coarse_frames(config):
+    """A short valid length: the 32/44 kHz attention needs multiples of 4 coarse frames."""
+    return 4 if config["attn_window_size"] else 2
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_surgery_counts_types_and_tree(name):
+    upstream = synthetic_model(name)
+    before = {n: type(m) for n, m in upstream.named_modules()}
+    fast = FastSNAC(synthetic_model(name), device="cpu")
+    assert len(fast.report.decoder_snakes) == 29 and len(fast.report.encoder_snakes) == 28
+    assert len(fast.swapped) == 57
+    assert all(n.startswith("decoder.") for n in fast.report.decoder_snakes)
+    after = {n: m for n, m in fast.model.named_modules()}
+    assert not any(isinstance(m, Snake1d) for m in after.values())
+    assert sum(isinstance(m, FastSnake1d) for m in fast.model.decoder.modules()) == 29
+    assert not any(parametrize.is_parametrized(m) for m in after.values())
+    # same tree: every module name survives; only Snake1d and the parametrized convs change class
+    assert set(before) - {n for n in before if ".parametrizations" in n} == set(after)
+    for n, m in after.items():
+        if before[n] is Snake1d:
+            assert isinstance(m, FastSnake1d)
+            assert n in fast.swapped
+        elif not before[n].__name__.startswith("Parametrized"):
+            assert type(m) is before[n], n
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_decode_matches_upstream_with_same_noise(name):
+    fast = FastSNAC.from_pretrained(f"synthetic:{name}", device="cpu", dtype=torch.float32)
+    ref = fast.reference_model()
+    codes = random_codes(fast.config, coarse_frames(fast.config), batch=2, seed=1)
+    with torch.inference_mode(), seeded_noise(fast.model, 5, "cpu"):
+        out = fast.model.decode(codes)
+    expected = upstream_decode(ref, codes, seed=5)
+    assert out.shape == expected.shape == (2, 1, fast.latent_length(codes) * fast.hop_length)
+    assert snr_db(expected, out) >= 60
+
+
+def test_accelerate_an_upstream_model_in_place():
+    model = synthetic_model("snac_24khz")
+    codes = random_codes(published_config("snac_24khz"), 2, seed=3)
+    expected = upstream_decode(model, codes, seed=9)
+    report = accelerate(model)
+    assert len(report.decoder_snakes) == 29 and len(report.encoder_snakes) == 28 and len(report.folded_weight_norms) > 0
+    assert snr_db(expected, upstream_decode(model, codes, seed=9)) >= 60
+    again = accelerate(model)  # idempotent: nothing left to swap, counts still checked
+    assert again.decoder_snakes == [] and again.folded_weight_norms == []
+
+
+def test_accelerate_options():
+    model = synthetic_model("snac_24khz")
+    report = accelerate(model, encoder=False, fold_weights=False)
+    assert report.encoder_snakes == [] and report.folded_weight_norms == []
+    assert sum(isinstance(m, Snake1d) for m in model.encoder.modules()) == 28
+    assert any(parametrize.is_parametrized(m) for m in model.modules())
+    with pytest.raises(ValueError, match="snac.SNAC"):
+        accelerate(torch.nn.Linear(2, 2))
+
+
+def test_seed_makes_noise_reproducible():
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+    codes = random_codes(fast.config, 2, seed=4)
+    a, b = fast.decode(codes, seed=1), fast.decode(codes, seed=1)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, fast.decode(codes, seed=2))
+    assert not torch.equal(fast.decode(codes), fast.decode(codes))  # upstream semantics: fresh noise
+    assert len(fast.model.decoder.model) and all("forward" not in vars(m) for m in fast.model.modules() if isinstance(m, NoiseBlock))
+
+
+def test_decode_accepts_codes_on_any_device_and_int32():
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+    codes = random_codes(fast.config, 2, seed=6)
+    a = fast.decode(codes, seed=0)
+    b = fast.decode([c.to(torch.int32) for c in codes], seed=0)
+    assert torch.equal(a, b)
+
+
+def test_encode_matches_upstream():
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+    ref = fast.reference_model()
+    audio = torch.randn(2, 1, 5000, generator=torch.Generator().manual_seed(0)) * 0.1
+    codes = fast.encode(audio)
+    with torch.inference_mode():
+        expected = ref.encode(audio)
+    assert [c.shape for c in codes] == [c.shape for c in expected]
+    agree = sum((a == b).sum().item() for a, b in zip(codes, expected)) / sum(c.numel() for c in codes)
+    assert agree >= 0.99  # fp32 near-ties in the codebook search may flip a rare id
+
+
+def test_properties():
+    fast = FastSNAC.from_pretrained("synthetic:snac_32khz", device="cpu")
+    assert fast.sampling_rate == 32000 and fast.hop_length == 384 and fast.n_levels == 4
+    assert fast.config["decoder_dim"] == 1536 and fast.model.decoder is not None
+    assert "snac_32khz" in repr(fast)
+
+
+@pytest.fixture(scope="module")
+def fast24():
+    return FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+
+
+@pytest.mark.parametrize("codes, message", [
+    (lambda c: c[:2], "3 code levels"),
+    (lambda c: c[0], "not a single tensor"),
+    (lambda c: "codes", "must be a list"),
+    (lambda c: [c[0].float(), c[1], c[2]], "integer tensor"),
+    (lambda c: [c[0][0], c[1], c[2]], r"shaped \[B, L\]"),
+    (lambda c: [c[0], c[1], c[2].repeat(2, 1)], "batch sizes"),
+    (lambda c: [c[0], c[1], c[2][:, :-1]], "do not follow vq_strides"),
+    (lambda c: [c[0], c[1] - 5000, c[2]], "level 1 holds id -"),
+    (lambda c: [c[0], c[1], c[2] + 4096], r"outside \[0, 4096\)"),
+    (lambda c: [c[0][:, :0], c[1][:, :0], c[2][:, :0]], "do not follow"),
+])
+def test_decode_validation_errors(fast24, codes, message):
+    good = random_codes(fast24.config, 2, seed=0)
+    with pytest.raises(ValueError, match=message):
+        fast24.decode(codes(good))
+
+
+def test_attention_window_validation():
+    fast = FastSNAC.from_pretrained("synthetic:snac_32khz", device="cpu")
+    with pytest.raises(ValueError, match="multiple of 4 coarse frames"):
+        fast.decode(random_codes(fast.config, 3))
+
+
+@pytest.mark.parametrize("audio, message", [
+    (torch.randn(1, 2, 100), r"\[B, 1, T\]"),
+    (torch.randn(100), r"\[B, 1, T\]"),
+    (torch.ones(1, 1, 100, dtype=torch.int16), "floating"),
+    (torch.randn(1, 1, 0), "empty"),
+    (torch.full((1, 1, 10), float("nan")), "NaN"),
+    ([0.0, 1.0], "tensor"),
+])
+def test_encode_validation_errors(fast24, audio, message):
+    with pytest.raises(ValueError, match=message):
+        fast24.encode(audio)
+
+
+def test_bad_dtype_and_device():
+    model = synthetic_model("snac_24khz")
+    with pytest.raises(ValueError, match="dtype"):
+        FastSNAC(model, device="cpu", dtype=torch.int8)
+    with pytest.raises(ValueError, match="dtype"):
+        FastSNAC(model, device="cpu", dtype="float8")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="CUDA is not available"):
+            FastSNAC(model, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MODELS)
+def test_gpu_fp32_decode_matches_upstream(cuda, name):
+    fast = FastSNAC.from_pretrained(f"synthetic:{name}", device=cuda, dtype=torch.float32)
+    ref = fast.reference_model()
+    codes = random_codes(fast.config, 4 * coarse_frames(fast.config), batch=2, seed=2)
+    with torch.inference_mode(), seeded_noise(fast.model, 5, "cpu"):
+        out = fast.model.decode([c.to(cuda) for c in codes])
+    assert snr_db(upstream_decode(ref, codes, seed=5), out) >= 60

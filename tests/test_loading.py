@@ -1,0 +1,153 @@
+"""Checkpoint loading: local folders, a pre-filled hub cache offline, and every error path."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from snac_fast import CheckpointError, FastSNAC
+from snac_fast.testing import fill_hub_cache, make_checkpoint, synthetic_model
+
+REPO = "hubertsiuzdak/snac_24khz"
+
+
+@pytest.fixture(scope="module")
+def checkpoint_dir(tmp_path_factory):
+    return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "snac_24khz", "snac_24khz", seed=0)
+
+
+def first_alpha_sum(fast):
+    return fast.model.decoder.model[-3].alpha.sum().item()
+
+
+def test_make_checkpoint_hub_layout(checkpoint_dir):
+    assert sorted(p.name for p in checkpoint_dir.iterdir()) == ["config.json", "pytorch_model.bin"]
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    assert config["decoder_rates"] == [8, 8, 4, 2] and config["vq_strides"] == [4, 2, 1]
+    alphas = torch.cat([v.flatten() for k, v in torch.load(checkpoint_dir / "pytorch_model.bin", weights_only=True).items() if k.endswith("alpha")])
+    assert 0.2 <= alphas.min() and alphas.max() <= 5.0 and alphas.std() > 0.5
+
+
+def test_load_from_folder_matches_seeded_weights(checkpoint_dir):
+    fast = FastSNAC.from_pretrained(checkpoint_dir, device="cpu")
+    expected = synthetic_model("snac_24khz", seed=0).decoder.model[-3].alpha.sum().item()
+    assert first_alpha_sum(fast) == expected
+    assert fast.source == str(checkpoint_dir)
+    other = make_checkpoint(checkpoint_dir.parent / "seed1", "snac_24khz", seed=1)
+    assert first_alpha_sum(FastSNAC.from_pretrained(str(other), device="cpu")) != expected
+
+
+def test_load_safetensors_folder(tmp_path, checkpoint_dir):
+    from safetensors.torch import save_file
+
+    state = torch.load(checkpoint_dir / "pytorch_model.bin", weights_only=True)
+    (tmp_path / "config.json").write_text((checkpoint_dir / "config.json").read_text())
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / "model.safetensors"))
+    fast = FastSNAC.from_pretrained(tmp_path, device="cpu")
+    assert first_alpha_sum(fast) == first_alpha_sum(FastSNAC.from_pretrained(checkpoint_dir, device="cpu"))
+
+
+def test_legacy_weight_norm_keys_load(tmp_path, checkpoint_dir):
+    """Checkpoints saved with the old weight_norm (weight_g / weight_v) load through torch's hook."""
+    state = torch.load(checkpoint_dir / "pytorch_model.bin", weights_only=True)
+    legacy = {k.replace("parametrizations.weight.original0", "weight_g").replace("parametrizations.weight.original1", "weight_v"): v
+              for k, v in state.items()}
+    assert any(k.endswith("weight_g") for k in legacy)
+    (tmp_path / "config.json").write_text((checkpoint_dir / "config.json").read_text())
+    torch.save(legacy, tmp_path / "pytorch_model.bin")
+    assert first_alpha_sum(FastSNAC.from_pretrained(tmp_path, device="cpu")) == first_alpha_sum(FastSNAC.from_pretrained(checkpoint_dir, device="cpu"))
+
+
+def run_python(code: str, env_extra: dict) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_hub_cache_offline(tmp_path, checkpoint_dir):
+    cache = tmp_path / "hub"
+    fill_hub_cache(cache, REPO, checkpoint_dir)
+    code = ("from snac_fast import FastSNAC; "
+            f"m = FastSNAC.from_pretrained({REPO!r}, device='cpu'); "
+            "print(m.model.decoder.model[-3].alpha.sum().item(), m.source)")
+    proc = run_python(code, {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")})
+    assert proc.returncode == 0, proc.stderr
+    value, source = proc.stdout.split()
+    assert float(value) == first_alpha_sum(FastSNAC.from_pretrained(checkpoint_dir, device="cpu")) and source == REPO
+
+
+def test_hub_cache_via_cache_dir_argument(tmp_path, checkpoint_dir):
+    fill_hub_cache(tmp_path / "hub", REPO, checkpoint_dir)
+    fast = FastSNAC.from_pretrained(REPO, device="cpu", cache_dir=tmp_path / "hub", local_files_only=True)
+    assert fast.source == REPO and fast.report.decoder_snakes
+
+
+def test_offline_and_not_cached_says_what_to_do(tmp_path):
+    with pytest.raises(CheckpointError, match=r"hubertsiuzdak/snac_24khz.*not in the hub cache.*local\s+folder"):
+        FastSNAC.from_pretrained(REPO, device="cpu", cache_dir=tmp_path, local_files_only=True)
+    proc = run_python(f"from snac_fast import FastSNAC; FastSNAC.from_pretrained({REPO!r}, device='cpu')",
+                      {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "empty"), "HF_HOME": str(tmp_path / "home")})
+    assert proc.returncode != 0
+    assert "CheckpointError" in proc.stderr and "local folder" in proc.stderr
+
+
+def test_folder_errors(tmp_path, checkpoint_dir):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CheckpointError, match="no config.json"):
+        FastSNAC.from_pretrained(empty, device="cpu")
+    (empty / "config.json").write_text((checkpoint_dir / "config.json").read_text())
+    with pytest.raises(CheckpointError, match="no weights"):
+        FastSNAC.from_pretrained(empty, device="cpu")
+    (empty / "pytorch_model.bin").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(CheckpointError, match="corrupt"):
+        FastSNAC.from_pretrained(empty, device="cpu")
+    (empty / "config.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="cannot read config.json"):
+        FastSNAC.from_pretrained(empty, device="cpu")
+    with pytest.raises(CheckpointError, match="not a folder"):
+        FastSNAC.from_pretrained(checkpoint_dir / "config.json", device="cpu")
+    with pytest.raises(CheckpointError, match="not a folder"):
+        FastSNAC.from_pretrained("./does/not/exist", device="cpu")
+
+
+def test_state_dict_mismatches_are_listed(tmp_path, checkpoint_dir):
+    state = torch.load(checkpoint_dir / "pytorch_model.bin", weights_only=True)
+    dropped = sorted(state)[0]
+    state.pop(dropped)
+    state["decoder.extra.weight"] = torch.zeros(1)
+    (tmp_path / "config.json").write_text((checkpoint_dir / "config.json").read_text())
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match=rf"missing 1: {dropped}.*unexpected 1: decoder.extra.weight"):
+        FastSNAC.from_pretrained(tmp_path, device="cpu")
+
+
+def test_config_that_does_not_fit(tmp_path, checkpoint_dir):
+    config = json.loads((checkpoint_dir / "config.json").read_text())
+    (tmp_path / "pytorch_model.bin").symlink_to(checkpoint_dir / "pytorch_model.bin")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "decoder_dim": 512}))
+    with pytest.raises(CheckpointError, match="do not match"):
+        FastSNAC.from_pretrained(tmp_path, device="cpu")
+    (tmp_path / "config.json").write_text(json.dumps({**config, "bogus_option": 1}))
+    with pytest.raises(CheckpointError, match="bogus_option"):
+        FastSNAC.from_pretrained(tmp_path, device="cpu")
+
+
+def test_unknown_synthetic_model():
+    with pytest.raises(CheckpointError, match="snac_24khz, snac_32khz, snac_44khz"):
+        FastSNAC.from_pretrained("synthetic:snac_16khz", device="cpu")
+
+
+def test_weights_only_refuses_pickled_code(tmp_path, checkpoint_dir):
+    class Evil:
+        def __reduce__(self):
+            return (print, ("executed",))
+
+    (tmp_path / "config.json").write_text((checkpoint_dir / "config.json").read_text())
+    torch.save({"x": Evil()}, tmp_path / "pytorch_model.bin")
+    with pytest.raises(CheckpointError, match="corrupt or not a SNAC checkpoint"):
+        FastSNAC.from_pretrained(Path(tmp_path), device="cpu")
