@@ -137,6 +137,20 @@ class FastSNAC:
         with noise:
             return self.model.decode(codes)
 
+    def check_fidelity(self, codes: list[Tensor], *, seed: int = 0, baseline: bool = True,
+                       reference_device: torch.device | str | None = None):
+        """SNR, max error and log-mel distance of this model's decode against the original upstream
+        model (float32, same weights, same noise); see :func:`snac_fast.fidelity.compare`."""
+        from snac_fast.fidelity import compare
+
+        return compare(self, None, codes, seed=seed, baseline=baseline, reference_device=reference_device)
+
+    def profile(self, codes: list[Tensor], **options):
+        """Per-layer decode timing of this model and of the original; see :func:`snac_fast.profiling.profile`."""
+        from snac_fast.profiling import profile
+
+        return profile(self, codes, **options)
+
     @torch.inference_mode()
     def encode(self, audio: Tensor) -> list[Tensor]:
         """Audio [B, 1, T] (floating, at :attr:`sampling_rate`) -> codes, one int64 [B, L_i] per level."""

@@ -49,6 +49,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("audio", type=Path, help="input audio (WAV, FLAC, OGG, ...)")
     p.add_argument("tokens", type=Path, help="output token file (.pt)")
     _add_model_args(p)
+
+    p = sub.add_parser("fidelity", help="check a decode against the original model", epilog=EPILOG, formatter_class=fmt,
+                       description="Decode TOKENS with snac-fast and with the original upstream model (float32, same weights, "
+                                   "same noise) and with plain upstream at the same dtype; print SNR, max error, log-mel "
+                                   "distance. Exit code 1 when the check fails.")
+    p.add_argument("tokens", type=Path, help="token file (.pt)")
+    _add_model_args(p)
+    p.add_argument("--seed", type=int, default=0, help="noise seed shared by all decodes (default 0)")
+    p.add_argument("--no-baseline", action="store_true", help="skip the plain-upstream decode at the fast dtype")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+
+    p = sub.add_parser("profile", help="per-layer decode timing, fast vs original", epilog=EPILOG, formatter_class=fmt,
+                       description="Time every decoder layer (CUDA events on a GPU, wall clock on CPU), median of --runs "
+                                   "runs after warm-up, for snac-fast and the original upstream model.")
+    p.add_argument("tokens", type=Path, help="token file (.pt)")
+    _add_model_args(p)
+    p.add_argument("--runs", type=int, default=10, help="timed runs per model (default 10)")
+    p.add_argument("--original-dtype", choices=["float16", "bfloat16", "float32"],
+                   help="dtype of the original model (default: the fast model's)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--plot", type=Path, help="write a bar chart PNG (needs matplotlib: pip install snac-fast[plot])")
     return parser
 
 
@@ -128,7 +149,35 @@ def cmd_encode(args: argparse.Namespace) -> None:
     print(f"{args.tokens}: {len(codes)} levels, lengths {[c.shape[1] for c in codes]}, model {model.source}")
 
 
-COMMANDS = {"decode": cmd_decode, "encode": cmd_encode}
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from snac_fast.codes import load_tokens
+
+    codes, file_model = load_tokens(args.tokens)
+    model = _load_model(args, file_model)
+    report = model.check_fidelity(codes, seed=args.seed, baseline=not args.no_baseline)
+    print(report.to_json() if args.json else report)
+    return 0 if report.passed else 1
+
+
+def cmd_profile(args: argparse.Namespace) -> None:
+    from snac_fast.api import parse_dtype
+    from snac_fast.codes import load_tokens
+
+    if args.runs < 1:
+        raise UsageError("--runs must be at least 1")
+    codes, file_model = load_tokens(args.tokens)
+    model = _load_model(args, file_model)
+    original_dtype = parse_dtype(args.original_dtype, model.device) if args.original_dtype else None
+    report = model.profile(codes, runs=args.runs, original_dtype=original_dtype)
+    print(report.to_json() if args.json else report)
+    if args.plot:
+        try:
+            report.plot(str(args.plot))
+        except ImportError as e:
+            raise UsageError(f"--plot needs matplotlib (pip install 'snac-fast[plot]'): {e}") from e
+
+
+COMMANDS = {"decode": cmd_decode, "encode": cmd_encode, "fidelity": cmd_fidelity, "profile": cmd_profile}
 
 
 def main(argv: list[str] | None = None) -> int:

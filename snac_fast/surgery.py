@@ -21,6 +21,7 @@ class SurgeryReport:
     decoder_snakes: list[str] = field(default_factory=list)  # Snake1d -> FastSnake1d in the decoder
     encoder_snakes: list[str] = field(default_factory=list)
     folded_weight_norms: list[str] = field(default_factory=list)
+    float32_attention: list[str] = field(default_factory=list)  # LocalMHA kept in float32 (half dtypes)
 
 
 def expected_snake_counts(model: nn.Module) -> tuple[int, int]:
@@ -52,6 +53,42 @@ def fold_weight_norm(model: nn.Module) -> list[str]:
     return folded
 
 
+def _float32_input(module: nn.Module, args: tuple) -> tuple:
+    return tuple(a.float() if torch.is_tensor(a) else a for a in args)
+
+
+def _back_to_activation_dtype(module: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
+    return out.to(module.activation_dtype)
+
+
+def keep_attention_float32(model: nn.Module, dtype: torch.dtype) -> list[str]:
+    """Run the 32/44 kHz models' LocalMHA in float32 inside a half-precision model.
+
+    Upstream cannot run it in half at all: its rotary embedding multiplies q and k by a float32
+    scale, so they become float32 while v stays half and scaled_dot_product_attention refuses the
+    mix. It runs once per decode at the lowest time resolution, so float32 costs little.
+    """
+    from snac.attention import LocalMHA
+
+    kept = []
+    for name, module in model.named_modules():
+        if isinstance(module, LocalMHA) and not hasattr(module, "activation_dtype"):
+            module.float()
+            module.activation_dtype = dtype
+            module.register_forward_pre_hook(_float32_input)
+            module.register_forward_hook(_back_to_activation_dtype)
+            kept.append(name)
+    return kept
+
+
+def to_device_dtype(model: nn.Module, device: torch.device | str | None, dtype: torch.dtype | None) -> list[str]:
+    """``model.to(device, dtype)``; for half dtypes the attention stays float32 (see above)."""
+    model.to(device=device, dtype=dtype)
+    if dtype in (torch.float16, torch.bfloat16):
+        return keep_attention_float32(model, dtype)
+    return []
+
+
 def accelerate(
     model: nn.Module,
     *,
@@ -64,7 +101,8 @@ def accelerate(
 
     Swaps the decoder's Snake1d (29 in the published models) for :class:`FastSnake1d` sharing the
     same alpha, the encoder's too unless ``encoder=False``, folds weight norm unless
-    ``fold_weights=False``, then moves the model to ``device``/``dtype`` when given.
+    ``fold_weights=False``, then moves the model to ``device``/``dtype`` when given (in float16 and
+    bfloat16 the 32/44 kHz attention stays float32, see :func:`keep_attention_float32`).
     Raises ValueError when the model is not a SNAC or its Snake1d count is not the architecture's.
     """
     import snac
@@ -85,5 +123,5 @@ def accelerate(
     if fold_weights:
         report.folded_weight_norms = fold_weight_norm(model)
     if device is not None or dtype is not None:
-        model.to(device=device, dtype=dtype)
+        report.float32_attention = to_device_dtype(model, device, dtype)
     return report

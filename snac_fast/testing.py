@@ -6,6 +6,7 @@ and arithmetic are the published models', so timing and fidelity figures measure
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -59,3 +60,26 @@ def fill_hub_cache(cache_dir: str | Path, repo_id: str, folder: str | Path, comm
     for f in Path(folder).iterdir():
         shutil.copy2(f, snapshot / f.name)
     return snapshot
+
+
+def state_dict_sha256(state: dict) -> str:
+    """Hash of a state dict's names, shapes, dtypes and values (independent of file format)."""
+    h = hashlib.sha256()
+    for key in sorted(state):
+        t = state[key].detach().cpu().contiguous()
+        h.update(f"{key}:{tuple(t.shape)}:{t.dtype}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def state_dict_fingerprint(state: dict) -> list[float]:
+    """[sum |x|, sum x^2] over all floating tensors, in float64. Unlike the sha256, it survives the
+    last-bit differences between CPUs (weight-norm magnitudes come from a SIMD-width-dependent
+    reduction); any real change of the weights moves it far beyond 1e-6 relative."""
+    abs_sum = sq_sum = 0.0
+    for t in state.values():
+        if t.dtype.is_floating_point:
+            d = t.detach().double()
+            abs_sum += d.abs().sum().item()
+            sq_sum += d.pow(2).sum().item()
+    return [abs_sum, sq_sum]

@@ -93,3 +93,55 @@ def test_bad_input_exits_2_with_one_line(tmp_path, make_args, fragments):
 def test_unknown_dtype_is_an_argparse_error(tmp_path):
     proc = cli("decode", SAMPLE_24, tmp_path / "o.wav", "--dtype", "float8")
     assert proc.returncode == 2 and "invalid choice" in proc.stderr
+
+
+@pytest.fixture
+def short_tokens(tmp_path):
+    from helpers import random_codes
+    from snac_fast import save_tokens
+    from snac_fast.configs import published_config
+
+    path = tmp_path / "short.pt"
+    save_tokens(path, random_codes(published_config("snac_24khz"), 2), model="synthetic:snac_24khz")
+    return path
+
+
+def test_fidelity_command(short_tokens):
+    import json
+
+    proc = cli("fidelity", short_tokens, "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "fidelity: PASS" in proc.stdout and "SNR" in proc.stdout
+    proc = cli("fidelity", short_tokens, "--device", "cpu", "--json", "--seed", "3")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert data["passed"] is True and data["seed"] == 3 and data["snr_db"] > 60
+
+
+def test_fidelity_command_exits_1_on_failure(short_tokens, monkeypatch, capsys):
+    from snac_fast import FastSNAC, cli as cli_module
+    from snac_fast.fidelity import FidelityReport, judge
+
+    def failing(self, codes, **kwargs):
+        r = FidelityReport(snr_db=10.0, max_abs_error=0.5, rms_fast=0.1, rms_reference=0.1, log_mel_distance_db=3.0,
+                           baseline_snr_db=None, fast_dtype="float32", fast_device="cpu", reference_dtype="float32",
+                           reference_device="cpu", seed=0, samples=1)
+        judge(r, torch.float32)
+        return r
+
+    monkeypatch.setattr(FastSNAC, "check_fidelity", failing)
+    assert cli_module.main(["fidelity", str(short_tokens), "--device", "cpu"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+def test_profile_command(short_tokens, tmp_path):
+    import json
+
+    png = tmp_path / "profile.png"
+    proc = cli("profile", short_tokens, "--device", "cpu", "--runs", "1", "--json", "--plot", png)
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert any(r["name"] == "decoder.model.6" for r in data["layers"]) and png.stat().st_size > 1000
+    proc = cli("profile", short_tokens, "--device", "cpu", "--runs", "1")
+    assert proc.returncode == 0 and "untimed decode" in proc.stdout
+    assert_usage_error(cli("profile", short_tokens, "--runs", "0"), "--runs")

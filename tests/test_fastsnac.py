@@ -174,3 +174,18 @@ def test_gpu_fp32_decode_matches_upstream(cuda, name):
     with torch.inference_mode(), seeded_noise(fast.model, 5, "cpu"):
         out = fast.model.decode([c.to(cuda) for c in codes])
     assert snr_db(upstream_decode(ref, codes, seed=5), out) >= 60
+
+
+def test_half_precision_attention_runs_in_float32():
+    """Upstream's 32/44 kHz attention fails in half precision (float32 rotary scale promotes q, k);
+    snac-fast keeps that one module in float32."""
+    codes = random_codes(published_config("snac_32khz"), 4, seed=2)
+    plain = synthetic_model("snac_32khz").to(torch.bfloat16)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        upstream_decode(plain, codes, seed=0)
+    fast = FastSNAC(synthetic_model("snac_32khz"), device="cpu", dtype=torch.bfloat16)
+    assert fast.report.float32_attention == ["encoder.block.5", "decoder.model.2"]
+    out = fast.decode(codes, seed=0)
+    assert out.dtype == torch.bfloat16
+    expected = upstream_decode(fast.reference_model(), codes, seed=0)
+    assert snr_db(expected, out) > 25
