@@ -10,8 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.codes import validate_audio, validate_codes
+from snac_fast.graphs import GraphedDecode
 from snac_fast.loading import build_upstream, resolve_checkpoint
-from snac_fast.noise import seeded_noise
+from snac_fast.noise import injected_noise
 from snac_fast.surgery import SurgeryReport, accelerate
 
 DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -50,6 +51,9 @@ class FastSNAC:
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
         accelerate_encoder: bool = True,
+        fuse: bool = True,
+        cuda_graphs: bool | None = None,
+        max_graphs: int = 8,
         config: dict | None = None,
         source: str | None = None,
         reference_factory: Callable[[], nn.Module] | None = None,
@@ -64,8 +68,14 @@ class FastSNAC:
             state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
             reference_factory = _rebuilder(self.config, state)
         self._reference_factory = reference_factory
-        self.report: SurgeryReport = accelerate(model, encoder=accelerate_encoder, device=self.device, dtype=self.dtype)
+        self.report: SurgeryReport = accelerate(model, encoder=accelerate_encoder, fuse=fuse,
+                                                device=self.device, dtype=self.dtype)
         self.model = model.eval()
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda" and fuse
+        if cuda_graphs and (self.device.type != "cuda" or not fuse):
+            raise ValueError("cuda_graphs=True needs a CUDA device and fuse=True")
+        self.graphs = GraphedDecode(self.model, max_graphs=max_graphs) if cuda_graphs else None
 
     @classmethod
     def from_pretrained(
@@ -79,16 +89,20 @@ class FastSNAC:
         local_files_only: bool = False,
         token: str | bool | None = None,
         accelerate_encoder: bool = True,
+        fuse: bool = True,
+        cuda_graphs: bool | None = None,
+        max_graphs: int = 8,
     ) -> "FastSNAC":
         """Load a published SNAC ("hubertsiuzdak/snac_24khz", _32khz, _44khz), a local folder with
         config.json + pytorch_model.bin (or model.safetensors), or ``synthetic:snac_24khz`` (seeded,
-        untrained weights built offline). Defaults: CUDA if available, float16 there, float32 on CPU.
+        untrained weights built offline). Defaults: CUDA if available, float16 there, float32 on CPU;
+        fused decoder kernels; CUDA graphs on CUDA (one per codes shape, at most ``max_graphs``).
         Raises :class:`snac_fast.loading.CheckpointError` (a ValueError) saying what to do."""
         checkpoint = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir,
                                         local_files_only=local_files_only, token=token)
         model = build_upstream(checkpoint)
-        return cls(model, device=device, dtype=dtype, accelerate_encoder=accelerate_encoder,
-                   config=checkpoint.config, source=checkpoint.source,
+        return cls(model, device=device, dtype=dtype, accelerate_encoder=accelerate_encoder, fuse=fuse,
+                   cuda_graphs=cuda_graphs, max_graphs=max_graphs, config=checkpoint.config, source=checkpoint.source,
                    reference_factory=lambda: build_upstream(checkpoint))
 
     # -- properties ----------------------------------------------------------------------------
@@ -116,7 +130,8 @@ class FastSNAC:
 
     def __repr__(self) -> str:
         return (f"FastSNAC(source={self.source!r}, sampling_rate={self.sampling_rate}, device={self.device}, "
-                f"dtype={self.dtype}, swapped={len(self.report.decoder_snakes)} decoder + "
+                f"dtype={self.dtype}, cuda_graphs={self.graphs is not None}, "
+                f"fused={len(self.report.fused_residual_units)} residual units, swapped={len(self.report.decoder_snakes)} decoder + "
                 f"{len(self.report.encoder_snakes)} encoder Snake1d)")
 
     # -- codec ---------------------------------------------------------------------------------
@@ -125,16 +140,23 @@ class FastSNAC:
         return codes[0].shape[1] * self.config["vq_strides"][0]
 
     @torch.inference_mode()
-    def decode(self, codes: list[Tensor], *, seed: int | None = None) -> Tensor:
+    def decode(self, codes: list[Tensor], *, seed: int | None = None, generator: torch.Generator | None = None,
+               reuse_output: bool = False) -> Tensor:
         """Codes -> audio [B, 1, latent_length * hop_length] in the model's dtype, on its device.
 
         codes: one integer tensor [B, L_i] per level (upstream's ``encode`` output), any device.
-        seed: make the NoiseBlocks' noise reproducible (same seed, same device: same audio);
-        None draws fresh noise like upstream.
+        seed: make the NoiseBlocks' noise reproducible (same seed, same device: same audio, with
+        or without CUDA graphs); None draws fresh noise like upstream. generator: draw the noise
+        from this torch.Generator instead (any device; overrides seed).
+        reuse_output: with CUDA graphs, return the graph's output buffer itself (no copy); the next
+        decode of the same shape overwrites it.
         """
-        codes = [c.to(self.device) for c in validate_codes(codes, self.config)]
-        noise = seeded_noise(self.model, seed, self.device) if seed is not None else contextlib.nullcontext()
-        with noise:
+        codes = [c.to(self.device, non_blocking=True) for c in validate_codes(codes, self.config)]
+        if generator is None and seed is not None:
+            generator = torch.Generator(device=self.device).manual_seed(seed)
+        if self.graphs is not None:
+            return self.graphs(codes, generator, copy_output=not reuse_output)
+        with injected_noise(self.model, generator) if generator is not None else contextlib.nullcontext():
             return self.model.decode(codes)
 
     def check_fidelity(self, codes: list[Tensor], *, seed: int = 0, baseline: bool = True,

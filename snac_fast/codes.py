@@ -47,12 +47,13 @@ def validate_codes(codes: object, config: dict) -> list[Tensor]:
         raise ValueError(f"this model's attention needs the latent length ({latent} = {lengths[0]} coarse frames x {strides[0]}) "
                          f"to be a multiple of {window}: use a multiple of {step} coarse frames")
     size = config["codebook_size"]
-    # one host sync for all levels (the codes may live on the GPU)
-    bounds = torch.stack([torch.stack([c.min(), c.max()]) for c in codes]).cpu()
-    for i, (lo, hi) in enumerate(bounds.tolist()):
-        if lo < 0 or hi >= size:
-            bad = lo if lo < 0 else hi
-            raise ValueError(f"codes level {i} holds id {bad}, outside [0, {size}) of this model's codebook")
+    # one reduction and one host sync for all levels (the codes may live on the GPU)
+    lo, hi = torch.cat([c.reshape(-1) for c in codes]).aminmax()
+    if lo.item() < 0 or hi.item() >= size:
+        for i, c in enumerate(codes):  # the error path may take its time: name the level
+            bad = c[(c < 0) | (c >= size)]
+            if bad.numel():
+                raise ValueError(f"codes level {i} holds id {bad[0].item()}, outside [0, {size}) of this model's codebook")
     return list(codes)
 
 

@@ -170,7 +170,7 @@ def compare(
             model.load_state_dict(state)
             return model.eval()
 
-    out_fast = decode_with_noise(fast.model, codes, seed, fast.device)
+    out_fast = fast.decode(codes, generator=torch.Generator().manual_seed(seed)).float().cpu()  # graphs too
     _release(fast.device)
     out_ref = _decode_original(factory, codes, seed, ref_device, torch.float32)
     baseline_snr = None

@@ -38,3 +38,111 @@ class FastSnake1d(nn.Module):
 
     def extra_repr(self) -> str:
         return f"channels={self.channels}"
+
+
+def _upstream_layers():
+    from snac.layers import NoiseBlock, ResidualUnit
+
+    return NoiseBlock, ResidualUnit
+
+
+def _is_same_padding_depthwise(conv: nn.Module) -> bool:
+    k, d = conv.kernel_size[0], conv.dilation[0]
+    return (conv.groups == conv.in_channels == conv.out_channels and k % 2 == 1
+            and conv.padding[0] == (k - 1) * d // 2 and conv.stride[0] == 1)
+
+
+class FusedResidualUnit(_upstream_layers()[1]):
+    """A residual unit (Snake -> dilated depthwise conv7 -> Snake -> 1x1 conv, plus x) in 3 kernels:
+    snake; depthwise conv + bias + snake; 1x1 conv + bias + residual add.
+
+    Keeps upstream's ``block`` (the same four modules, weights folded), so state-dict keys and
+    module names are unchanged; ``replaces`` names the upstream layers the kernels stand for.
+    Input and output: [B, C, T].
+    """
+
+    replaces = ("block.0", "block.1", "block.2", "block.3")
+
+    def __init__(self, block: nn.Sequential) -> None:
+        nn.Module.__init__(self)
+        self.block = block
+
+    @classmethod
+    def fusable(cls, unit: nn.Module) -> bool:
+        b = getattr(unit, "block", None)
+        return (isinstance(b, nn.Sequential) and len(b) == 4 and isinstance(b[0], FastSnake1d)
+                and isinstance(b[2], FastSnake1d) and isinstance(b[1], nn.Conv1d) and isinstance(b[3], nn.Conv1d)
+                and _is_same_padding_depthwise(b[1]) and b[3].kernel_size[0] == 1
+                and not any(hasattr(m, "parametrizations") for m in b))
+
+    @classmethod
+    def from_unit(cls, unit: nn.Module) -> "FusedResidualUnit":
+        if not cls.fusable(unit):
+            raise ValueError("residual unit is not fusable: needs FastSnake1d, folded weights, same-padding depthwise conv")
+        return cls(unit.block)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from snac_fast.ops.conv import depthwise_conv_snake, pointwise_conv
+
+        snake1, dw, snake2, pw = self.block
+        h = depthwise_conv_snake(snake1(x), dw.weight, dw.bias, dw.dilation[0], snake2.alpha)
+        return pointwise_conv(h, pw.weight, pw.bias, residual=x)
+
+
+class FusedNoiseBlock(_upstream_layers()[0]):
+    """NoiseBlock ``x + noise * conv1x1(x)`` in one kernel (GEMM with noise-scale and residual epilogue).
+
+    ``draw_noise(x) -> [B, 1, T]`` supplies the noise: fresh ``torch.randn`` like upstream by default;
+    seeded decodes, fidelity checks and CUDA graphs replace it per instance.
+    """
+
+    replaces = ("linear",)
+
+    def __init__(self, linear: nn.Conv1d) -> None:
+        nn.Module.__init__(self)
+        self.linear = linear
+
+    @classmethod
+    def from_block(cls, block: nn.Module) -> "FusedNoiseBlock":
+        lin = block.linear
+        if not isinstance(lin, nn.Conv1d) or lin.kernel_size[0] != 1 or hasattr(lin, "parametrizations"):
+            raise ValueError("NoiseBlock is not fusable: needs a folded 1x1 conv")
+        return cls(lin)
+
+    @staticmethod
+    def draw_noise(x: Tensor) -> Tensor:
+        return torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        from snac_fast.ops.conv import pointwise_conv
+
+        return pointwise_conv(x, self.linear.weight, self.linear.bias, residual=x, scale=self.draw_noise(x))
+
+
+class FastConvTranspose1d(nn.ConvTranspose1d):
+    """An upsampling ``nn.ConvTranspose1d`` (kernel 2*stride) on the Triton phase-GEMM kernel, bias
+    fused, no layout transforms. Same parameters (``weight`` [C_in, C_out, K], ``bias``) and state-dict
+    keys; the kernel's packed weight copy is a non-persistent buffer made when the module is built.
+    """
+
+    @classmethod
+    def fusable(cls, conv: nn.Module) -> bool:
+        return (type(conv) is nn.ConvTranspose1d and conv.kernel_size[0] == 2 * conv.stride[0]
+                and conv.groups == 1 and conv.dilation[0] == 1 and not hasattr(conv, "parametrizations"))
+
+    @classmethod
+    def from_conv(cls, conv: nn.ConvTranspose1d) -> "FastConvTranspose1d":
+        if not cls.fusable(conv):
+            raise ValueError("ConvTranspose1d is not fusable: needs kernel 2*stride, groups 1, folded weights")
+        from snac_fast.ops.conv import pack_transposed_weight
+
+        fast = cls.__new__(cls)
+        fast.__dict__.update(conv.__dict__)  # same Parameters, hooks and conv attributes
+        fast._buffers = dict(conv._buffers)
+        fast.register_buffer("packed_weight", pack_transposed_weight(conv.weight.detach()), persistent=False)
+        return fast
+
+    def forward(self, x: Tensor) -> Tensor:
+        from snac_fast.ops.conv import transposed_conv
+
+        return transposed_conv(x, self.packed_weight, self.bias, self.stride[0], self.padding[0], self.output_padding[0])

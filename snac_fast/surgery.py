@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from snac_fast.modules import FastSnake1d
+from snac_fast.modules import FastConvTranspose1d, FastSnake1d, FusedNoiseBlock, FusedResidualUnit
 
 
 @dataclass
@@ -22,6 +22,9 @@ class SurgeryReport:
     encoder_snakes: list[str] = field(default_factory=list)
     folded_weight_norms: list[str] = field(default_factory=list)
     float32_attention: list[str] = field(default_factory=list)  # LocalMHA kept in float32 (half dtypes)
+    fused_residual_units: list[str] = field(default_factory=list)  # ResidualUnit -> FusedResidualUnit
+    fused_noise_blocks: list[str] = field(default_factory=list)  # NoiseBlock -> FusedNoiseBlock
+    fast_transposed_convs: list[str] = field(default_factory=list)  # ConvTranspose1d -> FastConvTranspose1d
 
 
 def expected_snake_counts(model: nn.Module) -> tuple[int, int]:
@@ -89,11 +92,34 @@ def to_device_dtype(model: nn.Module, device: torch.device | str | None, dtype: 
     return []
 
 
+def fuse_decoder(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
+    """Replace the decoder's ResidualUnits, NoiseBlocks and upsampling ConvTranspose1d by their
+    Triton versions (which keep the same submodules and parameters). Needs FastSnake1d and folded
+    weights. Returns the replaced names."""
+    from snac.layers import NoiseBlock, ResidualUnit
+
+    units, noises, transposed = [], [], []
+    for parent_name, parent in list(model.decoder.named_modules(prefix="decoder")):
+        for child_name, child in list(parent.named_children()):
+            name = f"{parent_name}.{child_name}"
+            if type(child) is ResidualUnit and FusedResidualUnit.fusable(child):
+                setattr(parent, child_name, FusedResidualUnit.from_unit(child))
+                units.append(name)
+            elif type(child) is NoiseBlock:
+                setattr(parent, child_name, FusedNoiseBlock.from_block(child))
+                noises.append(name)
+            elif FastConvTranspose1d.fusable(child):
+                setattr(parent, child_name, FastConvTranspose1d.from_conv(child))
+                transposed.append(name)
+    return units, noises, transposed
+
+
 def accelerate(
     model: nn.Module,
     *,
     encoder: bool = True,
     fold_weights: bool = True,
+    fuse: bool = True,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
 ) -> SurgeryReport:
@@ -101,7 +127,8 @@ def accelerate(
 
     Swaps the decoder's Snake1d (29 in the published models) for :class:`FastSnake1d` sharing the
     same alpha, the encoder's too unless ``encoder=False``, folds weight norm unless
-    ``fold_weights=False``, then moves the model to ``device``/``dtype`` when given (in float16 and
+    ``fold_weights=False``, fuses the decoder's residual units and NoiseBlocks into Triton kernels
+    unless ``fuse=False`` (needs folded weights), then moves the model to ``device``/``dtype`` when given (in float16 and
     bfloat16 the 32/44 kHz attention stays float32, see :func:`keep_attention_float32`).
     Raises ValueError when the model is not a SNAC or its Snake1d count is not the architecture's.
     """
@@ -120,8 +147,12 @@ def accelerate(
         have = sum(isinstance(m, FastSnake1d) for m in getattr(model, part).modules())
         if have != want:
             raise ValueError(f"{part} has {have} FastSnake1d after surgery, the architecture has {want} Snake1d")
+    if fuse and not fold_weights:
+        raise ValueError("fuse=True needs fold_weights=True: the fused kernels read plain weights")
     if fold_weights:
         report.folded_weight_norms = fold_weight_norm(model)
+    if fuse:
+        report.fused_residual_units, report.fused_noise_blocks, report.fast_transposed_convs = fuse_decoder(model)
     if device is not None or dtype is not None:
         report.float32_attention = to_device_dtype(model, device, dtype)
     return report

@@ -5,11 +5,11 @@ import torch
 from snac.layers import NoiseBlock, Snake1d
 from torch.nn.utils import parametrize
 
-from helpers import random_codes, upstream_decode
+from helpers import random_codes
 from snac_fast import FastSNAC, FastSnake1d, accelerate
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
-from snac_fast.noise import seeded_noise
+from snac_fast.fidelity import decode_with_noise
 from snac_fast.testing import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
@@ -32,14 +32,18 @@ def test_surgery_counts_types_and_tree(name):
     assert not any(isinstance(m, Snake1d) for m in after.values())
     assert sum(isinstance(m, FastSnake1d) for m in fast.model.decoder.modules()) == 29
     assert not any(parametrize.is_parametrized(m) for m in after.values())
-    # same tree: every module name survives; only Snake1d and the parametrized convs change class
+    assert len(fast.report.fused_residual_units) == 12 and len(fast.report.fused_noise_blocks) == 4
+    # same tree: every module name survives; Snake1d becomes FastSnake1d, parametrized convs plain
+    # convs, ResidualUnit and NoiseBlock their fused subclasses (which keep the same children)
     assert set(before) - {n for n in before if ".parametrizations" in n} == set(after)
     for n, m in after.items():
         if before[n] is Snake1d:
             assert isinstance(m, FastSnake1d)
             assert n in fast.swapped
         elif not before[n].__name__.startswith("Parametrized"):
-            assert type(m) is before[n], n
+            assert isinstance(m, before[n]), n
+    assert {type(m).__name__ for n, m in after.items() if type(m) is not before[n] and before[n] is not Snake1d
+            and not before[n].__name__.startswith("Parametrized")} == {"FusedResidualUnit", "FusedNoiseBlock"}
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -47,9 +51,8 @@ def test_decode_matches_upstream_with_same_noise(name):
     fast = FastSNAC.from_pretrained(f"synthetic:{name}", device="cpu", dtype=torch.float32)
     ref = fast.reference_model()
     codes = random_codes(fast.config, coarse_frames(fast.config), batch=2, seed=1)
-    with torch.inference_mode(), seeded_noise(fast.model, 5, "cpu"):
-        out = fast.model.decode(codes)
-    expected = upstream_decode(ref, codes, seed=5)
+    out = fast.decode(codes, generator=torch.Generator().manual_seed(5))
+    expected = decode_with_noise(ref, codes, 5, torch.device("cpu"))
     assert out.shape == expected.shape == (2, 1, fast.latent_length(codes) * fast.hop_length)
     assert snr_db(expected, out) >= 60
 
@@ -57,22 +60,24 @@ def test_decode_matches_upstream_with_same_noise(name):
 def test_accelerate_an_upstream_model_in_place():
     model = synthetic_model("snac_24khz")
     codes = random_codes(published_config("snac_24khz"), 2, seed=3)
-    expected = upstream_decode(model, codes, seed=9)
+    expected = decode_with_noise(model, codes, 9, torch.device("cpu"))
     report = accelerate(model)
     assert len(report.decoder_snakes) == 29 and len(report.encoder_snakes) == 28 and len(report.folded_weight_norms) > 0
-    assert snr_db(expected, upstream_decode(model, codes, seed=9)) >= 60
+    assert snr_db(expected, decode_with_noise(model, codes, 9, torch.device("cpu"))) >= 60
     again = accelerate(model)  # idempotent: nothing left to swap, counts still checked
     assert again.decoder_snakes == [] and again.folded_weight_norms == []
 
 
 def test_accelerate_options():
     model = synthetic_model("snac_24khz")
-    report = accelerate(model, encoder=False, fold_weights=False)
-    assert report.encoder_snakes == [] and report.folded_weight_norms == []
+    report = accelerate(model, encoder=False, fold_weights=False, fuse=False)
+    assert report.encoder_snakes == [] and report.folded_weight_norms == [] and report.fused_residual_units == []
     assert sum(isinstance(m, Snake1d) for m in model.encoder.modules()) == 28
     assert any(parametrize.is_parametrized(m) for m in model.modules())
     with pytest.raises(ValueError, match="snac.SNAC"):
         accelerate(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="fuse=True needs fold_weights=True"):
+        accelerate(synthetic_model("snac_24khz"), fold_weights=False)
 
 
 def test_seed_makes_noise_reproducible():
@@ -171,9 +176,8 @@ def test_gpu_fp32_decode_matches_upstream(cuda, name):
     fast = FastSNAC.from_pretrained(f"synthetic:{name}", device=cuda, dtype=torch.float32)
     ref = fast.reference_model()
     codes = random_codes(fast.config, 4 * coarse_frames(fast.config), batch=2, seed=2)
-    with torch.inference_mode(), seeded_noise(fast.model, 5, "cpu"):
-        out = fast.model.decode([c.to(cuda) for c in codes])
-    assert snr_db(upstream_decode(ref, codes, seed=5), out) >= 60
+    out = fast.decode(codes, generator=torch.Generator().manual_seed(5))
+    assert snr_db(decode_with_noise(ref, codes, 5, torch.device("cpu")), out) >= 60
 
 
 def test_half_precision_attention_runs_in_float32():
@@ -182,10 +186,10 @@ def test_half_precision_attention_runs_in_float32():
     codes = random_codes(published_config("snac_32khz"), 4, seed=2)
     plain = synthetic_model("snac_32khz").to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="same dtype"):
-        upstream_decode(plain, codes, seed=0)
+        decode_with_noise(plain, codes, 0, torch.device("cpu"))
     fast = FastSNAC(synthetic_model("snac_32khz"), device="cpu", dtype=torch.bfloat16)
     assert fast.report.float32_attention == ["encoder.block.5", "decoder.model.2"]
     out = fast.decode(codes, seed=0)
     assert out.dtype == torch.bfloat16
-    expected = upstream_decode(fast.reference_model(), codes, seed=0)
+    expected = decode_with_noise(fast.reference_model(), codes, 0, torch.device("cpu"))
     assert snr_db(expected, out) > 25

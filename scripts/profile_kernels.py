@@ -1,0 +1,69 @@
+"""Where a decode's GPU time goes, kernel by kernel (torch.profiler), and graph replay vs call latency.
+
+    python scripts/profile_kernels.py --model snac_24khz --frames 4 --batch 1
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from snac_fast import FastSNAC
+from snac_fast.configs import published_config
+from snac_fast.testing import synthetic_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="snac_24khz")
+    ap.add_argument("--frames", type=int, nargs="+", default=[4, 704])
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--top", type=int, default=14)
+    args = ap.parse_args()
+    cfg = published_config(args.model)
+    fast = FastSNAC(synthetic_model(args.model), device="cuda", cuda_graphs=False)
+    graphed = FastSNAC(synthetic_model(args.model), device="cuda")
+    for frames in args.frames:
+        s = cfg["vq_strides"]
+        codes = [torch.randint(0, 4096, (args.batch, frames * s[0] // k), device="cuda") for k in s]
+        for _ in range(3):
+            fast.decode(codes)
+            graphed.decode(codes)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fast.decode(codes)
+            torch.cuda.synchronize()
+        per_kernel = defaultdict(lambda: [0.0, 0])
+        for e in prof.events():
+            if e.device_type == torch.autograd.DeviceType.CUDA:
+                k = per_kernel[e.name[:70]]
+                k[0] += e.device_time_total / 1e3
+                k[1] += 1
+        busy = sum(v[0] for v in per_kernel.values())
+        n = sum(v[1] for v in per_kernel.values())
+        print(f"\n== {args.model} frames={frames} B={args.batch}: {n} kernels, {busy:.3f} ms GPU busy (eager fused) ==")
+        for name, (ms, cnt) in sorted(per_kernel.items(), key=lambda kv: -kv[1][0])[: args.top]:
+            print(f"  {ms:8.3f} ms {100 * ms / busy:5.1f}%  x{cnt:<4} {name}")
+        entry = graphed.graphs._cache[graphed.graphs.key(codes)]
+        replay, call = [], []
+        for _ in range(20):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            entry.graph.replay()
+            b.record()
+            b.synchronize()
+            replay.append(a.elapsed_time(b))
+            t0 = time.perf_counter()
+            graphed.decode(codes)
+            torch.cuda.synchronize()
+            call.append((time.perf_counter() - t0) * 1e3)
+        print(f"  graph replay alone {statistics.median(replay):.3f} ms; decode() call {statistics.median(call):.3f} ms")
+
+
+if __name__ == "__main__":
+    main()
