@@ -18,13 +18,45 @@ from snac_fast.configs import published_config
 from snac_fast.testing import synthetic_model
 
 
+def tune_depthwise() -> None:
+    import sys
+    from pathlib import Path
+
+    import snac_fast.ops.conv as conv
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_common import median_ms
+
+    for C, T in [(64, 1441792), (128, 720896), (256, 180224), (512, 22528)]:
+        x = torch.randn(1, C, T, device="cuda", dtype=torch.float16)
+        w = torch.randn(C, 1, 7, device="cuda", dtype=torch.float16)
+        b = torch.randn(C, device="cuda", dtype=torch.float16)
+        a = torch.rand(C, device="cuda") + 0.5
+        floor = median_ms(lambda x: x.clone(), [(x,)])
+        for d in (1, 9):
+            res = []
+            for block_t in (256, 512, 1024, 2048, 4096):
+                for warps in (2, 4, 8):
+                    for rows in (1, 2, 4):
+                        cfg = (rows, block_t, warps)
+                        res.append((median_ms(lambda x: conv._depthwise_conv_snake_triton(x, w, b, d, a, cfg), [(x,)]), cfg))
+            res.sort()
+            now = median_ms(lambda x: conv._depthwise_conv_snake_triton(x, w, b, d, a), [(x,)])
+            print(f"C={C} T={T} d={d}: copy {floor * 1e3:.0f} us, current {now * 1e3:.0f} us, best "
+                  + ", ".join(f"{t * 1e3:.0f} us {c}" for t, c in res[:3]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="snac_24khz")
     ap.add_argument("--frames", type=int, nargs="+", default=[4, 704])
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--top", type=int, default=14)
+    ap.add_argument("--tune-depthwise", action="store_true", help="sweep the depthwise kernel's launch configs")
     args = ap.parse_args()
+    if args.tune_depthwise:
+        tune_depthwise()
+        return
     cfg = published_config(args.model)
     fast = FastSNAC(synthetic_model(args.model), device="cuda", cuda_graphs=False)
     graphed = FastSNAC(synthetic_model(args.model), device="cuda")

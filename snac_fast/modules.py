@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from snac_fast.ops.snake import snake
@@ -93,7 +94,9 @@ class FusedNoiseBlock(_upstream_layers()[0]):
     """NoiseBlock ``x + noise * conv1x1(x)`` in one kernel (GEMM with noise-scale and residual epilogue).
 
     ``draw_noise(x) -> [B, 1, T]`` supplies the noise: fresh ``torch.randn`` like upstream by default;
-    seeded decodes, fidelity checks and CUDA graphs replace it per instance.
+    seeded decodes, fidelity checks and CUDA graphs replace it per instance. After
+    :meth:`take_bias_of` the block computes on ``x + conv.bias`` of the preceding transposed
+    convolution (see BiasDeferredConvTranspose1d).
     """
 
     replaces = ("linear",)
@@ -101,6 +104,14 @@ class FusedNoiseBlock(_upstream_layers()[0]):
     def __init__(self, linear: nn.Conv1d) -> None:
         nn.Module.__init__(self)
         self.linear = linear
+        object.__setattr__(self, "_bias_of", None)  # not a child module: the conv stays where it is
+
+    def take_bias_of(self, conv: nn.Module) -> None:
+        object.__setattr__(self, "_bias_of", conv)
+
+    @property
+    def input_bias(self) -> Tensor | None:
+        return None if self._bias_of is None else self._bias_of.bias
 
     @classmethod
     def from_block(cls, block: nn.Module) -> "FusedNoiseBlock":
@@ -116,33 +127,27 @@ class FusedNoiseBlock(_upstream_layers()[0]):
     def forward(self, x: Tensor) -> Tensor:
         from snac_fast.ops.conv import pointwise_conv
 
-        return pointwise_conv(x, self.linear.weight, self.linear.bias, residual=x, scale=self.draw_noise(x))
+        return pointwise_conv(x, self.linear.weight, self.linear.bias, residual=x, scale=self.draw_noise(x),
+                              input_bias=self.input_bias)
 
 
-class FastConvTranspose1d(nn.ConvTranspose1d):
-    """An upsampling ``nn.ConvTranspose1d`` (kernel 2*stride) on the Triton phase-GEMM kernel, bias
-    fused, no layout transforms. Same parameters (``weight`` [C_in, C_out, K], ``bias``) and state-dict
-    keys; the kernel's packed weight copy is a non-persistent buffer made when the module is built.
+
+class BiasDeferredConvTranspose1d(nn.ConvTranspose1d):
+    """A ConvTranspose1d (cuDNN) whose bias is added by the FusedNoiseBlock after it, inside that
+    block's kernel: saves a full read-and-write pass over the decoder block's largest tensor.
+    Same parameters, state-dict keys and module name; its output alone lacks the bias.
     """
 
-    @classmethod
-    def fusable(cls, conv: nn.Module) -> bool:
-        return (type(conv) is nn.ConvTranspose1d and conv.kernel_size[0] == 2 * conv.stride[0]
-                and conv.groups == 1 and conv.dilation[0] == 1 and not hasattr(conv, "parametrizations"))
+    bias_added_by = "the next FusedNoiseBlock"
 
     @classmethod
-    def from_conv(cls, conv: nn.ConvTranspose1d) -> "FastConvTranspose1d":
-        if not cls.fusable(conv):
-            raise ValueError("ConvTranspose1d is not fusable: needs kernel 2*stride, groups 1, folded weights")
-        from snac_fast.ops.conv import pack_transposed_weight
-
-        fast = cls.__new__(cls)
-        fast.__dict__.update(conv.__dict__)  # same Parameters, hooks and conv attributes
-        fast._buffers = dict(conv._buffers)
-        fast.register_buffer("packed_weight", pack_transposed_weight(conv.weight.detach()), persistent=False)
-        return fast
+    def from_conv(cls, conv: nn.ConvTranspose1d) -> "BiasDeferredConvTranspose1d":
+        if type(conv) is not nn.ConvTranspose1d or conv.bias is None or hasattr(conv, "parametrizations"):
+            raise ValueError("needs a plain ConvTranspose1d with a bias and folded weights")
+        deferred = cls.__new__(cls)
+        deferred.__dict__.update(conv.__dict__)  # the same Parameters, hooks and conv attributes
+        return deferred
 
     def forward(self, x: Tensor) -> Tensor:
-        from snac_fast.ops.conv import transposed_conv
-
-        return transposed_conv(x, self.packed_weight, self.bias, self.stride[0], self.padding[0], self.output_padding[0])
+        return F.conv_transpose1d(x, self.weight, None, self.stride, self.padding, self.output_padding,
+                                  self.groups, self.dilation)

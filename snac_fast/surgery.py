@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from snac_fast.modules import FastConvTranspose1d, FastSnake1d, FusedNoiseBlock, FusedResidualUnit
+from snac_fast.modules import BiasDeferredConvTranspose1d, FastSnake1d, FusedNoiseBlock, FusedResidualUnit
 
 
 @dataclass
@@ -24,7 +24,7 @@ class SurgeryReport:
     float32_attention: list[str] = field(default_factory=list)  # LocalMHA kept in float32 (half dtypes)
     fused_residual_units: list[str] = field(default_factory=list)  # ResidualUnit -> FusedResidualUnit
     fused_noise_blocks: list[str] = field(default_factory=list)  # NoiseBlock -> FusedNoiseBlock
-    fast_transposed_convs: list[str] = field(default_factory=list)  # ConvTranspose1d -> FastConvTranspose1d
+    deferred_biases: list[str] = field(default_factory=list)  # ConvTranspose1d whose bias the next block adds
 
 
 def expected_snake_counts(model: nn.Module) -> tuple[int, int]:
@@ -93,12 +93,12 @@ def to_device_dtype(model: nn.Module, device: torch.device | str | None, dtype: 
 
 
 def fuse_decoder(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
-    """Replace the decoder's ResidualUnits, NoiseBlocks and upsampling ConvTranspose1d by their
-    Triton versions (which keep the same submodules and parameters). Needs FastSnake1d and folded
-    weights. Returns the replaced names."""
+    """Replace the decoder's ResidualUnits and NoiseBlocks by their fused versions (which keep the
+    same submodules and parameters), and let each NoiseBlock add the bias of the ConvTranspose1d
+    before it. Needs FastSnake1d and folded weights. Returns the replaced names."""
     from snac.layers import NoiseBlock, ResidualUnit
 
-    units, noises, transposed = [], [], []
+    units, noises, deferred = [], [], []
     for parent_name, parent in list(model.decoder.named_modules(prefix="decoder")):
         for child_name, child in list(parent.named_children()):
             name = f"{parent_name}.{child_name}"
@@ -108,10 +108,15 @@ def fuse_decoder(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
             elif type(child) is NoiseBlock:
                 setattr(parent, child_name, FusedNoiseBlock.from_block(child))
                 noises.append(name)
-            elif FastConvTranspose1d.fusable(child):
-                setattr(parent, child_name, FastConvTranspose1d.from_conv(child))
-                transposed.append(name)
-    return units, noises, transposed
+        if isinstance(parent, nn.Sequential):  # ConvTranspose1d then NoiseBlock: defer the bias
+            for i in range(len(parent) - 1):
+                conv, noise = parent[i], parent[i + 1]
+                if (type(conv) is nn.ConvTranspose1d and conv.bias is not None and isinstance(noise, FusedNoiseBlock)
+                        and conv.out_channels == noise.linear.in_channels):
+                    parent[i] = BiasDeferredConvTranspose1d.from_conv(conv)
+                    noise.take_bias_of(parent[i])
+                    deferred.append(f"{parent_name}.{i}")
+    return units, noises, deferred
 
 
 def accelerate(
@@ -152,7 +157,7 @@ def accelerate(
     if fold_weights:
         report.folded_weight_norms = fold_weight_norm(model)
     if fuse:
-        report.fused_residual_units, report.fused_noise_blocks, report.fast_transposed_convs = fuse_decoder(model)
+        report.fused_residual_units, report.fused_noise_blocks, report.deferred_biases = fuse_decoder(model)
     if device is not None or dtype is not None:
         report.float32_attention = to_device_dtype(model, device, dtype)
     return report

@@ -51,7 +51,9 @@ def test_pointwise_conv(dtype, C):
     res = torch.randn(2, C, T, generator=gen).to(dtype)
     scale = torch.randn(2, 1, T, generator=gen).to(dtype)
     d = lambda t: None if t is None else t.double()  # noqa: E731
-    for args in [(b, res, None), (None, res, scale), (None, None, None), (b, None, scale)]:
+    ib = torch.randn(C, generator=gen).to(dtype)
+    for args in [(b, res, None, None), (None, res, scale, None), (None, None, None, None), (b, None, scale, None),
+                 (None, h, scale, ib), (b, None, None, ib)]:
         got = pointwise_conv(h, w, *args)
         close(got, pointwise_conv_reference(h.double(), w.double(), *map(d, args)), dtype)
 
@@ -127,8 +129,50 @@ def test_fused_noise_block_matches_upstream():
     noise = torch.randn(3, 1, 201)
     fused.draw_noise = lambda t: noise
     with torch.no_grad():
-        expected = x + noise * block.linear(x)
-        close(fused(x), expected, torch.float32)
+        close(fused(x), x + noise * block.linear(x), torch.float32)
+        conv = torch.nn.ConvTranspose1d(8, 64, 4, stride=2)  # a transposed conv whose bias it adds
+        fused.take_bias_of(conv)
+        xb = x + conv.bias.view(1, -1, 1)
+        close(fused(x), xb + noise * block.linear(xb), torch.float32)
+
+
+def test_transposed_conv_bias_moves_into_the_noise_block():
+    from snac.layers import DecoderBlock
+
+    from snac_fast.modules import BiasDeferredConvTranspose1d
+    from snac_fast.surgery import fuse_decoder
+
+    torch.manual_seed(0)
+    block = DecoderBlock(128, 64, stride=4, noise=True, groups=64).eval()
+    for m in block.modules():
+        if hasattr(m, "alpha"):
+            with torch.no_grad():
+                m.alpha.uniform_(0.3, 3)
+    x, noise = torch.randn(2, 128, 19), torch.randn(2, 1, 76)
+    with torch.no_grad():
+        conv_out = block.block[1](block.block[0](x))
+        expected = block.block[5](block.block[4](block.block[3](conv_out + noise * block.block[2].linear(conv_out))))
+    keys = set(block.state_dict())
+    for i in (0, 3, 4, 5):
+        sub = block.block[i]
+        if i == 0:
+            block.block[0] = FastSnake1d.from_snake(sub)
+        else:
+            sub.block[0] = FastSnake1d.from_snake(sub.block[0])
+            sub.block[2] = FastSnake1d.from_snake(sub.block[2])
+    fold_weight_norm(block)
+    holder = torch.nn.Module()
+    holder.decoder = torch.nn.Module()
+    holder.decoder.model = torch.nn.Sequential(block)
+    units, noises, deferred = fuse_decoder(holder)
+    assert deferred == ["decoder.model.0.block.1"] and len(units) == 3 and len(noises) == 1
+    assert isinstance(block.block[1], BiasDeferredConvTranspose1d) and block.block[2].input_bias is block.block[1].bias
+    assert {k.replace("parametrizations.weight.original1", "weight") for k in keys if "original0" not in k} == set(block.state_dict())
+    block.block[2].draw_noise = lambda t: noise
+    with torch.no_grad():
+        close(block(x), expected, torch.float32)
+    block.half()  # dtype conversion keeps the link (parameters convert in place)
+    assert block.block[2].input_bias is block.block[1].bias and block.block[2].input_bias.dtype == torch.float16
 
 
 def test_compile_traces_through_the_ops():
@@ -219,54 +263,3 @@ def test_gpu_graphs_match_eager_and_keep_outputs(cuda, name):
     assert len(graphed.graphs) == 2
     assert not torch.equal(graphed.decode(codes), graphed.decode(codes))  # no seed: fresh noise
 
-
-@pytest.mark.parametrize("stride", [2, 3, 4, 8])
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_transposed_conv(stride, dtype):
-    import math
-
-    from snac_fast.ops.conv import pack_transposed_weight, transposed_conv, transposed_conv_reference
-
-    gen = torch.Generator().manual_seed(stride)
-    c_in, c_out = 96, 48
-    for T in (1, 5, 37):
-        w = (torch.randn(c_in, c_out, 2 * stride, generator=gen) / c_in**0.5).to(dtype)
-        b = torch.randn(c_out, generator=gen).to(dtype)
-        x = torch.randn(2, c_in, T, generator=gen).to(dtype)
-        pad, op = math.ceil(stride / 2), stride % 2
-        got = transposed_conv(x, pack_transposed_weight(w), b, stride, pad, op)
-        ref = transposed_conv_reference(x.double(), w.double(), b.double(), stride, pad, op)
-        assert got.shape == ref.shape == (2, c_out, T * stride)
-        close(got, ref, dtype)
-
-
-def test_fast_conv_transpose_module_is_a_drop_in():
-    from snac_fast.modules import FastConvTranspose1d
-
-    conv = torch.nn.ConvTranspose1d(64, 32, 16, stride=8, padding=4, output_padding=0)
-    fast = FastConvTranspose1d.from_conv(conv)
-    assert fast.weight is conv.weight and set(fast.state_dict()) == set(conv.state_dict())
-    x = torch.randn(2, 64, 9)
-    with torch.no_grad():
-        close(fast(x), conv(x), torch.float32)
-    assert not FastConvTranspose1d.fusable(torch.nn.ConvTranspose1d(4, 4, 3, stride=2))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("c_in, c_out, stride, T", [(1024, 512, 8, 236), (512, 256, 8, 1888), (256, 128, 4, 15104),
-                                                    (128, 64, 2, 60416), (1536, 768, 8, 240), (384, 192, 3, 1920),
-                                                    (192, 96, 2, 5761)])
-def test_gpu_transposed_conv_real_shapes(cuda, dtype, c_in, c_out, stride, T):
-    import math
-
-    from snac_fast.ops.conv import pack_transposed_weight, transposed_conv, transposed_conv_reference
-
-    gen = torch.Generator().manual_seed(T)
-    w = (torch.randn(c_in, c_out, 2 * stride, generator=gen) / c_in**0.5).to(dtype)
-    b = torch.randn(c_out, generator=gen).to(dtype)
-    x = torch.randn(1, c_in, T, generator=gen).to(dtype)
-    pad, op = math.ceil(stride / 2), stride % 2
-    got = transposed_conv(x.to(cuda), pack_transposed_weight(w).to(cuda), b.to(cuda), stride, pad, op)
-    ref = transposed_conv_reference(x.to(cuda).double(), w.to(cuda).double(), b.to(cuda).double(), stride, pad, op)
-    close(got, ref, dtype)

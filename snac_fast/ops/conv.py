@@ -4,15 +4,12 @@
 dilated K-tap per-channel filter and zero padding (K-1)*dilation/2, in one pass (taps and alpha in
 registers, fp32 accumulation; the shifted loads hit L1/L2, so x is read from memory about once).
 
-``transposed_conv``: SNAC's upsampling ConvTranspose1d (kernel 2*stride) as ``stride`` phase GEMMs:
-output t = i*stride + q - padding takes taps q and q+stride from inputs i and i-1, so each phase is
-two [C_out x C_in] @ [C_in x N] products, bias fused, written straight into the NCL output (cuDNN
-converts NCL <-> NHWC around its kernel, three extra passes over the data).
-
 ``pointwise_conv``: a 1x1 convolution as a GEMM with its epilogue fused,
 ``out = residual + scale * (W @ h + bias)``, where residual ([B, C_out, T]), scale ([B, 1, T], the
 NoiseBlock's noise) and bias are each optional: the residual unit's tail (conv + add) and the whole
-NoiseBlock (``x + noise * (W @ x)``) are each one kernel.
+NoiseBlock (``x + noise * (W @ x)``) are each one kernel. ``input_bias`` adds a per-channel bias to
+h (and to the residual) as they are loaded: the NoiseBlock takes over the bias of the transposed
+convolution before it, which saves cuDNN's separate bias pass over the block's largest tensor.
 """
 
 from __future__ import annotations
@@ -65,9 +62,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _pointwise_conv_kernel(
-        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, out_ptr,
+        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, in_bias_ptr, out_ptr,
         C_out, C_in, T, n_m_blocks, n_t_blocks,
-        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_IN_BIAS: tl.constexpr,
+        IEEE: tl.constexpr,
         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -87,6 +85,9 @@ if HAS_TRITON:
             k_ok = k < C_in
             a = tl.load(w_ptr + offs_m[:, None] * C_in + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(h_base + k[:, None].to(tl.int64) * T + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if HAS_IN_BIAS:
+                in_b = tl.load(in_bias_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                b = tl.where(n_ok[None, :], b.to(tl.float32) + in_b[:, None], 0.0).to(b.dtype)
             if UPCAST:  # Triton's interpreter multiplies bf16 as raw bits (numpy has no bf16)
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
@@ -101,58 +102,11 @@ if HAS_TRITON:
         out_offs = batch.to(tl.int64) * C_out * T + offs_m[:, None].to(tl.int64) * T + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
         if HAS_RES:
-            acc += tl.load(res_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+            res = tl.load(res_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_IN_BIAS:
+                res += tl.load(in_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+            acc += res
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-    @triton.jit
-    def _transposed_conv_kernel(
-        x_ptr, w_ptr, bias_ptr, out_ptr,
-        C_in, C_out, T_in, T_out, PAD, n_m_blocks, n_i_blocks,
-        STRIDE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        i_block = pid % n_i_blocks
-        rest = pid // n_i_blocks
-        m_block = rest % n_m_blocks
-        batch = rest // n_m_blocks
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_i = i_block * BLOCK_N + tl.arange(0, BLOCK_N)  # input positions; output t = i*S + q - PAD
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < C_out
-        x_base = x_ptr + batch.to(tl.int64) * C_in * T_in
-        out_base = out_ptr + batch.to(tl.int64) * C_out * T_out
-        if HAS_BIAS:
-            bias = tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)
-        for q in tl.static_range(STRIDE):
-            acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for kb in range(K_BLOCKS):
-                k = kb * BLOCK_K + offs_k
-                k_ok = k < C_in
-                w_mask = m_ok[:, None] & k_ok[None, :]
-                w_rows = offs_m[:, None] * C_in + k[None, :]  # packed weight: [2*S, C_out, C_in]
-                w_now = tl.load(w_ptr + q * C_out * C_in + w_rows, mask=w_mask, other=0.0)
-                w_prev = tl.load(w_ptr + (q + STRIDE) * C_out * C_in + w_rows, mask=w_mask, other=0.0)
-                x_rows = x_base + k[:, None].to(tl.int64) * T_in
-                ok_now = k_ok[:, None] & (offs_i < T_in)[None, :]
-                ok_prev = k_ok[:, None] & ((offs_i >= 1) & (offs_i - 1 < T_in))[None, :]
-                x_now = tl.load(x_rows + offs_i[None, :], mask=ok_now, other=0.0)
-                x_prev = tl.load(x_rows + (offs_i - 1)[None, :], mask=ok_prev, other=0.0)
-                if UPCAST:  # the interpreter multiplies bf16 as raw bits
-                    w_now, w_prev = w_now.to(tl.float32), w_prev.to(tl.float32)
-                    x_now, x_prev = x_now.to(tl.float32), x_prev.to(tl.float32)
-                if IEEE or UPCAST:
-                    acc += tl.dot(w_now, x_now, input_precision="ieee")
-                    acc += tl.dot(w_prev, x_prev, input_precision="ieee")
-                else:
-                    acc += tl.dot(w_now, x_now)
-                    acc += tl.dot(w_prev, x_prev)
-            if HAS_BIAS:
-                acc += bias[:, None]
-            t = offs_i * STRIDE + q - PAD
-            mask = m_ok[:, None] & ((t >= 0) & (t < T_out))[None, :]
-            tl.store(out_base + offs_m[:, None].to(tl.int64) * T_out + t[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --- references ---------------------------------------------------------------------------------
@@ -172,29 +126,22 @@ def depthwise_conv_snake_reference(x: Tensor, weight: Tensor, bias: Tensor | Non
 
 
 def pointwise_conv_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
-                             residual: Tensor | None = None, scale: Tensor | None = None) -> Tensor:
-    """``residual + scale * (conv1d(h, weight) + bias)`` in float32 (float64 for float64 input)."""
+                             residual: Tensor | None = None, scale: Tensor | None = None,
+                             input_bias: Tensor | None = None) -> Tensor:
+    """``(residual + ib) + scale * (conv1d(h + ib, weight) + bias)`` in float32 (float64 for float64
+    input); ib = input_bias per channel."""
     compute = torch.float64 if h.dtype == torch.float64 else torch.float32
-    y = F.conv1d(h.to(compute), weight.to(compute), None if bias is None else bias.to(compute))
+    h = h.to(compute)
+    if input_bias is not None:
+        ib = input_bias.to(compute).reshape(1, -1, 1)
+        h = h + ib
+        residual = None if residual is None else residual.to(compute) + ib
+    y = F.conv1d(h, weight.to(compute), None if bias is None else bias.to(compute))
     if scale is not None:
         y = y * scale.to(compute)
     if residual is not None:
         y = y + residual.to(compute)
     return y.to(h.dtype)
-
-
-def transposed_conv_reference(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int,
-                              output_padding: int) -> Tensor:
-    """``conv_transpose1d`` in float32 (float64 for float64 input), returned in x's dtype."""
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    y = F.conv_transpose1d(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute),
-                           stride=stride, padding=padding, output_padding=output_padding)
-    return y.to(x.dtype)
-
-
-def pack_transposed_weight(weight: Tensor) -> Tensor:
-    """ConvTranspose1d weight [C_in, C_out, K] -> [K, C_out, C_in] contiguous (the kernel's layout)."""
-    return weight.permute(2, 1, 0).contiguous()
 
 
 # --- launchers ----------------------------------------------------------------------------------
@@ -206,14 +153,14 @@ def _dw_config(n_rows: int, T: int) -> tuple[int, int, int]:
     return rows, block_t, 4
 
 
-def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha):
+def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha, config=None):
     B, C, T = x.shape
     out = torch.empty((B, C, T), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     x = x.contiguous()
     K = weight.shape[-1]
-    rows, block_t, warps = _dw_config(B * C, T)
+    rows, block_t, warps = config or _dw_config(B * C, T)
     n_t_blocks = triton.cdiv(T, block_t)
     grid = (triton.cdiv(B * C, rows) * n_t_blocks,)
     w = weight.reshape(C, K)
@@ -233,7 +180,7 @@ def _pw_config(C_out: int, C_in: int, T: int) -> tuple[int, int, int, int, int]:
     return block_m, block_n, block_k, 4, 3
 
 
-def _pointwise_conv_triton(h, weight, bias, residual, scale):
+def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias):
     B, C_in, T = h.shape
     C_out = weight.shape[0]
     out = torch.empty((B, C_out, T), dtype=h.dtype, device=h.device)
@@ -246,35 +193,13 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale):
     block_m, block_n, block_k, warps, stages = _pw_config(C_out, C_in, T)
     n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
     _pointwise_conv_kernel[(B * n_m * n_t,)](
-        w, h, w if bias is None else bias, out if residual is None else residual, out if scale is None else scale, out,
-        C_out, C_in, T, n_m, n_t,
+        w, h, w if bias is None else bias, out if residual is None else residual, out if scale is None else scale,
+        w if input_bias is None else input_bias, out, C_out, C_in, T, n_m, n_t,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
+        HAS_IN_BIAS=input_bias is not None,
         IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
         num_warps=warps, num_stages=stages,
-    )
-    return out
-
-
-def _transposed_conv_triton(x, packed_weight, bias, stride, padding, output_padding):
-    B, C_in, T_in = x.shape
-    K, C_out, _ = packed_weight.shape
-    T_out = (T_in - 1) * stride - 2 * padding + K + output_padding
-    out = torch.empty((B, C_out, T_out), dtype=x.dtype, device=x.device)
-    if out.numel() == 0:
-        return out
-    x = x.contiguous()
-    block_m = max(16, min(64, triton.next_power_of_2(C_out)))
-    block_k = max(16, min(64, triton.next_power_of_2(C_in)))
-    n_inputs = T_in + 2  # outputs near the end are reached from i = T_in (its x is padding)
-    block_n = max(16, min(1024 if TRITON_INTERPRET else 64, triton.next_power_of_2(n_inputs)))
-    n_m, n_i = triton.cdiv(C_out, block_m), triton.cdiv(n_inputs, block_n)
-    _transposed_conv_kernel[(B * n_m * n_i,)](
-        x, packed_weight, packed_weight if bias is None else bias, out,
-        C_in, C_out, T_in, T_out, padding, n_m, n_i,
-        STRIDE=stride, HAS_BIAS=bias is not None, IEEE=x.dtype == torch.float32,
-        UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k), num_warps=4,
     )
     return out
 
@@ -300,30 +225,15 @@ def _(x, weight, bias, dilation, alpha):
 
 @torch.library.custom_op("snac_fast::pointwise_conv", mutates_args=())
 def _pointwise_conv_op(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                       scale: Tensor | None) -> Tensor:
+                       scale: Tensor | None, input_bias: Tensor | None) -> Tensor:
     if _kernel_applies(h):
-        return _pointwise_conv_triton(h, weight, bias, residual, scale)
-    return pointwise_conv_reference(h, weight, bias, residual, scale).contiguous()
+        return _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias)
+    return pointwise_conv_reference(h, weight, bias, residual, scale, input_bias).contiguous()
 
 
 @_pointwise_conv_op.register_fake
-def _(h, weight, bias, residual, scale):
+def _(h, weight, bias, residual, scale, input_bias):
     return h.new_empty((h.shape[0], weight.shape[0], h.shape[2]))
-
-
-@torch.library.custom_op("snac_fast::transposed_conv", mutates_args=())
-def _transposed_conv_op(x: Tensor, packed_weight: Tensor, bias: Tensor | None, stride: int, padding: int,
-                        output_padding: int) -> Tensor:
-    if _kernel_applies(x):
-        return _transposed_conv_triton(x, packed_weight, bias, stride, padding, output_padding)
-    weight = packed_weight.permute(2, 1, 0)
-    return transposed_conv_reference(x, weight, bias, stride, padding, output_padding).contiguous()
-
-
-@_transposed_conv_op.register_fake
-def _(x, packed_weight, bias, stride, padding, output_padding):
-    K, C_out, _ = packed_weight.shape
-    return x.new_empty((x.shape[0], C_out, (x.shape[2] - 1) * stride - 2 * padding + K + output_padding))
 
 
 def _check(x: Tensor, what: str, dims: int = 3) -> None:
@@ -352,11 +262,13 @@ def depthwise_conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
 
 
 def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
-                   scale: Tensor | None = None) -> Tensor:
+                   scale: Tensor | None = None, input_bias: Tensor | None = None) -> Tensor:
     """``residual + scale * (W @ h + bias)``: a 1x1 conv with its epilogue fused.
 
     h: [B, C_in, T]; weight: [C_out, C_in, 1]; bias: [C_out]; residual: [B, C_out, T];
-    scale: [B, 1, T]. Returns [B, C_out, T] contiguous in h's dtype. Inference only.
+    scale: [B, 1, T]; input_bias: [C_in], added to h and to the residual as they are loaded (needs
+    C_in == C_out when a residual is given). Returns [B, C_out, T] contiguous in h's dtype.
+    Inference only.
     """
     _check(h, "h")
     _check(weight, "weight")
@@ -368,25 +280,9 @@ def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residu
         raise ValueError(f"residual must be {(B, C_out, T)}, got {tuple(residual.shape)}")
     if scale is not None and tuple(scale.shape) != (B, 1, T):
         raise ValueError(f"scale must be {(B, 1, T)}, got {tuple(scale.shape)}")
-    if any(t is not None and t.device != h.device for t in (weight, bias, residual, scale)):
+    if input_bias is not None and (input_bias.numel() != C_in or residual is not None and C_in != C_out):
+        raise ValueError(f"input_bias needs {C_in} values (and C_in == C_out with a residual)")
+    if any(t is not None and t.device != h.device for t in (weight, bias, residual, scale, input_bias)):
         raise ValueError(f"all tensors must be on {h.device}")
-    return _pointwise_conv_op(h, weight, bias, residual, scale)
+    return _pointwise_conv_op(h, weight, bias, residual, scale, input_bias)
 
-
-def transposed_conv(x: Tensor, packed_weight: Tensor, bias: Tensor | None, stride: int, padding: int,
-                    output_padding: int = 0) -> Tensor:
-    """ConvTranspose1d with kernel size 2*stride (SNAC's upsampling layers), bias fused.
-
-    x: [B, C_in, T]; packed_weight: :func:`pack_transposed_weight` of the [C_in, C_out, 2*stride]
-    weight; bias: [C_out]. Returns [B, C_out, (T-1)*stride - 2*padding + 2*stride + output_padding].
-    """
-    _check(x, "x")
-    _check(packed_weight, "packed_weight")
-    K, C_out, C_in = packed_weight.shape
-    if K != 2 * stride or C_in != x.shape[1]:
-        raise ValueError(f"packed weight must be [2*stride={2 * stride}, C_out, {x.shape[1]}], got {tuple(packed_weight.shape)}")
-    if bias is not None and bias.numel() != C_out:
-        raise ValueError(f"bias needs {C_out} values")
-    if any(t is not None and t.device != x.device for t in (packed_weight, bias)):
-        raise ValueError(f"all tensors must be on {x.device}")
-    return _transposed_conv_op(x, packed_weight, bias, int(stride), int(padding), int(output_padding))
