@@ -48,8 +48,8 @@ def validate_codes(codes: object, config: dict) -> list[Tensor]:
                          f"to be a multiple of {window}: use a multiple of {step} coarse frames")
     size = config["codebook_size"]
     # one reduction and one host sync for all levels (the codes may live on the GPU)
-    lo, hi = torch.cat([c.reshape(-1) for c in codes]).aminmax()
-    if lo.item() < 0 or hi.item() >= size:
+    lo, hi = torch.stack(torch.cat([c.reshape(-1) for c in codes]).aminmax()).tolist()
+    if lo < 0 or hi >= size:
         for i, c in enumerate(codes):  # the error path may take its time: name the level
             bad = c[(c < 0) | (c >= size)]
             if bad.numel():

@@ -69,8 +69,8 @@ class GraphedDecode:
         self._cache.move_to_end(key)
         for static, c in zip(entry.codes, codes):
             static.copy_(c, non_blocking=True)
-        if generator is None:  # fresh noise, nothing to reproduce: one draw for all blocks
-            entry.noise.copy_(draw(tuple(entry.noise.shape), None, entry.noise))
+        if generator is None:  # fresh noise, nothing to reproduce: one in-place draw for all blocks
+            entry.noise.normal_()
         else:  # the same draws, in the same order, as an eager decode with this generator
             for view in entry.noise_views:
                 view.copy_(draw(tuple(view.shape), generator, view))
@@ -102,6 +102,7 @@ class GraphedDecode:
                     block.draw_noise = record
                 out = self.model.decode(static_codes)
                 flat = torch.empty(sum(b * t for b, _, t in shapes), device=out.device, dtype=out.dtype)
+                del out
                 offsets = [0]
                 for b, _, t in shapes:
                     offsets.append(offsets[-1] + b * t)

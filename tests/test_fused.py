@@ -58,6 +58,20 @@ def test_pointwise_conv(dtype, C):
         close(got, pointwise_conv_reference(h.double(), w.double(), *map(d, args)), dtype)
 
 
+@pytest.mark.parametrize("dilation", [1, 9])
+def test_depthwise_interior_and_edge_tiles(dilation):
+    """Long enough for interior tiles (unmasked loads) between the two edge tiles (masked)."""
+    from snac_fast.ops.conv import _dw_config
+
+    T = 3 * _dw_config(2, 10**9)[1] + 5
+    gen = torch.Generator().manual_seed(dilation)
+    x = torch.randn(1, 2, T, generator=gen)
+    w = torch.randn(2, 1, 7, generator=gen)
+    alpha = torch.tensor([0.7, 2.0])
+    got = depthwise_conv_snake(x, w, None, dilation, alpha)
+    close(got, depthwise_conv_snake_reference(x.double(), w.double(), None, dilation, alpha.double()), torch.float32)
+
+
 def test_pointwise_conv_rectangular_and_poisoned(monkeypatch):
     real_empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
@@ -230,7 +244,7 @@ def test_graphs_need_cuda():
 @pytest.mark.parametrize("C", CHANNELS)
 def test_gpu_fused_kernels(cuda, dtype, dilation, C):
     gen = torch.Generator().manual_seed(C + dilation)
-    T = 4097
+    T = 20001  # several interior tiles between the masked edge tiles
     x = torch.randn(2, C, T, generator=gen).to(dtype)
     w = (torch.randn(C, 1, 7, generator=gen) * 0.4).to(dtype)
     b = torch.randn(C, generator=gen).to(dtype)

@@ -28,6 +28,22 @@ if HAS_TRITON:
     from snac_fast.ops.snake import _EPS, _reduce_by_pi, _sin_reduced
 
     @triton.jit
+    def _depthwise_taps(x_ptr, w_ptr, row_base, chan, row_ok, cols, T,
+                        K: tl.constexpr, DILATION: tl.constexpr, MASKED: tl.constexpr, ROWS: tl.constexpr,
+                        BLOCK_T: tl.constexpr):
+        acc = tl.zeros((ROWS, BLOCK_T), dtype=tl.float32)
+        for k in tl.static_range(K):
+            src = cols + (k - (K - 1) // 2) * DILATION
+            w = tl.load(w_ptr + chan * K + k, mask=row_ok, other=0.0).to(tl.float32)
+            if MASKED:  # tiles at the ends: zero padding outside [0, T)
+                m = row_ok[:, None] & ((src >= 0) & (src < T))[None, :]
+                v = tl.load(x_ptr + row_base[:, None] + src[None, :], mask=m, other=0.0)
+            else:  # interior tiles: every tap in range, no mask arithmetic (the kernel is ALU-bound)
+                v = tl.load(x_ptr + row_base[:, None] + src[None, :])
+            acc += w[:, None] * v.to(tl.float32)
+        return acc
+
+    @triton.jit
     def _depthwise_conv_snake_kernel(
         x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr,
         n_rows, C, T, n_t_blocks,
@@ -41,23 +57,20 @@ if HAS_TRITON:
         row_ok = rows < n_rows
         chan = rows % C
         cols = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
-        col_ok = cols < T
         row_base = rows.to(tl.int64) * T
-        acc = tl.zeros((ROWS, BLOCK_T), dtype=tl.float32)
-        for k in tl.static_range(K):
-            shift = (k - (K - 1) // 2) * DILATION
-            src = cols + shift
-            m = row_ok[:, None] & ((src >= 0) & (src < T))[None, :]  # zero padding
-            w = tl.load(w_ptr + chan * K + k, mask=row_ok, other=0.0).to(tl.float32)
-            v = tl.load(x_ptr + row_base[:, None] + src[None, :], mask=m, other=0.0).to(tl.float32)
-            acc += w[:, None] * v
+        halo = (K - 1) // 2 * DILATION
+        interior = (t_block * BLOCK_T >= halo) & ((t_block + 1) * BLOCK_T + halo <= T) & ((row_block + 1) * ROWS <= n_rows)
+        if interior:
+            acc = _depthwise_taps(x_ptr, w_ptr, row_base, chan, row_ok, cols, T, K, DILATION, False, ROWS, BLOCK_T)
+        else:
+            acc = _depthwise_taps(x_ptr, w_ptr, row_base, chan, row_ok, cols, T, K, DILATION, True, ROWS, BLOCK_T)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + chan, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         if SNAKE:
             alpha = tl.load(alpha_ptr + chan, mask=row_ok, other=1.0).to(tl.float32)
             s = _sin_reduced(_reduce_by_pi(alpha[:, None] * acc))
             acc = acc + (1.0 / (alpha + _EPS))[:, None] * (s * s)
-        mask = row_ok[:, None] & col_ok[None, :]
+        mask = row_ok[:, None] & (cols < T)[None, :]
         tl.store(out_ptr + row_base[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
