@@ -42,9 +42,9 @@ def report(snr, baseline=None, log_mel=0.0, err=1e-3):
 
 
 def test_pass_fail_logic():
-    r = report(55.0)
+    r = report(56.0)
     judge(r, torch.float32)
-    assert r.passed and r.thresholds["min_snr_db"] == 50.0
+    assert r.passed and r.thresholds["min_snr_db"] == 55.0
     r = report(45.0)
     judge(r, torch.float32)
     assert not r.passed and "SNR" in r.failures[0]
@@ -54,9 +54,12 @@ def test_pass_fail_logic():
     r = report(56.8, baseline=57.1)  # 0.3 dB worse than plain fp16: fail even far above the floor
     judge(r, torch.float16)
     assert not r.passed
-    r = report(41.0)  # no baseline run: the floor alone
+    r = report(51.0)  # no baseline run: the floor alone
     judge(r, torch.float16)
     assert r.passed
+    r = report(49.0)
+    judge(r, torch.float16)
+    assert not r.passed
     r = report(130.0, baseline=math.inf)  # float32 ignores the baseline
     judge(r, torch.float32)
     assert r.passed
