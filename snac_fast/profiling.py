@@ -27,10 +27,16 @@ from torch import Tensor, nn
 from snac_fast.codes import validate_codes
 from snac_fast.surgery import to_device_dtype
 
-TIMED_CLASS_NAMES = {
-    "Snake1d", "FastSnake1d", "Conv1d", "ConvTranspose1d", "ParametrizedConv1d", "ParametrizedConvTranspose1d",
-    "NoiseBlock", "ResidualUnit", "FusedNoiseBlock", "FusedResidualUnit", "DecoderBlock", "LocalMHA", "Tanh",
-}
+
+def _timed_classes() -> tuple[type, ...]:
+    """Layer classes that get a row; subclasses (parametrized, fused, bias-deferred) included."""
+    from snac.attention import LocalMHA
+    from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
+
+    from snac_fast.modules import FastSnake1d
+
+    return (Snake1d, FastSnake1d, nn.Conv1d, nn.ConvTranspose1d, NoiseBlock, ResidualUnit, DecoderBlock,
+            LocalMHA, nn.Tanh)
 
 
 @dataclass
@@ -158,8 +164,9 @@ def _timed_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
     """(name, module, depth): the decoder's direct children, and every module of a timed class
     inside them; depth counts timed ancestors."""
     top = {f"decoder.model.{i}" for i in range(len(model.decoder.model))}
+    timed = _timed_classes()
     picked = [(name, m) for name, m in model.decoder.named_modules(prefix="decoder")
-              if name in top or (name.count(".") > 2 and type(m).__name__ in TIMED_CLASS_NAMES)]
+              if name in top or (name.count(".") > 2 and isinstance(m, timed))]
     names = [n for n, _ in picked]
     return [(n, m, sum(n.startswith(other + ".") for other in names)) for n, m in picked]
 

@@ -23,7 +23,8 @@ def test_every_layer_once(fast_and_report):
     expected = {"quantizer.from_codes"} | {n for n, _, _ in _timed_modules(fast.model)}
     assert set(names) == expected
     kinds = {r.kind for r in report.layers}
-    assert {"FastSnake1d", "Conv1d", "ConvTranspose1d", "FusedNoiseBlock", "FusedResidualUnit", "DecoderBlock"} <= kinds
+    assert {"FastSnake1d", "Conv1d", "BiasDeferredConvTranspose1d", "FusedNoiseBlock", "FusedResidualUnit",
+            "DecoderBlock"} <= kinds
     assert sum(r.kind == "FastSnake1d" for r in report.layers) == 29
     assert sum(r.depth == 0 for r in report.layers) == 1 + len(fast.model.decoder.model)
     # inside a fused unit the first snake still runs as its module; the fused kernels replace the
