@@ -71,10 +71,10 @@ def time_calls(fn, code_sets, warmup: int, reps: int) -> list[float]:
 
 
 class Mode:
-    """A way to decode; ``build`` returns (callable(codes) -> audio, compile seconds or None)."""
+    """A way to decode: ``build()`` returns a callable codes -> audio (compiling, if any, on first call)."""
 
-    def __init__(self, label, build, fidelity=None):
-        self.label, self.build, self.fidelity = label, build, fidelity
+    def __init__(self, label, build):
+        self.label, self.build = label, build
 
 
 def upstream(name, dtype, fold=False):
@@ -108,8 +108,8 @@ def modes(name: str, skip: set[str]) -> list[Mode]:
         Mode("upstream eager fp16", lambda: upstream(name, torch.float16).decode),
         Mode("compile reduce-overhead fp16", lambda: compiled_upstream(name, "reduce-overhead")),
         Mode("compile max-autotune fp16", lambda: compiled_upstream(name, "max-autotune-no-cudagraphs")),
-        Mode("snac-fast eager fp16", lambda: fast_model(name, cuda_graphs=False).decode, fidelity="fast"),
-        Mode("snac-fast graphs fp16", lambda: fast_model(name).decode, fidelity="fast"),
+        Mode("snac-fast eager fp16", lambda: fast_model(name, cuda_graphs=False).decode),
+        Mode("snac-fast graphs fp16", lambda: fast_model(name).decode),
         Mode("snac-fast + compile reduce-overhead", lambda: torch.compile(fast_model(name, cuda_graphs=False).model.decode,
                                                                           mode="reduce-overhead")),
     ]
@@ -163,7 +163,7 @@ def main() -> None:
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
             reps = 10 if frames > 100 else 30
-            times = time_calls(lambda c: run_inference(fn, c), sets, warmup=3, reps=reps)
+            times = time_calls(lambda c, fn=fn: run_inference(fn, c), sets, warmup=3, reps=reps)
             peak = torch.cuda.max_memory_allocated() / 2**20
             ms = statistics.median(times)
             audio_s = frames * cfg["vq_strides"][0] * _hop(cfg) * batch / cfg["sampling_rate"]

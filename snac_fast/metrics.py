@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 
-import torch
 from torch import Tensor
 
 

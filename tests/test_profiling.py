@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from helpers import random_codes
 from snac_fast import FastSNAC
