@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from snac_fast.codes import validate_audio, validate_codes
 from snac_fast.graphs import GraphedDecode
-from snac_fast.loading import build_upstream, resolve_checkpoint
+from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
 from snac_fast.noise import injected_noise
 from snac_fast.surgery import SurgeryReport, accelerate
 
@@ -66,7 +66,8 @@ class FastSNAC:
         self.source = source
         if reference_factory is None:  # keep the original weights to rebuild the reference model on demand
             state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-            reference_factory = _rebuilder(self.config, state)
+            snapshot = Checkpoint.in_memory(source or "in-memory model", self.config, state)
+            reference_factory = lambda: build_upstream(snapshot)  # noqa: E731
         self._reference_factory = reference_factory
         self.report: SurgeryReport = accelerate(model, encoder=accelerate_encoder, fuse=fuse,
                                                 device=self.device, dtype=self.dtype)
@@ -192,14 +193,3 @@ def _config_of(model: nn.Module) -> dict:
         "noise": any(type(m).__name__ == "NoiseBlock" for m in model.decoder.modules()),
         "depthwise": model.decoder.model[0].groups > 1,
     }
-
-
-def _rebuilder(config: dict, state: dict) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        import snac
-
-        model = snac.SNAC(**config)
-        model.load_state_dict(state)
-        return model.eval()
-
-    return build

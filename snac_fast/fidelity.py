@@ -26,6 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.codes import validate_codes
+from snac_fast.loading import Checkpoint, build_upstream
 from snac_fast.metrics import max_abs_error, rms, snr_db
 from snac_fast.noise import seeded_noise
 from snac_fast.surgery import to_device_dtype
@@ -163,15 +164,12 @@ def compare(
     ref_device = torch.device(reference_device) if reference_device is not None else fast.device
     if reference is None:
         factory = fast.reference_model
-    else:
-        state = {k: v.detach().cpu() for k, v in reference.state_dict().items()}  # leave the user's model alone
+    else:  # a CPU copy of its weights: the user's model is left where and as it is
+        state = {k: v.detach().cpu() for k, v in reference.state_dict().items()}
+        snapshot = Checkpoint.in_memory("reference model", fast.config, state)
 
         def factory():
-            import snac
-
-            model = snac.SNAC(**fast.config)
-            model.load_state_dict(state)
-            return model.eval()
+            return build_upstream(snapshot)
 
     out_fast = fast.decode(codes, generator=torch.Generator().manual_seed(seed)).float().cpu()  # graphs too
     _release(fast.device)

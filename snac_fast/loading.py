@@ -28,6 +28,11 @@ class Checkpoint:
     load_state_dict: Callable[[], dict]  # re-readable, so a reference copy can be rebuilt later
     weights_path: str | None = None
 
+    @classmethod
+    def in_memory(cls, source: str, config: dict, state: dict) -> "Checkpoint":
+        """A checkpoint over a state dict already in memory (kept on CPU by the caller)."""
+        return cls(source, config, lambda: state)
+
 
 def _read_config(path: str | Path, source: str) -> dict:
     try:

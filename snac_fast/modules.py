@@ -131,7 +131,6 @@ class FusedNoiseBlock(_upstream_layers()[0]):
                               input_bias=self.input_bias)
 
 
-
 class BiasDeferredConvTranspose1d(nn.ConvTranspose1d):
     """A ConvTranspose1d (cuDNN) whose bias is added by the FusedNoiseBlock after it, inside that
     block's kernel: saves a full read-and-write pass over the decoder block's largest tensor.

@@ -141,6 +141,8 @@ def accelerate(
 
     if not isinstance(model, snac.SNAC):
         raise ValueError(f"accelerate expects a snac.SNAC, got {type(model).__name__}")
+    if fuse and not fold_weights:  # before any change to the model
+        raise ValueError("fuse=True needs fold_weights=True: the fused kernels read plain weights")
     want_dec, want_enc = expected_snake_counts(model)
     report = SurgeryReport()
     report.decoder_snakes = _swap_snakes(model.decoder, "decoder")
@@ -152,8 +154,6 @@ def accelerate(
         have = sum(isinstance(m, FastSnake1d) for m in getattr(model, part).modules())
         if have != want:
             raise ValueError(f"{part} has {have} FastSnake1d after surgery, the architecture has {want} Snake1d")
-    if fuse and not fold_weights:
-        raise ValueError("fuse=True needs fold_weights=True: the fused kernels read plain weights")
     if fold_weights:
         report.folded_weight_norms = fold_weight_norm(model)
     if fuse:

@@ -76,8 +76,10 @@ def test_accelerate_options():
     assert any(parametrize.is_parametrized(m) for m in model.modules())
     with pytest.raises(ValueError, match="snac.SNAC"):
         accelerate(torch.nn.Linear(2, 2))
+    untouched = synthetic_model("snac_24khz")
     with pytest.raises(ValueError, match="fuse=True needs fold_weights=True"):
-        accelerate(synthetic_model("snac_24khz"), fold_weights=False)
+        accelerate(untouched, fold_weights=False)
+    assert sum(isinstance(m, Snake1d) for m in untouched.modules()) == 57  # refused before any change
 
 
 def test_seed_makes_noise_reproducible():
