@@ -1,4 +1,10 @@
-"""nn.Module wrappers around the ops: drop-in replacements for upstream snac layers."""
+"""nn.Module wrappers around the ops: drop-in replacements for upstream snac layers.
+
+Each fused module is a subclass of the upstream layer it replaces (or shares its parameters), so
+state-dict keys, module names and ``isinstance`` checks keep working. A layer whose computation moved
+into a neighbour's kernel stays in the tree as an ``Absorbed*`` module: same parameters, forward
+passes its input through, ``absorbed_by`` names the module that computes it.
+"""
 
 from __future__ import annotations
 
@@ -41,25 +47,87 @@ class FastSnake1d(nn.Module):
         return f"channels={self.channels}"
 
 
+# --- absorbed layers --------------------------------------------------------------------------
+
+class _Absorbed:
+    """Mixin: the layer's computation runs inside the kernel of ``absorbed_by``; forward is identity."""
+
+    absorbed_by = ""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+    def extra_repr(self) -> str:
+        return f"absorbed by {self.absorbed_by}"
+
+
+class AbsorbedSnake1d(_Absorbed, FastSnake1d):
+    """A decoder Snake1d applied in the epilogue of the fused layer before it (or the prologue of the
+    one after it). Keeps ``alpha``."""
+
+
+class AbsorbedConv1d(_Absorbed, nn.Conv1d):
+    """The decoder's input 1x1 conv, computed by the DepthwisePointwiseConv1d before it."""
+
+
+class AbsorbedTanh(_Absorbed, nn.Tanh):
+    """The decoder's final tanh, computed by OutputConvTanh."""
+
+
+_ABSORBED = ((FastSnake1d, AbsorbedSnake1d), (nn.Conv1d, AbsorbedConv1d), (nn.Tanh, AbsorbedTanh))
+
+
+def absorb(module: nn.Module, by: str) -> nn.Module:
+    """The same module (same parameters, same attributes) as an Absorbed* whose forward is identity."""
+    for base, cls in _ABSORBED:
+        if isinstance(module, base) and not isinstance(module, _Absorbed):
+            absorbed = cls.__new__(cls)
+            absorbed.__dict__.update(module.__dict__)
+            absorbed.absorbed_by = by
+            return absorbed
+    raise ValueError(f"cannot absorb a {type(module).__name__}")
+
+
+class _SnakeOut:
+    """Mixin for fused layers that can apply the next Snake1d in their epilogue."""
+
+    _snake_out: nn.Module | None = None
+
+    def absorb_next_snake(self, snake_module: nn.Module) -> None:
+        object.__setattr__(self, "_snake_out", snake_module)  # not a child: it stays where it is
+
+    @property
+    def alpha_out(self) -> Tensor | None:
+        return None if self._snake_out is None else self._snake_out.alpha
+
+
+# --- fused layers -----------------------------------------------------------------------------
+
 def _upstream_layers():
     from snac.layers import NoiseBlock, ResidualUnit
 
     return NoiseBlock, ResidualUnit
 
 
-def _is_same_padding_depthwise(conv: nn.Module) -> bool:
+def is_same_padding_depthwise(conv: nn.Module) -> bool:
+    if type(conv) is not nn.Conv1d:
+        return False
     k, d = conv.kernel_size[0], conv.dilation[0]
     return (conv.groups == conv.in_channels == conv.out_channels and k % 2 == 1
             and conv.padding[0] == (k - 1) * d // 2 and conv.stride[0] == 1)
 
 
-class FusedResidualUnit(_upstream_layers()[1]):
-    """A residual unit (Snake -> dilated depthwise conv7 -> Snake -> 1x1 conv, plus x) in 3 kernels:
-    snake; depthwise conv + bias + snake; 1x1 conv + bias + residual add.
+def is_pointwise(conv: nn.Module) -> bool:
+    return type(conv) is nn.Conv1d and conv.kernel_size[0] == 1 and conv.groups == 1 and conv.stride[0] == 1
 
-    Keeps upstream's ``block`` (the same four modules, weights folded), so state-dict keys and
-    module names are unchanged; ``replaces`` names the upstream layers the kernels stand for.
-    Input and output: [B, C, T].
+
+class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
+    """A residual unit (Snake -> dilated depthwise conv7 -> Snake -> 1x1 conv, plus x) in 3 kernels:
+    snake; depthwise conv + bias + snake; 1x1 conv + bias + residual add (+ the next layer's snake
+    once absorbed).
+
+    Keeps upstream's ``block`` (the same four modules, weights folded), so state-dict keys and module
+    names are unchanged. Input and output: [B, C, T].
     """
 
     replaces = ("block.0", "block.1", "block.2", "block.3")
@@ -71,9 +139,9 @@ class FusedResidualUnit(_upstream_layers()[1]):
     @classmethod
     def fusable(cls, unit: nn.Module) -> bool:
         b = getattr(unit, "block", None)
-        return (isinstance(b, nn.Sequential) and len(b) == 4 and isinstance(b[0], FastSnake1d)
-                and isinstance(b[2], FastSnake1d) and isinstance(b[1], nn.Conv1d) and isinstance(b[3], nn.Conv1d)
-                and _is_same_padding_depthwise(b[1]) and b[3].kernel_size[0] == 1
+        return (isinstance(b, nn.Sequential) and len(b) == 4 and type(b[0]) is FastSnake1d
+                and type(b[2]) is FastSnake1d and is_same_padding_depthwise(b[1]) and is_pointwise(b[3])
+                and b[3].in_channels == b[3].out_channels == b[1].in_channels
                 and not any(hasattr(m, "parametrizations") for m in b))
 
     @classmethod
@@ -87,7 +155,116 @@ class FusedResidualUnit(_upstream_layers()[1]):
 
         snake1, dw, snake2, pw = self.block
         h = depthwise_conv_snake(snake1(x), dw.weight, dw.bias, dw.dilation[0], snake2.alpha)
-        return pointwise_conv(h, pw.weight, pw.bias, residual=x)
+        return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out)
+
+
+class DepthwisePointwiseConv1d(_SnakeOut, nn.Conv1d):
+    """The decoder's first two layers, depthwise conv7 then 1x1 conv (+ the first block's snake
+    once absorbed), as two Triton kernels under one module. It is the depthwise conv (same
+    parameters and name); the 1x1 conv stays in the tree as AbsorbedConv1d."""
+
+    @classmethod
+    def from_convs(cls, depthwise: nn.Conv1d, pointwise: nn.Conv1d, name: str) -> tuple["DepthwisePointwiseConv1d", nn.Module]:
+        """(the fused layer, the AbsorbedConv1d to put where ``pointwise`` was); ``name``: the fused
+        layer's qualified name."""
+        if not is_same_padding_depthwise(depthwise) or not is_pointwise(pointwise) \
+                or pointwise.in_channels != depthwise.out_channels:
+            raise ValueError("needs a same-padding depthwise Conv1d followed by a 1x1 Conv1d, weights folded")
+        fused = cls.__new__(cls)
+        fused.__dict__.update(depthwise.__dict__)
+        absorbed = absorb(pointwise, name)
+        object.__setattr__(fused, "_pointwise", absorbed)  # not a child: it stays in the tree where it was
+        return fused, absorbed
+
+    def forward(self, x: Tensor) -> Tensor:
+        from snac_fast.ops.conv import depthwise_conv_snake, pointwise_conv
+
+        h = depthwise_conv_snake(x, self.weight, self.bias, self.dilation[0])
+        return pointwise_conv(h, self._pointwise.weight, self._pointwise.bias, alpha_out=self.alpha_out)
+
+
+class FusedConvTranspose1d(nn.ConvTranspose1d):
+    """The decoder block's upsampling ConvTranspose1d (and the block's input Snake1d, when no layer
+    before could absorb it, as after attention).
+
+    Outputs up to ``kernel_max_elements`` run the Triton phase GEMM with the bias inside (no layout
+    transforms); larger ones run cuDNN, whose tensor-core kernels win there, without the bias: the
+    FusedNoiseBlock after it adds the bias as it loads its input (:meth:`defers_bias`). Same
+    parameters and name; the packed weight is rebuilt whenever the weight changes.
+    """
+
+    kernel_max_elements = 1 << 19
+    _snake_in: nn.Module | None = None
+    _bias_taken = False  # set when a FusedNoiseBlock after it adds the bias for the cuDNN path
+
+    @classmethod
+    def fusable(cls, conv: nn.Module) -> bool:
+        from snac_fast.ops.conv_transpose import upsampling_padding
+
+        if type(conv) is not nn.ConvTranspose1d or hasattr(conv, "parametrizations"):
+            return False
+        s = conv.stride[0]
+        return (conv.kernel_size[0] == 2 * s and (conv.padding[0], conv.output_padding[0]) == upsampling_padding(s)
+                and conv.groups == 1 and conv.dilation[0] == 1)
+
+    @classmethod
+    def from_conv(cls, conv: nn.ConvTranspose1d) -> "FusedConvTranspose1d":
+        if not cls.fusable(conv):
+            raise ValueError("needs a plain ConvTranspose1d with kernel 2 * stride and SNAC's padding, weights folded")
+        fused = cls.__new__(cls)
+        fused.__dict__.update(conv.__dict__)
+        object.__setattr__(fused, "_packed", (None, None))
+        return fused
+
+    def absorb_previous_snake(self, snake_module: nn.Module) -> None:
+        object.__setattr__(self, "_snake_in", snake_module)
+
+    def defers_bias(self, output_elements: int) -> bool:
+        """True when an output of this many elements comes from cuDNN without the bias."""
+        return output_elements > self.kernel_max_elements and self.bias is not None and self._bias_taken
+
+    def packed_weight(self, dtype: torch.dtype) -> Tensor:
+        from snac_fast.ops.conv_transpose import pack_phase_weight
+
+        w = self.weight
+        key = (w.data_ptr(), w._version, w.device, dtype)
+        if self._packed[0] != key:
+            with torch.no_grad():
+                object.__setattr__(self, "_packed", (key, pack_phase_weight(w.detach().to(dtype), self.stride[0])))
+        return self._packed[1]
+
+    def forward(self, x: Tensor) -> Tensor:
+        from snac_fast.ops.conv_transpose import conv_transpose
+
+        alpha_in = None if self._snake_in is None else self._snake_in.alpha
+        out_elements = x.numel() * self.out_channels * self.stride[0] // max(1, self.in_channels)
+        if out_elements <= self.kernel_max_elements:
+            return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=self.packed_weight(x.dtype),
+                                  alpha_in=alpha_in)
+        if alpha_in is not None:
+            x = snake(x, alpha_in)
+        bias = None if self.defers_bias(out_elements) else self.bias
+        return F.conv_transpose1d(x, self.weight, bias, self.stride, self.padding, self.output_padding)
+
+
+class OutputConvTanh(nn.Conv1d):
+    """The decoder's output conv7 (to one channel) and tanh in one kernel; the Tanh module stays in
+    the tree as AbsorbedTanh. Same parameters and name as the conv."""
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv1d) -> "OutputConvTanh":
+        k = conv.kernel_size[0]
+        if (type(conv) is not nn.Conv1d or k % 2 == 0 or conv.padding[0] != (k - 1) // 2 or conv.stride[0] != 1
+                or conv.dilation[0] != 1 or conv.groups != 1):
+            raise ValueError("needs a plain same-padded Conv1d, weights folded")
+        fused = cls.__new__(cls)
+        fused.__dict__.update(conv.__dict__)
+        return fused
+
+    def forward(self, x: Tensor) -> Tensor:
+        from snac_fast.ops.conv import conv_tanh
+
+        return conv_tanh(x, self.weight, self.bias)
 
 
 class FusedNoiseBlock(_upstream_layers()[0]):
@@ -95,8 +272,7 @@ class FusedNoiseBlock(_upstream_layers()[0]):
 
     ``draw_noise(x) -> [B, 1, T]`` supplies the noise: fresh ``torch.randn`` like upstream by default;
     seeded decodes, fidelity checks and CUDA graphs replace it per instance. After
-    :meth:`take_bias_of` the block computes on ``x + conv.bias`` of the preceding transposed
-    convolution (see BiasDeferredConvTranspose1d).
+    :meth:`follow` it adds the preceding FusedConvTranspose1d's bias whenever that layer deferred it.
     """
 
     replaces = ("linear",)
@@ -104,14 +280,16 @@ class FusedNoiseBlock(_upstream_layers()[0]):
     def __init__(self, linear: nn.Conv1d) -> None:
         nn.Module.__init__(self)
         self.linear = linear
-        object.__setattr__(self, "_bias_of", None)  # not a child module: the conv stays where it is
+        object.__setattr__(self, "_upsampler", None)  # not a child: the conv stays where it is
 
-    def take_bias_of(self, conv: nn.Module) -> None:
-        object.__setattr__(self, "_bias_of", conv)
+    def follow(self, conv: "FusedConvTranspose1d") -> None:
+        """Add ``conv``'s bias whenever it runs on cuDNN without it (it runs right before this block)."""
+        object.__setattr__(self, "_upsampler", conv)
+        object.__setattr__(conv, "_bias_taken", True)
 
-    @property
-    def input_bias(self) -> Tensor | None:
-        return None if self._bias_of is None else self._bias_of.bias
+    def input_bias(self, x: Tensor) -> Tensor | None:
+        conv = self._upsampler
+        return conv.bias if conv is not None and conv.defers_bias(x.numel()) else None
 
     @classmethod
     def from_block(cls, block: nn.Module) -> "FusedNoiseBlock":
@@ -128,25 +306,35 @@ class FusedNoiseBlock(_upstream_layers()[0]):
         from snac_fast.ops.conv import pointwise_conv
 
         return pointwise_conv(x, self.linear.weight, self.linear.bias, residual=x, scale=self.draw_noise(x),
-                              input_bias=self.input_bias)
+                              input_bias=self.input_bias(x))
 
 
-class BiasDeferredConvTranspose1d(nn.ConvTranspose1d):
-    """A ConvTranspose1d (cuDNN) whose bias is added by the FusedNoiseBlock after it, inside that
-    block's kernel: saves a full read-and-write pass over the decoder block's largest tensor.
-    Same parameters, state-dict keys and module name; its output alone lacks the bias.
-    """
+def _upstream_quantizer():
+    from snac.vq import ResidualVectorQuantize
 
-    bias_added_by = "the next FusedNoiseBlock"
+    return ResidualVectorQuantize
+
+
+class FusedResidualVectorQuantize(_upstream_quantizer()):
+    """Upstream's residual quantizer whose ``from_codes`` (codes -> latent, about five launches per
+    level) is one kernel (:func:`snac_fast.ops.codebook.codes_to_latent`). Encoding is unchanged.
+    Same submodules and parameters."""
+
+    replaces = ("from_codes",)
 
     @classmethod
-    def from_conv(cls, conv: nn.ConvTranspose1d) -> "BiasDeferredConvTranspose1d":
-        if type(conv) is not nn.ConvTranspose1d or conv.bias is None or hasattr(conv, "parametrizations"):
-            raise ValueError("needs a plain ConvTranspose1d with a bias and folded weights")
-        deferred = cls.__new__(cls)
-        deferred.__dict__.update(conv.__dict__)  # the same Parameters, hooks and conv attributes
-        return deferred
+    def from_quantizer(cls, quantizer: nn.Module) -> "FusedResidualVectorQuantize":
+        if type(quantizer) is not _upstream_quantizer() or any(
+                hasattr(q.out_proj, "parametrizations") or q.out_proj.bias is None for q in quantizer.quantizers):
+            raise ValueError("needs an upstream ResidualVectorQuantize with folded weights")
+        fused = cls.__new__(cls)
+        fused.__dict__.update(quantizer.__dict__)
+        return fused
 
-    def forward(self, x: Tensor) -> Tensor:
-        return F.conv_transpose1d(x, self.weight, None, self.stride, self.padding, self.output_padding,
-                                  self.groups, self.dilation)
+    def from_codes(self, codes: list[Tensor]) -> Tensor:
+        """codes: integer [B, L_i] per level, validated -> latent [B, latent_dim, L_0 * stride_0]."""
+        from snac_fast.ops.codebook import codes_to_latent
+
+        qs = self.quantizers
+        return codes_to_latent(codes, [q.codebook.weight for q in qs], [q.out_proj.weight for q in qs],
+                               [q.out_proj.bias for q in qs], [q.stride for q in qs], qs[0].out_proj.weight.dtype)

@@ -10,8 +10,9 @@ nested rows add hundreds of events); nested rows from a pass that times everythi
 top-level rows added up) against ``untimed_ms`` shows what the hooks cost; and the eager latency of a
 plain call (host overhead included), which is what an eager caller waits.
 
-Fused layers (FusedResidualUnit, FusedNoiseBlock) run their children inside their kernels, so
-those children have rows for the original model only (``fast_ms`` is None).
+Fused layers run their children inside their kernels, and absorbed layers (Absorbed*: a snake, the
+input 1x1 conv, the tanh) run inside a neighbour's kernel, so those rows have times for the original
+model only (``fast_ms`` is None).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from snac_fast.surgery import to_device_dtype
 
 
 def _timed_classes() -> tuple[type, ...]:
-    """Layer classes that get a row; subclasses (parametrized, fused, bias-deferred) included."""
+    """Layer classes that get a row; subclasses (parametrized, fused, absorbed) included."""
     from snac.attention import LocalMHA
     from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
 
@@ -200,7 +201,10 @@ def _hooked_runs(model, codes, clock, runs, warmup, top_only):
     marks: dict[str, list] = {}
     shapes: dict[str, list[int]] = {}
     handles = []
-    selected = [(n, m, d) for n, m, d in _timed_modules(model) if d == 0 or not top_only]
+    from snac_fast.modules import _Absorbed
+
+    # absorbed layers run inside a neighbour's kernel: no row of their own (they would time nothing)
+    selected = [(n, m, d) for n, m, d in _timed_modules(model) if (d == 0 or not top_only) and not isinstance(m, _Absorbed)]
     for name, module, _ in selected:
         def pre(mod, args, name=name):
             marks.setdefault(name, []).append(clock.mark())
@@ -283,7 +287,7 @@ def profile(
         share = fast_ms / report.fast_untimed_ms if fast_ms is not None and report.fast_untimed_ms else None
         report.layers.append(LayerTiming(name, kind, depth, shape, fast_ms,
                                          statistics.median(orig[3]) if orig else None, share))
-    report.fast_timed_total_ms = sum(r.fast_ms for r in report.layers if r.depth == 0)
+    report.fast_timed_total_ms = sum(r.fast_ms for r in report.layers if r.depth == 0 and r.fast_ms is not None)
     return report
 
 

@@ -5,13 +5,16 @@ Everything else in the module tree stays as it is, so code that knows upstream's
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from snac_fast.modules import BiasDeferredConvTranspose1d, FastSnake1d, FusedNoiseBlock, FusedResidualUnit
+from snac_fast.modules import (DepthwisePointwiseConv1d, FastSnake1d, FusedConvTranspose1d, FusedNoiseBlock,
+                               FusedResidualUnit, FusedResidualVectorQuantize, OutputConvTanh, _Absorbed, _SnakeOut,
+                               absorb, is_pointwise, is_same_padding_depthwise)
 
 
 @dataclass
@@ -22,9 +25,12 @@ class SurgeryReport:
     encoder_snakes: list[str] = field(default_factory=list)
     folded_weight_norms: list[str] = field(default_factory=list)
     float32_attention: list[str] = field(default_factory=list)  # LocalMHA kept in float32 (half dtypes)
-    fused_residual_units: list[str] = field(default_factory=list)  # ResidualUnit -> FusedResidualUnit
-    fused_noise_blocks: list[str] = field(default_factory=list)  # NoiseBlock -> FusedNoiseBlock
-    deferred_biases: list[str] = field(default_factory=list)  # ConvTranspose1d whose bias the next block adds
+    fused: dict[str, list[str]] = field(default_factory=dict)  # kind -> layers replaced by fused kernels
+    absorbed: list[str] = field(default_factory=list)  # layers now computed inside a neighbour's kernel
+
+    @property
+    def fused_residual_units(self) -> list[str]:
+        return self.fused.get("residual_units", [])
 
 
 def expected_snake_counts(model: nn.Module) -> tuple[int, int]:
@@ -92,31 +98,81 @@ def to_device_dtype(model: nn.Module, device: torch.device | str | None, dtype: 
     return []
 
 
-def fuse_decoder(model: nn.Module) -> tuple[list[str], list[str], list[str]]:
-    """Replace the decoder's ResidualUnits and NoiseBlocks by their fused versions (which keep the
-    same submodules and parameters), and let each NoiseBlock add the bias of the ConvTranspose1d
-    before it. Needs FastSnake1d and folded weights. Returns the replaced names."""
-    from snac.layers import NoiseBlock, ResidualUnit
+def _decoder_execution_order(model: nn.Module) -> list[tuple[str, nn.Sequential, int]]:
+    """(qualified name, parent Sequential, index) of the decoder's layers in the order they run,
+    with each DecoderBlock opened into its own layers."""
+    from snac.layers import DecoderBlock
 
-    units, noises, deferred = [], [], []
-    for parent_name, parent in list(model.decoder.named_modules(prefix="decoder")):
-        for child_name, child in list(parent.named_children()):
-            name = f"{parent_name}.{child_name}"
-            if type(child) is ResidualUnit and FusedResidualUnit.fusable(child):
-                setattr(parent, child_name, FusedResidualUnit.from_unit(child))
-                units.append(name)
-            elif type(child) is NoiseBlock:
-                setattr(parent, child_name, FusedNoiseBlock.from_block(child))
-                noises.append(name)
-        if isinstance(parent, nn.Sequential):  # ConvTranspose1d then NoiseBlock: defer the bias
-            for i in range(len(parent) - 1):
-                conv, noise = parent[i], parent[i + 1]
-                if (type(conv) is nn.ConvTranspose1d and conv.bias is not None and isinstance(noise, FusedNoiseBlock)
-                        and conv.out_channels == noise.linear.in_channels):
-                    parent[i] = BiasDeferredConvTranspose1d.from_conv(conv)
-                    noise.take_bias_of(parent[i])
-                    deferred.append(f"{parent_name}.{i}")
-    return units, noises, deferred
+    order = []
+    for i, layer in enumerate(model.decoder.model):
+        if isinstance(layer, DecoderBlock) and isinstance(getattr(layer, "block", None), nn.Sequential):
+            order.extend((f"decoder.model.{i}.block.{j}", layer.block, j) for j in range(len(layer.block)))
+        else:
+            order.append((f"decoder.model.{i}", model.decoder.model, i))
+    return order
+
+
+def fuse_decoder(model: nn.Module) -> dict[str, list[str]]:
+    """Replace the decoding path's layers by fused kernels that keep the same submodules and parameters:
+    codes -> latent (one kernel), the input depthwise + 1x1 convs (two), each residual unit (two or
+    three), each NoiseBlock (one), each transposed conv (phase GEMM with bias, or cuDNN for large
+    outputs with the bias moved into the NoiseBlock), the output conv + tanh (one). A decoder-level
+    Snake1d runs in the epilogue of the fused layer before it when there is one, else in the
+    transposed conv after it. Needs FastSnake1d and folded weights. Returns the replaced names by
+    kind ("absorbed": layers now computed inside a neighbour).
+    """
+    from snac.layers import NoiseBlock, ResidualUnit
+    from snac.vq import ResidualVectorQuantize
+
+    done: dict[str, list[str]] = {"quantizer": [], "input_convs": [], "residual_units": [], "noise_blocks": [],
+                                  "conv_transposes": [], "output_conv": [], "absorbed": []}
+    if type(model.quantizer) is ResidualVectorQuantize:
+        model.quantizer = FusedResidualVectorQuantize.from_quantizer(model.quantizer)
+        done["quantizer"].append("quantizer")
+    seq = model.decoder.model
+    if len(seq) > 1 and is_same_padding_depthwise(seq[0]) and is_pointwise(seq[1]) and seq[1].in_channels == seq[0].out_channels:
+        seq[0], seq[1] = DepthwisePointwiseConv1d.from_convs(seq[0], seq[1], "decoder.model.0")
+        done["input_convs"].append("decoder.model.0")
+        done["absorbed"].append("decoder.model.1")
+    if len(seq) > 1 and type(seq[-1]) is nn.Tanh and type(seq[-2]) is nn.Conv1d:
+        with contextlib.suppress(ValueError):  # an unusual output conv stays as it is
+            seq[-2] = OutputConvTanh.from_conv(seq[-2])
+            seq[-1] = absorb(seq[-1], f"decoder.model.{len(seq) - 2}")
+            done["output_conv"].append(f"decoder.model.{len(seq) - 2}")
+            done["absorbed"].append(f"decoder.model.{len(seq) - 1}")
+    order = _decoder_execution_order(model)
+    for name, parent, i in order:
+        layer = parent[i]
+        if type(layer) is ResidualUnit and FusedResidualUnit.fusable(layer):
+            parent[i] = FusedResidualUnit.from_unit(layer)
+            done["residual_units"].append(name)
+        elif type(layer) is NoiseBlock:
+            parent[i] = FusedNoiseBlock.from_block(layer)
+            done["noise_blocks"].append(name)
+        elif FusedConvTranspose1d.fusable(layer):
+            parent[i] = FusedConvTranspose1d.from_conv(layer)
+            done["conv_transposes"].append(name)
+    for (_, parent, i), (_, next_parent, j) in zip(order, order[1:]):
+        if isinstance(parent[i], FusedConvTranspose1d) and isinstance(next_parent[j], FusedNoiseBlock):
+            next_parent[j].follow(parent[i])
+    previous: tuple[str, nn.Module] | None = None  # the last layer that computes something
+    for k, (name, parent, i) in enumerate(order):
+        layer = parent[i]
+        if type(layer) is FastSnake1d:
+            if previous is not None and isinstance(previous[1], _SnakeOut) and previous[1].alpha_out is None:
+                parent[i] = absorb(layer, previous[0])  # the tree's module: .to() and loading reach it
+                previous[1].absorb_next_snake(parent[i])
+                done["absorbed"].append(name)
+                continue
+            next_name, next_parent, j = order[k + 1] if k + 1 < len(order) else (None, None, None)
+            if next_parent is not None and isinstance(next_parent[j], FusedConvTranspose1d):
+                parent[i] = absorb(layer, next_name)
+                next_parent[j].absorb_previous_snake(parent[i])
+                done["absorbed"].append(name)
+                continue
+        if not isinstance(layer, _Absorbed):
+            previous = (name, layer)
+    return done
 
 
 def accelerate(
@@ -157,7 +213,8 @@ def accelerate(
     if fold_weights:
         report.folded_weight_norms = fold_weight_norm(model)
     if fuse:
-        report.fused_residual_units, report.fused_noise_blocks, report.deferred_biases = fuse_decoder(model)
+        report.fused = fuse_decoder(model)
+        report.absorbed = report.fused.pop("absorbed")
     if device is not None or dtype is not None:
         report.float32_attention = to_device_dtype(model, device, dtype)
     return report

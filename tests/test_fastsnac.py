@@ -32,9 +32,13 @@ def test_surgery_counts_types_and_tree(name):
     assert not any(isinstance(m, Snake1d) for m in after.values())
     assert sum(isinstance(m, FastSnake1d) for m in fast.model.decoder.modules()) == 29
     assert not any(parametrize.is_parametrized(m) for m in after.values())
-    assert len(fast.report.fused_residual_units) == 12 and len(fast.report.fused_noise_blocks) == 4
+    fused = fast.report.fused
+    assert len(fused["residual_units"]) == 12 and len(fused["noise_blocks"]) == 4 and len(fused["conv_transposes"]) == 4
+    assert fused["quantizer"] == ["quantizer"] and len(fused["input_convs"]) == len(fused["output_conv"]) == 1
+    # absorbed: the input 1x1 conv, the tanh, the 4 block-input snakes and the output snake
+    assert len(fast.report.absorbed) == 7
     # same tree: every module name survives; Snake1d becomes FastSnake1d, parametrized convs plain
-    # convs, ResidualUnit and NoiseBlock their fused subclasses (which keep the same children)
+    # convs, fused layers subclasses of the layers they replace (which keep the same children)
     assert set(before) - {n for n in before if ".parametrizations" in n} == set(after)
     for n, m in after.items():
         if before[n] is Snake1d:
@@ -43,7 +47,10 @@ def test_surgery_counts_types_and_tree(name):
         elif not before[n].__name__.startswith("Parametrized"):
             assert isinstance(m, before[n]), n
     assert {type(m).__name__ for n, m in after.items() if type(m) is not before[n] and before[n] is not Snake1d
-            and not before[n].__name__.startswith("Parametrized")} == {"FusedResidualUnit", "FusedNoiseBlock"}
+            and not before[n].__name__.startswith("Parametrized")} == {
+        "FusedResidualVectorQuantize", "FusedResidualUnit", "FusedNoiseBlock", "AbsorbedTanh"}
+    assert {type(m).__name__ for n, m in after.items() if before[n].__name__.startswith("Parametrized")} == {
+        "Conv1d", "DepthwisePointwiseConv1d", "AbsorbedConv1d", "FusedConvTranspose1d", "OutputConvTanh"}
 
 
 @pytest.mark.parametrize("name", MODELS)

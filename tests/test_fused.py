@@ -2,42 +2,133 @@
 
 import pytest
 import torch
-from snac.layers import NoiseBlock, ResidualUnit
+from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit
+from snac.vq import ResidualVectorQuantize
 
 from helpers import random_codes
 from snac_fast import FastSNAC
-from snac_fast.modules import FastSnake1d, FusedNoiseBlock, FusedResidualUnit
-from snac_fast.ops.conv import (depthwise_conv_snake, depthwise_conv_snake_reference, pointwise_conv,
-                                pointwise_conv_reference)
-from snac_fast.surgery import fold_weight_norm
 from snac_fast.graphs import GraphedDecode
+from snac_fast.modules import (AbsorbedSnake1d, FastSnake1d, FusedConvTranspose1d, FusedNoiseBlock,
+                               FusedResidualUnit)
+from snac_fast.ops.codebook import codes_to_latent, codes_to_latent_reference
+from snac_fast.ops.conv import (_dw_config, conv_tanh, conv_tanh_reference, depthwise_conv_snake,
+                                depthwise_conv_snake_reference, pointwise_conv, pointwise_conv_reference)
+from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference
+from snac_fast.surgery import fold_weight_norm, fuse_decoder
 
 # residual-unit channel counts of the three published decoders (24 kHz; 32 and 44 kHz share theirs)
 CHANNELS = [512, 256, 128, 64, 768, 384, 192, 96]
+# (C_in, C_out, stride) of every decoder transposed conv: 24 kHz, then 32/44 kHz
+UPSAMPLERS = [(1024, 512, 8), (512, 256, 8), (256, 128, 4), (128, 64, 2),
+              (1536, 768, 8), (768, 384, 8), (384, 192, 3), (192, 96, 2)]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # relative to output scale
 
 
 def close(got, ref, dtype):
+    assert got.shape == ref.shape, (got.shape, ref.shape)
     scale = ref.abs().max().item() + 1e-6
     err = (got.double() - ref.double()).abs().max().item()
     assert err <= TOL[dtype] * scale, f"max err {err:.3g} vs scale {scale:.3g}"
+
+
+def d(t):
+    return None if t is None else t.double()
+
+
+def log_uniform_alpha(n, gen):
+    return torch.exp(torch.empty(n).uniform_(-1.6, 1.6, generator=gen))
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty comes back full of NaN: a kernel that skips an output element fails."""
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dilation", [1, 3, 9])
 @pytest.mark.parametrize("C", CHANNELS)
 def test_depthwise_conv_snake(dtype, dilation, C):
+    """dwconv7 -> Snake in one kernel, every channel count and dilation; without bias and snake too."""
     gen = torch.Generator().manual_seed(C * dilation)
     T = 37 if C >= 384 else 101  # odd lengths, shorter than the dilated kernel's span for C >= 384
     x = torch.randn(2, C, T, generator=gen).to(dtype)
     w = (torch.randn(C, 1, 7, generator=gen) * 0.4).to(dtype)
     b = torch.randn(C, generator=gen).to(dtype)
-    alpha = torch.exp(torch.empty(C).uniform_(-1.6, 1.6, generator=gen))
-    got = depthwise_conv_snake(x, w, b, dilation, alpha)
-    close(got, depthwise_conv_snake_reference(x.double(), w.double(), b.double(), dilation, alpha.double()), dtype)
-    plain = depthwise_conv_snake(x, w, None, dilation, None)  # no bias, no snake
-    close(plain, depthwise_conv_snake_reference(x.double(), w.double(), None, dilation, None), dtype)
+    a = log_uniform_alpha(C, gen)
+    close(depthwise_conv_snake(x, w, b, dilation, a), depthwise_conv_snake_reference(d(x), d(w), d(b), dilation, d(a)), dtype)
+    close(depthwise_conv_snake(x, w, None, dilation), depthwise_conv_snake_reference(d(x), d(w), None, dilation, None), dtype)
+
+
+@pytest.mark.parametrize("dilation", [1, 9])
+def test_depthwise_interior_and_edge_tiles(dilation, poisoned_empty):
+    """Long enough for interior tiles (unmasked loads) between the two edge tiles (masked)."""
+    T = 3 * _dw_config(2, 10**9)[1] + 5
+    gen = torch.Generator().manual_seed(dilation)
+    x = torch.randn(1, 2, T, generator=gen)
+    w = torch.randn(2, 1, 7, generator=gen)
+    alpha = torch.tensor([0.7, 2.0])
+    got = depthwise_conv_snake(x, w, None, dilation, alpha)
+    close(got, depthwise_conv_snake_reference(d(x), d(w), None, dilation, d(alpha)), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C_in,C_out,stride", UPSAMPLERS)
+def test_conv_transpose_kernel(dtype, C_in, C_out, stride):
+    gen = torch.Generator().manual_seed(C_in + stride)
+    T = 5 if C_in >= 768 else 19
+    x = torch.randn(2, C_in, T, generator=gen).to(dtype)
+    w = (torch.randn(C_in, C_out, 2 * stride, generator=gen) / (C_in * 2) ** 0.5).to(dtype)
+    b = torch.randn(C_out, generator=gen).to(dtype)
+    alpha = log_uniform_alpha(C_in, gen)
+    close(conv_transpose(x, w, b, stride, alpha_in=alpha), conv_transpose_reference(d(x), d(w), d(b), stride, d(alpha)), dtype)
+    close(conv_transpose(x, w, None, stride), conv_transpose_reference(d(x), d(w), None, stride), dtype)
+
+
+@pytest.mark.parametrize("stride", [2, 3, 4, 5, 8])
+def test_conv_transpose_matches_torch_module(stride, poisoned_empty):
+    """Against nn.ConvTranspose1d built with SNAC's padding rule, odd lengths, every output written
+    (stride 3 and 5 use padded phases)."""
+    import math
+
+    torch.manual_seed(stride)
+    conv = torch.nn.ConvTranspose1d(32, 16, 2 * stride, stride=stride, padding=math.ceil(stride / 2),
+                                    output_padding=stride % 2)
+    x = torch.randn(3, 32, 1 + 2 * stride)
+    with torch.no_grad():
+        close(conv_transpose(x, conv.weight, conv.bias, stride), conv(x.double().float()), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conv_tanh_kernel(dtype, poisoned_empty):
+    gen = torch.Generator().manual_seed(0)
+    for C_in, C_out, T in [(64, 1, 1001), (96, 1, 3), (64, 2, 50)]:
+        x = torch.randn(2, C_in, T, generator=gen).to(dtype)
+        w = (torch.randn(C_out, C_in, 7, generator=gen) / 8).to(dtype)
+        b = torch.randn(C_out, generator=gen).to(dtype)
+        close(conv_tanh(x, w, b), conv_tanh_reference(d(x), d(w), d(b)), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("strides", [[4, 2, 1], [8, 4, 2, 1]])
+def test_codes_to_latent_matches_upstream_quantizer(dtype, strides, poisoned_empty):
+    torch.manual_seed(len(strides))
+    rvq = ResidualVectorQuantize(96, 4096, 8, strides).eval()
+    fold_weight_norm(rvq)
+    codes = random_codes({"vq_strides": strides, "codebook_size": 4096}, 5, batch=3, seed=2)
+    with torch.no_grad():
+        expected = rvq.from_codes(codes)
+        rvq.to(dtype)
+        qs = rvq.quantizers
+        got = codes_to_latent(codes, [q.codebook.weight for q in qs], [q.out_proj.weight for q in qs],
+                              [q.out_proj.bias for q in qs], strides)
+    assert got.dtype == dtype
+    close(got, expected, dtype)
+    ref = codes_to_latent_reference(codes, [q.codebook.weight for q in qs], [q.out_proj.weight for q in qs],
+                                    [q.out_proj.bias for q in qs], strides, torch.float64)
+    close(got, ref, dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,31 +141,13 @@ def test_pointwise_conv(dtype, C):
     b = torch.randn(C, generator=gen).to(dtype)
     res = torch.randn(2, C, T, generator=gen).to(dtype)
     scale = torch.randn(2, 1, T, generator=gen).to(dtype)
-    d = lambda t: None if t is None else t.double()  # noqa: E731
-    ib = torch.randn(C, generator=gen).to(dtype)
-    for args in [(b, res, None, None), (None, res, scale, None), (None, None, None, None), (b, None, scale, None),
-                 (None, h, scale, ib), (b, None, None, ib)]:
-        got = pointwise_conv(h, w, *args)
-        close(got, pointwise_conv_reference(h.double(), w.double(), *map(d, args)), dtype)
+    ib, a_out = torch.randn(C, generator=gen).to(dtype), log_uniform_alpha(C, gen)
+    for args in [(b, res, None, None, None), (None, res, scale, None, None), (None, None, None, None, None),
+                 (b, None, scale, None, a_out), (None, h, scale, ib, None), (b, None, None, ib, None), (b, res, None, None, a_out)]:
+        close(pointwise_conv(h, w, *args), pointwise_conv_reference(h.double(), w.double(), *map(d, args)), dtype)
 
 
-@pytest.mark.parametrize("dilation", [1, 9])
-def test_depthwise_interior_and_edge_tiles(dilation):
-    """Long enough for interior tiles (unmasked loads) between the two edge tiles (masked)."""
-    from snac_fast.ops.conv import _dw_config
-
-    T = 3 * _dw_config(2, 10**9)[1] + 5
-    gen = torch.Generator().manual_seed(dilation)
-    x = torch.randn(1, 2, T, generator=gen)
-    w = torch.randn(2, 1, 7, generator=gen)
-    alpha = torch.tensor([0.7, 2.0])
-    got = depthwise_conv_snake(x, w, None, dilation, alpha)
-    close(got, depthwise_conv_snake_reference(x.double(), w.double(), None, dilation, alpha.double()), torch.float32)
-
-
-def test_pointwise_conv_rectangular_and_poisoned(monkeypatch):
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+def test_pointwise_conv_rectangular_and_poisoned(poisoned_empty):
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(3, 768, 19, generator=gen)
     w = torch.randn(1024, 768, 1, generator=gen) / 28
@@ -85,25 +158,42 @@ def test_pointwise_conv_rectangular_and_poisoned(monkeypatch):
 
 def test_argument_errors():
     x = torch.randn(1, 4, 10)
+    w_pw = torch.randn(4, 4, 1)
     with pytest.raises(ValueError, match="K odd"):
         depthwise_conv_snake(x, torch.randn(4, 1, 6))
-    with pytest.raises(ValueError, match="need 4 values"):
+    with pytest.raises(ValueError, match="bias needs 4 values"):
         depthwise_conv_snake(x, torch.randn(4, 1, 7), torch.randn(3))
+    with pytest.raises(ValueError, match="alpha_out needs 4 values"):
+        pointwise_conv(x, w_pw, alpha_out=torch.ones(5))
     with pytest.raises(ValueError, match=r"\[C_out, 4, 1\]"):
         pointwise_conv(x, torch.randn(4, 5, 1))
     with pytest.raises(ValueError, match="residual"):
-        pointwise_conv(x, torch.randn(4, 4, 1), residual=torch.randn(1, 4, 9))
+        pointwise_conv(x, w_pw, residual=torch.randn(1, 4, 9))
     with pytest.raises(ValueError, match="floating"):
-        pointwise_conv(x.long(), torch.randn(4, 4, 1))
+        pointwise_conv(x.long(), w_pw)
+    with pytest.raises(ValueError, match=r"weight must be \[4, C_out, 4\]"):
+        conv_transpose(x, torch.randn(4, 2, 5), None, 2)
+    with pytest.raises(ValueError, match="K odd"):
+        conv_tanh(x, torch.randn(1, 4, 6))
+    with pytest.raises(ValueError, match="latent length"):
+        codes_to_latent([torch.zeros(1, 2, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long)],
+                        [torch.randn(8, 2)] * 2, [torch.randn(4, 2, 1)] * 2, [torch.randn(4)] * 2, [2, 1])
+
+
+# --- modules and surgery ----------------------------------------------------------------------
+
+def set_alphas(module, seed):
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in module.modules():
+            if hasattr(m, "alpha"):
+                m.alpha.copy_(torch.exp(torch.empty(m.alpha.shape).uniform_(-1.6, 1.6, generator=gen)))
 
 
 def upstream_unit(C, dilation, seed):
     torch.manual_seed(seed)
     unit = ResidualUnit(C, dilation=dilation, groups=C).eval()
-    with torch.no_grad():
-        for m in unit.modules():
-            if hasattr(m, "alpha"):
-                m.alpha.copy_(torch.exp(torch.empty_like(m.alpha).uniform_(-1.6, 1.6)))
+    set_alphas(unit, seed)
     return unit
 
 
@@ -123,12 +213,11 @@ def test_fused_residual_unit_matches_upstream(C, dilation):
     unit = upstream_unit(C, dilation, seed=C + dilation)
     fused = fused_copy(unit)
     assert fused.replaces == ("block.0", "block.1", "block.2", "block.3")
-    assert set(fused.state_dict()) == {k.replace("parametrizations.weight.original0", "weight").replace(
-        "parametrizations.weight.original1", "weight") for k in unit.state_dict()} - {
-        k for k in unit.state_dict() if "original0" in k}
+    assert set(fused.state_dict()) == {k.replace("parametrizations.weight.original1", "weight")
+                                       for k in unit.state_dict() if "original0" not in k}
     x = torch.randn(2, C, 333)
     with torch.no_grad():
-        close(fused(x), unit(x.double().float()).double(), torch.float32)
+        close(fused(x), unit(x), torch.float32)
         close(fused.half()(x.half()), unit(x), torch.float16)
 
 
@@ -144,61 +233,102 @@ def test_fused_noise_block_matches_upstream():
     fused.draw_noise = lambda t: noise
     with torch.no_grad():
         close(fused(x), x + noise * block.linear(x), torch.float32)
-        conv = torch.nn.ConvTranspose1d(8, 64, 4, stride=2)  # a transposed conv whose bias it adds
-        fused.take_bias_of(conv)
-        xb = x + conv.bias.view(1, -1, 1)
-        close(fused(x), xb + noise * block.linear(xb), torch.float32)
 
 
-def test_transposed_conv_bias_moves_into_the_noise_block():
-    from snac.layers import DecoderBlock
-
-    from snac_fast.modules import BiasDeferredConvTranspose1d
-    from snac_fast.surgery import fuse_decoder
-
-    torch.manual_seed(0)
-    block = DecoderBlock(128, 64, stride=4, noise=True, groups=64).eval()
-    for m in block.modules():
-        if hasattr(m, "alpha"):
-            with torch.no_grad():
-                m.alpha.uniform_(0.3, 3)
-    x, noise = torch.randn(2, 128, 19), torch.randn(2, 1, 76)
-    with torch.no_grad():
-        conv_out = block.block[1](block.block[0](x))
-        expected = block.block[5](block.block[4](block.block[3](conv_out + noise * block.block[2].linear(conv_out))))
-    keys = set(block.state_dict())
-    for i in (0, 3, 4, 5):
-        sub = block.block[i]
-        if i == 0:
-            block.block[0] = FastSnake1d.from_snake(sub)
-        else:
-            sub.block[0] = FastSnake1d.from_snake(sub.block[0])
-            sub.block[2] = FastSnake1d.from_snake(sub.block[2])
-    fold_weight_norm(block)
+def standalone_decoder(*blocks):
+    """A minimal object with ``decoder.model`` and a ``quantizer`` slot, as fuse_decoder walks it."""
     holder = torch.nn.Module()
+    holder.quantizer = torch.nn.Identity()
     holder.decoder = torch.nn.Module()
-    holder.decoder.model = torch.nn.Sequential(block)
-    units, noises, deferred = fuse_decoder(holder)
-    assert deferred == ["decoder.model.0.block.1"] and len(units) == 3 and len(noises) == 1
-    assert isinstance(block.block[1], BiasDeferredConvTranspose1d) and block.block[2].input_bias is block.block[1].bias
-    assert {k.replace("parametrizations.weight.original1", "weight") for k in keys if "original0" not in k} == set(block.state_dict())
-    block.block[2].draw_noise = lambda t: noise
+    holder.decoder.model = torch.nn.Sequential(*blocks)
+    return holder
+
+
+def fast_snakes(module):
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child).__name__ == "Snake1d":
+                setattr(parent, name, FastSnake1d.from_snake(child))
+
+
+@pytest.mark.parametrize("cudnn", [False, True])
+@pytest.mark.parametrize("stride", [2, 3, 8])
+def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
+    """Two DecoderBlocks in a row: the second block's input snake moves into the first block's last
+    residual unit; the first block's snake into its transposed conv (nothing fused before it).
+    cudnn: large-output path, transposed conv on cuDNN with its bias added by the NoiseBlock."""
+    if cudnn:
+        monkeypatch.setattr(FusedConvTranspose1d, "kernel_max_elements", 0)
+    torch.manual_seed(stride)
+    blocks = [DecoderBlock(128, 64, stride=stride, noise=True, groups=64).eval(),
+              DecoderBlock(64, 32, stride=2, noise=True, groups=32).eval()]
+    set_alphas(torch.nn.ModuleList(blocks), stride)
+    x = torch.randn(2, 128, 11)
+    T1 = 11 * stride
+    noises = [torch.randn(2, 1, T1), torch.randn(2, 1, 2 * T1)]
     with torch.no_grad():
-        close(block(x), expected, torch.float32)
-    block.half()  # dtype conversion keeps the link (parameters convert in place)
-    assert block.block[2].input_bias is block.block[1].bias and block.block[2].input_bias.dtype == torch.float16
+        h = x
+        for block, noise in zip(blocks, noises):
+            conv_out = block.block[1](block.block[0](h))
+            h = conv_out + noise * block.block[2].linear(conv_out)
+            h = block.block[5](block.block[4](block.block[3](h)))
+        expected = h
+    keys = set(torch.nn.ModuleList(blocks).state_dict())
+    for block in blocks:
+        fast_snakes(block)
+        fold_weight_norm(block)
+    holder = standalone_decoder(*blocks)
+    done = fuse_decoder(holder)
+    assert done["conv_transposes"] == ["decoder.model.0.block.1", "decoder.model.1.block.1"]
+    assert len(done["residual_units"]) == 6 and len(done["noise_blocks"]) == 2
+    assert done["absorbed"] == ["decoder.model.0.block.0", "decoder.model.1.block.0"]
+    first, second = blocks[0].block, blocks[1].block
+    assert isinstance(first[0], AbsorbedSnake1d) and first[0].absorbed_by == "decoder.model.0.block.1"
+    assert first[1]._snake_in is first[0] and first[2]._upsampler is first[1]
+    assert first[2].input_bias(torch.empty(2, 64, 11 * stride)) is (first[1].bias if cudnn else None)
+    assert second[0].absorbed_by == "decoder.model.0.block.5" and first[5].alpha_out is second[0].alpha
+    assert {k.replace("parametrizations.weight.original1", "weight") for k in keys if "original0" not in k} \
+        == set(torch.nn.ModuleList(blocks).state_dict())
+    for block, noise in zip(blocks, noises):
+        block.block[2].draw_noise = lambda t, noise=noise: noise
+    with torch.no_grad():
+        close(holder.decoder.model(x), expected, torch.float32)
+
+
+def test_conv_transpose_repacks_when_its_weight_changes():
+    torch.manual_seed(0)
+    conv = FusedConvTranspose1d.from_conv(torch.nn.ConvTranspose1d(16, 8, 4, stride=2, padding=1))
+    x = torch.randn(1, 16, 9)
+    with torch.no_grad():
+        before = conv(x)
+        conv.weight.mul_(2)  # in place, as load_state_dict does
+        after = conv(x)
+        close(after - conv.bias.view(1, -1, 1), 2 * (before - conv.bias.view(1, -1, 1)), torch.float32)
+
+
+def test_surgery_absorbs_snakes_by_architecture():
+    """24 kHz: every decoder snake runs inside a neighbour. 32 kHz: the first block's snake follows
+    attention, so its transposed conv applies it."""
+    for name, into_conv in [("snac_24khz", []), ("snac_32khz", ["decoder.model.3.block.0"])]:
+        fast = FastSNAC.from_pretrained(f"synthetic:{name}", device="cpu")
+        modules = dict(fast.model.named_modules())
+        snakes = [n for n in fast.report.absorbed if isinstance(modules[n], AbsorbedSnake1d)]
+        assert sum(isinstance(m, FastSnake1d) for m in fast.model.decoder.modules()) == 29
+        assert len(snakes) == 5  # 4 block inputs + the output snake; residual units keep theirs inside
+        assert [n for n in snakes if isinstance(modules[modules[n].absorbed_by], FusedConvTranspose1d)] == into_conv
+        assert type(fast.model.decoder.model[-1]).__name__ == "AbsorbedTanh"
+        assert type(fast.model.quantizer).__name__ == "FusedResidualVectorQuantize"
 
 
 def test_compile_traces_through_the_ops():
     """Registered torch.library ops: dynamo captures them in one graph (fullgraph=True fails on a break)."""
-    from snac_fast import snake
-
-    def f(x, alpha, w_dw, w_pw):
-        h = depthwise_conv_snake(snake(x, alpha), w_dw, None, 3, alpha)
-        return pointwise_conv(h, w_pw, residual=x)
+    def f(x, alpha, w_dw, w_pw, w_t):
+        h = depthwise_conv_snake(x, w_dw, None, 3, alpha)
+        h = pointwise_conv(h, w_pw, residual=x, alpha_out=alpha)
+        return conv_tanh(conv_transpose(h, w_t, None, 2, alpha_in=alpha), torch.ones(1, 4, 7))
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
-    args = (torch.randn(1, 8, 50), torch.rand(8) + 0.5, torch.randn(8, 1, 7), torch.randn(8, 8, 1))
+    args = (torch.randn(1, 8, 50), torch.rand(8) + 0.5, torch.randn(8, 1, 7), torch.randn(8, 8, 1), torch.randn(8, 4, 4))
     torch.testing.assert_close(compiled(*args), f(*args))
 
 
@@ -242,18 +372,50 @@ def test_graphs_need_cuda():
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("dilation", [1, 3, 9])
 @pytest.mark.parametrize("C", CHANNELS)
-def test_gpu_fused_kernels(cuda, dtype, dilation, C):
+def test_gpu_residual_unit_kernels(cuda, dtype, dilation, C):
     gen = torch.Generator().manual_seed(C + dilation)
     T = 20001  # several interior tiles between the masked edge tiles
     x = torch.randn(2, C, T, generator=gen).to(dtype)
     w = (torch.randn(C, 1, 7, generator=gen) * 0.4).to(dtype)
     b = torch.randn(C, generator=gen).to(dtype)
-    alpha = torch.exp(torch.empty(C).uniform_(-1.6, 1.6, generator=gen))
-    got = depthwise_conv_snake(x.to(cuda), w.to(cuda), b.to(cuda), dilation, alpha.to(cuda))
-    close(got.cpu(), depthwise_conv_snake_reference(x.double(), w.double(), b.double(), dilation, alpha.double()), dtype)
+    a = log_uniform_alpha(C, gen)
+    got = depthwise_conv_snake(x.to(cuda), w.to(cuda), b.to(cuda), dilation, a.to(cuda))
+    close(got.cpu(), depthwise_conv_snake_reference(d(x), d(w), d(b), dilation, d(a)), dtype)
     wp = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype)
-    got = pointwise_conv(x.to(cuda), wp.to(cuda), b.to(cuda), residual=x.to(cuda))
-    close(got.cpu(), pointwise_conv_reference(x.double(), wp.double(), b.double(), x.double()), dtype)
+    got = pointwise_conv(x.to(cuda), wp.to(cuda), b.to(cuda), residual=x.to(cuda), alpha_out=a.to(cuda))
+    close(got.cpu(), pointwise_conv_reference(d(x), d(wp), d(b), d(x), alpha_out=d(a)), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C_in,C_out,stride", UPSAMPLERS)
+def test_gpu_conv_transpose_kernel(cuda, dtype, C_in, C_out, stride):
+    gen = torch.Generator().manual_seed(C_in + stride)
+    T = 4001 if C_in <= 256 else 301
+    x = torch.randn(2, C_in, T, generator=gen).to(dtype)
+    w = (torch.randn(C_in, C_out, 2 * stride, generator=gen) / (C_in * 2) ** 0.5).to(dtype)
+    b = torch.randn(C_out, generator=gen).to(dtype)
+    alpha = log_uniform_alpha(C_in, gen)
+    got = conv_transpose(x.to(cuda), w.to(cuda), b.to(cuda), stride, alpha_in=alpha.to(cuda))
+    close(got.cpu(), conv_transpose_reference(d(x), d(w), d(b), stride, d(alpha)), dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_output_and_codebook_kernels(cuda, dtype):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 64, 100003, generator=gen).to(dtype)
+    w = (torch.randn(1, 64, 7, generator=gen) / 8).to(dtype)
+    b = torch.randn(1, generator=gen).to(dtype)
+    close(conv_tanh(x.to(cuda), w.to(cuda), b.to(cuda)).cpu(), conv_tanh_reference(d(x), d(w), d(b)), dtype)
+    strides = [8, 4, 2, 1]
+    codes = random_codes({"vq_strides": strides, "codebook_size": 4096}, 301, batch=2, seed=1)
+    tables = [torch.randn(4096, 8, generator=gen).to(dtype) for _ in strides]
+    ws = [torch.randn(1536, 8, 1, generator=gen).to(dtype) for _ in strides]
+    bs = [torch.randn(1536, generator=gen).to(dtype) for _ in strides]
+    got = codes_to_latent([c.to(cuda) for c in codes], [t.to(cuda) for t in tables], [w.to(cuda) for w in ws],
+                          [b.to(cuda) for b in bs], strides)
+    close(got.cpu(), codes_to_latent_reference(codes, tables, ws, bs, strides, torch.float64), dtype)
 
 
 @pytest.mark.gpu
@@ -276,4 +438,3 @@ def test_gpu_graphs_match_eager_and_keep_outputs(cuda, name):
         graphed.decode(random_codes(graphed.config, n), seed=0)
     assert len(graphed.graphs) == 2
     assert not torch.equal(graphed.decode(codes), graphed.decode(codes))  # no seed: fresh noise
-

@@ -3,13 +3,18 @@
 ``depthwise_conv_snake``: the residual unit's middle, ``snake(depthwise_conv(x) + bias, alpha)`` with a
 dilated K-tap per-channel filter and zero padding (K-1)*dilation/2, in one pass (taps and alpha in
 registers, fp32 accumulation; the shifted loads hit L1/L2, so x is read from memory about once).
+The unit's first snake stays its own kernel: inside this one it would be recomputed for each of the
+7 taps, which measured slower at every decoder shape, streaming chunks included
+(scripts/profile_kernels.py --tune-fused).
 
 ``pointwise_conv``: a 1x1 convolution as a GEMM with its epilogue fused,
-``out = residual + scale * (W @ h + bias)``, where residual ([B, C_out, T]), scale ([B, 1, T], the
-NoiseBlock's noise) and bias are each optional: the residual unit's tail (conv + add) and the whole
-NoiseBlock (``x + noise * (W @ x)``) are each one kernel. ``input_bias`` adds a per-channel bias to
-h (and to the residual) as they are loaded: the NoiseBlock takes over the bias of the transposed
+``out = snake_out(residual + scale * (W @ h + bias))``, each part optional: the residual unit's tail
+(conv + add, and the next layer's snake when that is absorbed) and the whole NoiseBlock
+(``x + noise * (W @ x)``) are one kernel each. ``input_bias`` adds a per-channel bias to h (and to
+the residual) as they are loaded: the NoiseBlock takes over the bias of a cuDNN transposed
 convolution before it, which saves cuDNN's separate bias pass over the block's largest tensor.
+
+``conv_tanh``: the decoder's output layer, a "same"-padded conv1d to few channels, then tanh.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, runs_triton
-from snac_fast.ops.snake import EPS, KERNEL_DTYPES
+from snac_fast.ops.snake import KERNEL_DTYPES, snake_reference
 
 if HAS_TRITON:
     import triton
@@ -28,27 +33,33 @@ if HAS_TRITON:
     from snac_fast.ops.snake import _EPS, _reduce_by_pi, _sin_reduced
 
     @triton.jit
+    def _snake_rows(v, alpha):
+        """Snake of an fp32 tile [R, N] with one fp32 alpha per row. snake(0) = 0 keeps zero padding."""
+        s = _sin_reduced(_reduce_by_pi(alpha[:, None] * v))
+        return v + (1.0 / (alpha + _EPS))[:, None] * (s * s)
+
+    @triton.jit
     def _depthwise_taps(x_ptr, w_ptr, row_base, chan, row_ok, cols, T,
-                        K: tl.constexpr, DILATION: tl.constexpr, MASKED: tl.constexpr, ROWS: tl.constexpr,
-                        BLOCK_T: tl.constexpr):
+                        K: tl.constexpr, DILATION: tl.constexpr, MASKED: tl.constexpr,
+                        ROWS: tl.constexpr, BLOCK_T: tl.constexpr):
         acc = tl.zeros((ROWS, BLOCK_T), dtype=tl.float32)
         for k in tl.static_range(K):
             src = cols + (k - (K - 1) // 2) * DILATION
             w = tl.load(w_ptr + chan * K + k, mask=row_ok, other=0.0).to(tl.float32)
             if MASKED:  # tiles at the ends: zero padding outside [0, T)
                 m = row_ok[:, None] & ((src >= 0) & (src < T))[None, :]
-                v = tl.load(x_ptr + row_base[:, None] + src[None, :], mask=m, other=0.0)
+                v = tl.load(x_ptr + row_base[:, None] + src[None, :], mask=m, other=0.0).to(tl.float32)
             else:  # interior tiles: every tap in range, no mask arithmetic (the kernel is ALU-bound)
-                v = tl.load(x_ptr + row_base[:, None] + src[None, :])
-            acc += w[:, None] * v.to(tl.float32)
+                v = tl.load(x_ptr + row_base[:, None] + src[None, :]).to(tl.float32)
+            acc += w[:, None] * v
         return acc
 
     @triton.jit
     def _depthwise_conv_snake_kernel(
         x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr,
         n_rows, C, T, n_t_blocks,
-        K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr, SNAKE: tl.constexpr,
-        ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
+        K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr,
+        SNAKE: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
     ):
         pid = tl.program_id(0)
         row_block = pid // n_t_blocks
@@ -67,18 +78,16 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + chan, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         if SNAKE:
-            alpha = tl.load(alpha_ptr + chan, mask=row_ok, other=1.0).to(tl.float32)
-            s = _sin_reduced(_reduce_by_pi(alpha[:, None] * acc))
-            acc = acc + (1.0 / (alpha + _EPS))[:, None] * (s * s)
+            acc = _snake_rows(acc, tl.load(alpha_ptr + chan, mask=row_ok, other=1.0).to(tl.float32))
         mask = row_ok[:, None] & (cols < T)[None, :]
         tl.store(out_ptr + row_base[:, None] + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _pointwise_conv_kernel(
-        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, in_bias_ptr, out_ptr,
+        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, in_bias_ptr, alpha_out_ptr, out_ptr,
         C_out, C_in, T, n_m_blocks, n_t_blocks,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_IN_BIAS: tl.constexpr,
-        IEEE: tl.constexpr,
+        SNAKE_OUT: tl.constexpr, IEEE: tl.constexpr,
         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -119,45 +128,96 @@ if HAS_TRITON:
             if HAS_IN_BIAS:
                 res += tl.load(in_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
             acc += res
+        if SNAKE_OUT:
+            acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _conv_tanh_kernel(
+        x_ptr, w_ptr, b_ptr, out_ptr, C_in, C_out, T, n_t_blocks,
+        K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, C_BLOCKS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        t_block = pid % n_t_blocks
+        row = pid // n_t_blocks  # batch * C_out + output channel
+        co = row % C_out
+        batch = row // C_out
+        cols = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
+        x_base = x_ptr + batch.to(tl.int64) * C_in * T
+        acc = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
+        for cb in range(C_BLOCKS):
+            ch = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+            ch_ok = ch < C_in
+            rows = x_base + ch.to(tl.int64)[:, None] * T
+            for k in tl.static_range(K):
+                src = cols + (k - (K - 1) // 2)
+                w = tl.load(w_ptr + (co * C_in + ch) * K + k, mask=ch_ok, other=0.0).to(tl.float32)
+                v = tl.load(rows + src[None, :], mask=ch_ok[:, None] & ((src >= 0) & (src < T))[None, :], other=0.0)
+                acc += w[:, None] * v.to(tl.float32)
+        y = tl.sum(acc, axis=0) + tl.load(b_ptr + co).to(tl.float32)
+        a = tl.minimum(tl.abs(y), 20.0)  # tanh(20) is 1 in float32; no overflow in exp
+        t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
+        y = tl.where(y < 0, -t, t)
+        tl.store(out_ptr + row.to(tl.int64) * T + cols, y.to(out_ptr.dtype.element_ty), mask=cols < T)
 
 
 # --- references ---------------------------------------------------------------------------------
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _maybe_snake(x: Tensor, alpha: Tensor | None) -> Tensor:
+    return x if alpha is None else snake_reference(x, alpha)
+
 
 def depthwise_conv_snake_reference(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int,
                                    alpha: Tensor | None) -> Tensor:
     """``snake(conv1d(x, weight, bias, padding=(K-1)*dilation//2, dilation, groups=C), alpha)`` in
     float32 (float64 for float64 input), returned in x's dtype. weight: [C, 1, K]."""
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    compute = _compute_dtype(x)
     K = weight.shape[-1]
     y = F.conv1d(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute),
                  padding=(K - 1) * dilation // 2, dilation=dilation, groups=x.shape[1])
-    if alpha is not None:
-        a = alpha.reshape(1, -1, 1).to(compute)
-        y = y + (a + EPS).reciprocal() * torch.sin(a * y).pow(2)
-    return y.to(x.dtype)
+    return _maybe_snake(y, alpha).to(x.dtype)
 
 
 def pointwise_conv_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
                              residual: Tensor | None = None, scale: Tensor | None = None,
-                             input_bias: Tensor | None = None) -> Tensor:
-    """``(residual + ib) + scale * (conv1d(h + ib, weight) + bias)`` in float32 (float64 for float64
-    input); ib = input_bias per channel."""
-    compute = torch.float64 if h.dtype == torch.float64 else torch.float32
-    h = h.to(compute)
+                             input_bias: Tensor | None = None, alpha_out: Tensor | None = None) -> Tensor:
+    """``snake((residual + ib) + scale * (conv1d(h + ib, weight) + bias), alpha_out)`` in float32
+    (float64 for float64 input); ib = input_bias per channel."""
+    compute = _compute_dtype(h)
+    hc = h.to(compute)
     if input_bias is not None:
         ib = input_bias.to(compute).reshape(1, -1, 1)
-        h = h + ib
+        hc = hc + ib
         residual = None if residual is None else residual.to(compute) + ib
-    y = F.conv1d(h, weight.to(compute), None if bias is None else bias.to(compute))
+    y = F.conv1d(hc, weight.to(compute), None if bias is None else bias.to(compute))
     if scale is not None:
         y = y * scale.to(compute)
     if residual is not None:
         y = y + residual.to(compute)
-    return y.to(h.dtype)
+    return _maybe_snake(y, alpha_out).to(h.dtype)
+
+
+def conv_tanh_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``tanh(conv1d(x, weight, bias, padding=(K-1)//2))`` in float32 (float64 for float64 input)."""
+    compute = _compute_dtype(x)
+    y = F.conv1d(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute),
+                 padding=(weight.shape[-1] - 1) // 2)
+    return torch.tanh(y).to(x.dtype)
 
 
 # --- launchers ----------------------------------------------------------------------------------
+
+def _block_k(C_in: int) -> int:
+    """The largest power of two <= 64 that divides C_in (no ragged chunk), at least 16 (tl.dot)."""
+    block = 64
+    while block > 16 and C_in % block:
+        block //= 2
+    return block
+
 
 def _dw_config(n_rows: int, T: int) -> tuple[int, int, int]:
     tile = 1 << 16 if TRITON_INTERPRET else 2048
@@ -177,8 +237,9 @@ def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha, config=None):
     n_t_blocks = triton.cdiv(T, block_t)
     grid = (triton.cdiv(B * C, rows) * n_t_blocks,)
     w = weight.reshape(C, K)
+    flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
     _depthwise_conv_snake_kernel[grid](
-        x, w, w if bias is None else bias, w if alpha is None else alpha.reshape(-1), out,
+        x, w, flat(bias), flat(alpha), out,
         B * C, C, T, n_t_blocks,
         K=K, DILATION=dilation, HAS_BIAS=bias is not None, SNAKE=alpha is not None,
         ROWS=rows, BLOCK_T=block_t, num_warps=warps,
@@ -193,7 +254,7 @@ def _pw_config(C_out: int, C_in: int, T: int) -> tuple[int, int, int, int, int]:
     return block_m, block_n, block_k, 4, 3
 
 
-def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias):
+def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out):
     B, C_in, T = h.shape
     C_out = weight.shape[0]
     out = torch.empty((B, C_out, T), dtype=h.dtype, device=h.device)
@@ -205,14 +266,33 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias):
     scale = None if scale is None else scale.contiguous()
     block_m, block_n, block_k, warps, stages = _pw_config(C_out, C_in, T)
     n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
+    flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731
     _pointwise_conv_kernel[(B * n_m * n_t,)](
-        w, h, w if bias is None else bias, out if residual is None else residual, out if scale is None else scale,
-        w if input_bias is None else input_bias, out, C_out, C_in, T, n_m, n_t,
+        w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
+        flat(input_bias), flat(alpha_out), out, C_out, C_in, T, n_m, n_t,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        HAS_IN_BIAS=input_bias is not None,
+        HAS_IN_BIAS=input_bias is not None, SNAKE_OUT=alpha_out is not None,
         IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
         num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def _conv_tanh_triton(x, weight, bias, config=None):
+    B, C_in, T = x.shape
+    C_out, _, K = weight.shape
+    out = torch.empty((B, C_out, T), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x = x.contiguous()
+    block_c, block_t, warps = config or ((64, 4096, 4) if TRITON_INTERPRET else (16, 256, 4))  # swept: --tune-fused
+    block_c = min(triton.next_power_of_2(C_in), block_c)
+    block_t = min(triton.next_power_of_2(T), block_t)
+    n_t = triton.cdiv(T, block_t)
+    _conv_tanh_kernel[(B * C_out * n_t,)](
+        x, weight.contiguous(), weight if bias is None else bias, out, C_in, C_out, T, n_t,
+        K=K, BLOCK_C=block_c, BLOCK_T=block_t, C_BLOCKS=triton.cdiv(C_in, block_c), num_warps=warps,
     )
     return out
 
@@ -238,21 +318,44 @@ def _(x, weight, bias, dilation, alpha):
 
 @torch.library.custom_op("snac_fast::pointwise_conv", mutates_args=())
 def _pointwise_conv_op(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                       scale: Tensor | None, input_bias: Tensor | None) -> Tensor:
+                       scale: Tensor | None, input_bias: Tensor | None, alpha_out: Tensor | None) -> Tensor:
     if _kernel_applies(h):
-        return _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias)
-    return pointwise_conv_reference(h, weight, bias, residual, scale, input_bias).contiguous()
+        return _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out)
+    return pointwise_conv_reference(h, weight, bias, residual, scale, input_bias, alpha_out).contiguous()
 
 
 @_pointwise_conv_op.register_fake
-def _(h, weight, bias, residual, scale, input_bias):
+def _(h, weight, bias, residual, scale, input_bias, alpha_out):
     return h.new_empty((h.shape[0], weight.shape[0], h.shape[2]))
 
 
-def _check(x: Tensor, what: str, dims: int = 3) -> None:
+@torch.library.custom_op("snac_fast::conv_tanh", mutates_args=())
+def _conv_tanh_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    if _kernel_applies(x):
+        return _conv_tanh_triton(x, weight, bias)
+    return conv_tanh_reference(x, weight, bias).contiguous()
+
+
+@_conv_tanh_op.register_fake
+def _(x, weight, bias):
+    return x.new_empty((x.shape[0], weight.shape[0], x.shape[2]))
+
+
+def check_floating(x: object, what: str, dims: int = 3) -> None:
     if not isinstance(x, Tensor) or x.dim() != dims or not x.dtype.is_floating_point:
         raise ValueError(f"{what} must be a floating tensor with {dims} dims, got "
                          f"{getattr(x, 'dtype', type(x).__name__)} {tuple(getattr(x, 'shape', ()))}")
+
+
+def check_same_device(device: torch.device, *tensors: Tensor | None) -> None:
+    if any(t is not None and t.device != device for t in tensors):
+        raise ValueError(f"all tensors must be on {device}")
+
+
+def _check_per_channel(C: int, **vectors: Tensor | None) -> None:
+    for name, v in vectors.items():
+        if v is not None and v.numel() != C:
+            raise ValueError(f"{name} needs {C} values (one per channel), got {v.numel()}")
 
 
 def depthwise_conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None = None, dilation: int = 1,
@@ -262,29 +365,30 @@ def depthwise_conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
     x: [B, C, T]; weight: [C, 1, K] with K odd; bias, alpha: [C] (alpha also [1, C, 1]).
     Returns [B, C, T] contiguous in x's dtype. Inference only (no autograd).
     """
-    _check(x, "x")
-    _check(weight, "weight")
+    check_floating(x, "x")
+    check_floating(weight, "weight")
     C = x.shape[1]
     if weight.shape[0] != C or weight.shape[1] != 1 or weight.shape[2] % 2 == 0:
         raise ValueError(f"depthwise weight must be [{C}, 1, K] with K odd, got {tuple(weight.shape)}")
-    if bias is not None and bias.numel() != C or alpha is not None and alpha.numel() != C:
-        raise ValueError(f"bias and alpha need {C} values")
-    if any(t is not None and t.device != x.device for t in (weight, bias, alpha)):
-        raise ValueError(f"all tensors must be on {x.device}")
+    _check_per_channel(C, bias=bias, alpha=alpha)
+    if dilation < 1:
+        raise ValueError(f"dilation must be >= 1, got {dilation}")
+    check_same_device(x.device, weight, bias, alpha)
     return _depthwise_conv_snake_op(x, weight, bias, int(dilation), alpha)
 
 
 def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
-                   scale: Tensor | None = None, input_bias: Tensor | None = None) -> Tensor:
-    """``residual + scale * (W @ h + bias)``: a 1x1 conv with its epilogue fused.
+                   scale: Tensor | None = None, input_bias: Tensor | None = None,
+                   alpha_out: Tensor | None = None) -> Tensor:
+    """``snake(residual + scale * (W @ h + bias), alpha_out)``: a 1x1 conv with its epilogue fused.
 
-    h: [B, C_in, T]; weight: [C_out, C_in, 1]; bias: [C_out]; residual: [B, C_out, T];
+    h: [B, C_in, T]; weight: [C_out, C_in, 1]; bias, alpha_out: [C_out]; residual: [B, C_out, T];
     scale: [B, 1, T]; input_bias: [C_in], added to h and to the residual as they are loaded (needs
     C_in == C_out when a residual is given). Returns [B, C_out, T] contiguous in h's dtype.
     Inference only.
     """
-    _check(h, "h")
-    _check(weight, "weight")
+    check_floating(h, "h")
+    check_floating(weight, "weight")
     B, C_in, T = h.shape
     C_out = weight.shape[0]
     if weight.shape[1:] != (C_in, 1):
@@ -293,9 +397,23 @@ def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residu
         raise ValueError(f"residual must be {(B, C_out, T)}, got {tuple(residual.shape)}")
     if scale is not None and tuple(scale.shape) != (B, 1, T):
         raise ValueError(f"scale must be {(B, 1, T)}, got {tuple(scale.shape)}")
-    if input_bias is not None and (input_bias.numel() != C_in or residual is not None and C_in != C_out):
-        raise ValueError(f"input_bias needs {C_in} values (and C_in == C_out with a residual)")
-    if any(t is not None and t.device != h.device for t in (weight, bias, residual, scale, input_bias)):
-        raise ValueError(f"all tensors must be on {h.device}")
-    return _pointwise_conv_op(h, weight, bias, residual, scale, input_bias)
+    _check_per_channel(C_out, bias=bias, alpha_out=alpha_out)
+    _check_per_channel(C_in, input_bias=input_bias)
+    if input_bias is not None and residual is not None and C_in != C_out:
+        raise ValueError("input_bias with a residual needs C_in == C_out")
+    check_same_device(h.device, weight, bias, residual, scale, input_bias, alpha_out)
+    return _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, alpha_out)
 
+
+def conv_tanh(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``tanh(conv1d(x, weight, bias))`` with "same" zero padding (K-1)/2, stride 1: the decoder's
+    output layer. x: [B, C_in, T]; weight: [C_out, C_in, K], K odd; bias: [C_out]. Returns
+    [B, C_out, T] in x's dtype. One program per (batch, output channel, time tile): meant for few
+    output channels (SNAC has one). Inference only."""
+    check_floating(x, "x")
+    check_floating(weight, "weight")
+    if weight.shape[1] != x.shape[1] or weight.shape[2] % 2 == 0:
+        raise ValueError(f"weight must be [C_out, {x.shape[1]}, K] with K odd, got {tuple(weight.shape)}")
+    _check_per_channel(weight.shape[0], bias=bias)
+    check_same_device(x.device, weight, bias)
+    return _conv_tanh_op(x, weight, bias)

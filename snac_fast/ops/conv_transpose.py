@@ -1,0 +1,198 @@
+"""The decoder's upsampling ConvTranspose1d as a Triton phase GEMM, beside its torch reference.
+
+SNAC's transposed convolutions have kernel 2s, stride s, padding ceil(s/2), output padding s % 2, so
+the output is exactly s times longer than the input, and output sample ``j*s + r`` (phase r) is
+``W[:, :, m]^T x[:, j]`` plus either ``W[:, :, m+s]^T x[:, j-1]`` (m < s) or ``W[:, :, m-s]^T x[:, j+1]``
+(m >= s), with m = r + padding. Packing the taps as one [3, C_out * P, C_in] matrix (P = s rounded up
+to a power of two; rows (channel, phase); block g multiplies x shifted by g - 1; inapplicable taps
+are zero) makes each program one GEMM over three shifted input tiles. Its accumulator rows
+(channel, phase) x columns j are exactly the output tile [channel, j*s + r]: after a reshape the
+store is contiguous in time, in the NCL layout, with no layout transforms (cuDNN converts to NHWC
+and back, which was 60% of its time). The input snake of the decoder block and the bias are fused.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, runs_triton
+from snac_fast.ops.conv import _block_k, _compute_dtype, _maybe_snake, check_floating, check_same_device
+from snac_fast.ops.snake import KERNEL_DTYPES
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from snac_fast.ops.conv import _snake_rows
+
+    @triton.jit
+    def _conv_transpose_kernel(
+        x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr,
+        C_in, C_out, T_in, n_m_blocks, n_j_blocks,
+        STRIDE: tl.constexpr, PHASES: tl.constexpr, SNAKE_IN: tl.constexpr, HAS_BIAS: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        j_block = pid % n_j_blocks
+        rest = pid // n_j_blocks
+        m_block = rest % n_m_blocks
+        batch = rest // n_m_blocks
+        rows = m_block * (BLOCK_M * PHASES) + tl.arange(0, BLOCK_M * PHASES)  # packed row = out channel * PHASES + phase
+        n_rows = C_out * PHASES
+        rows_ok = rows < n_rows
+        offs_j = j_block * BLOCK_J + tl.arange(0, BLOCK_J)
+        x_base = x_ptr + batch.to(tl.int64) * C_in * T_in
+        acc = tl.zeros((BLOCK_M * PHASES, BLOCK_J), dtype=tl.float32)
+        for kb in range(K_BLOCKS):
+            ch = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            ch_ok = ch < C_in
+            x_rows = x_base + ch.to(tl.int64)[:, None] * T_in
+            if SNAKE_IN:
+                alpha = tl.load(alpha_ptr + ch, mask=ch_ok, other=1.0).to(tl.float32)
+            for g in tl.static_range(3):  # x[j - 1], x[j], x[j + 1]
+                src = offs_j + (g - 1)
+                v = tl.load(x_rows + src[None, :], mask=ch_ok[:, None] & ((src >= 0) & (src < T_in))[None, :], other=0.0)
+                if SNAKE_IN:  # snake(0) = 0: the zero padding stays zero
+                    v = _snake_rows(v.to(tl.float32), alpha).to(x_ptr.dtype.element_ty)
+                a = tl.load(w_ptr + (g * n_rows + rows)[:, None].to(tl.int64) * C_in + ch[None, :],
+                            mask=rows_ok[:, None] & ch_ok[None, :], other=0.0)
+                if UPCAST:  # Triton's interpreter multiplies bf16 as raw bits (numpy has no bf16)
+                    a = a.to(tl.float32)
+                    v = v.to(tl.float32)
+                if IEEE or UPCAST:
+                    acc += tl.dot(a, v, input_precision="ieee")
+                else:
+                    acc += tl.dot(a, v)
+        # rows (channel, phase) x columns j  ->  [channel, j * PHASES + phase]
+        y = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_M, PHASES, BLOCK_J)), (0, 2, 1)), (BLOCK_M, BLOCK_J * PHASES))
+        co = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        co_ok = co < C_out
+        if HAS_BIAS:
+            y += tl.load(bias_ptr + co, mask=co_ok, other=0.0).to(tl.float32)[:, None]
+        col = tl.arange(0, BLOCK_J * PHASES)
+        T_out = T_in * STRIDE
+        if PHASES == STRIDE:  # contiguous columns
+            t = j_block * BLOCK_J * STRIDE + col
+            t_ok = t < T_out
+        else:  # padded phases (stride 3): skip phase >= STRIDE
+            phase = col % PHASES
+            j = j_block * BLOCK_J + col // PHASES
+            t = j * STRIDE + phase
+            t_ok = (phase < STRIDE) & (j < T_in)
+        out_offs = (batch.to(tl.int64) * C_out + co.to(tl.int64))[:, None] * T_out + t[None, :]
+        tl.store(out_ptr + out_offs, y.to(out_ptr.dtype.element_ty), mask=co_ok[:, None] & t_ok[None, :])
+
+
+def upsampling_padding(stride: int) -> tuple[int, int]:
+    """(padding, output_padding) of SNAC's upsampling ConvTranspose1d with kernel 2 * stride."""
+    return math.ceil(stride / 2), stride % 2
+
+
+def pack_phase_weight(weight: Tensor, stride: int) -> Tensor:
+    """ConvTranspose1d weight [C_in, C_out, 2 * stride] -> the kernel's [3, C_out * P, C_in] taps.
+
+    P = next power of two >= stride. Row ``co * P + r`` of block g holds the tap that multiplies
+    x[j + g - 1] for output phase r; padded phases and inapplicable taps are zero. Same dtype.
+    """
+    C_in, C_out, K = weight.shape
+    if K != 2 * stride:
+        raise ValueError(f"needs kernel size 2 * stride = {2 * stride}, got {K}")
+    phases = 1 << (stride - 1).bit_length()
+    pad, _ = upsampling_padding(stride)
+    packed = weight.new_zeros((3, C_out, phases, C_in))
+    w = weight.permute(1, 2, 0)  # [C_out, K, C_in]
+    for r in range(stride):
+        m = r + pad
+        packed[1, :, r] = w[:, m]
+        if m < stride:
+            packed[0, :, r] = w[:, m + stride]
+        else:
+            packed[2, :, r] = w[:, m - stride]
+    return packed.reshape(3, C_out * phases, C_in).contiguous()
+
+
+def conv_transpose_reference(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int,
+                             alpha_in: Tensor | None = None) -> Tensor:
+    """``conv_transpose1d(snake(x, alpha_in), weight, bias)`` with SNAC's padding, in float32
+    (float64 for float64 x); returns x's dtype."""
+    compute = _compute_dtype(x)
+    pad, out_pad = upsampling_padding(stride)
+    y = F.conv_transpose1d(_maybe_snake(x.to(compute), alpha_in), weight.to(compute),
+                           None if bias is None else bias.to(compute), stride=stride, padding=pad,
+                           output_padding=out_pad)
+    return y.to(x.dtype)
+
+
+def _convt_config(C_out: int, phases: int, C_in: int, T_in: int, batch: int,
+                  elem_bytes: int) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_J, BLOCK_K, num_warps, num_stages): 128 accumulator rows; columns shrink
+    until the grid covers the SMs; float32 tiles are halved to fit shared memory."""
+    block_m = max(1, min(triton.next_power_of_2(C_out), (1024 if TRITON_INTERPRET else 128) // phases))
+    block_j = 256 if TRITON_INTERPRET else 64
+    n_m = triton.cdiv(C_out, block_m)
+    while not TRITON_INTERPRET and block_j > 16 and batch * n_m * triton.cdiv(T_in, block_j) < 132:
+        block_j //= 2
+    block_j = max(16, min(block_j, triton.next_power_of_2(T_in)))
+    block_k = _block_k(C_in) if elem_bytes < 4 else min(_block_k(C_in), 32)
+    return block_m, block_j, block_k, 4, 3 if elem_bytes < 4 else 2
+
+
+def _conv_transpose_triton(x, packed, bias, stride, alpha_in, config=None):
+    B, C_in, T_in = x.shape
+    phases = 1 << (stride - 1).bit_length()
+    C_out = packed.shape[1] // phases
+    out = torch.empty((B, C_out, T_in * stride), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x = x.contiguous()
+    block_m, block_j, block_k, warps, stages = config or _convt_config(C_out, phases, C_in, T_in, B, x.element_size())
+    n_m, n_j = triton.cdiv(C_out, block_m), triton.cdiv(T_in, block_j)
+    _conv_transpose_kernel[(B * n_m * n_j,)](
+        x, packed, packed if bias is None else bias, packed if alpha_in is None else alpha_in.reshape(-1), out,
+        C_in, C_out, T_in, n_m, n_j,
+        STRIDE=stride, PHASES=phases, SNAKE_IN=alpha_in is not None, HAS_BIAS=bias is not None,
+        IEEE=x.dtype == torch.float32, UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
+        BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+@torch.library.custom_op("snac_fast::conv_transpose", mutates_args=())
+def _conv_transpose_op(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, stride: int,
+                       alpha_in: Tensor | None) -> Tensor:
+    if x.dtype in KERNEL_DTYPES and runs_triton(x):
+        return _conv_transpose_triton(x, packed, bias, stride, alpha_in)
+    return conv_transpose_reference(x, weight, bias, stride, alpha_in).contiguous()
+
+
+@_conv_transpose_op.register_fake
+def _(x, weight, packed, bias, stride, alpha_in):
+    return x.new_empty((x.shape[0], weight.shape[1], x.shape[2] * stride))
+
+
+def conv_transpose(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, *,
+                   alpha_in: Tensor | None = None, packed: Tensor | None = None) -> Tensor:
+    """SNAC's upsampling ``conv_transpose1d(snake(x, alpha_in), weight, bias, stride, padding=ceil(s/2),
+    output_padding=s % 2)``; the snake is optional.
+
+    x: [B, C_in, T]; weight: [C_in, C_out, 2 * stride]; bias, alpha_in: [C_out], [C_in].
+    packed: :func:`pack_phase_weight` of weight in x's dtype (pass it to avoid repacking per call).
+    Returns [B, C_out, stride * T] contiguous in x's dtype. Inference only.
+    """
+    check_floating(x, "x")
+    check_floating(weight, "weight")
+    C_in = x.shape[1]
+    if weight.shape[0] != C_in or weight.shape[2] != 2 * stride:
+        raise ValueError(f"weight must be [{C_in}, C_out, {2 * stride}], got {tuple(weight.shape)}")
+    if bias is not None and bias.numel() != weight.shape[1] or alpha_in is not None and alpha_in.numel() != C_in:
+        raise ValueError(f"bias needs {weight.shape[1]} values and alpha_in {C_in}")
+    if packed is None:
+        packed = pack_phase_weight(weight.to(x.dtype), stride)
+    check_same_device(x.device, weight, packed, bias, alpha_in)
+    return _conv_transpose_op(x, weight, packed, bias, int(stride), alpha_in)
