@@ -237,7 +237,7 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
         from snac_fast.ops.conv_transpose import conv_transpose
 
         alpha_in = None if self._snake_in is None else self._snake_in.alpha
-        out_elements = x.numel() * self.out_channels * self.stride[0] // max(1, self.in_channels)
+        out_elements = x.shape[0] * self.out_channels * x.shape[2] * self.stride[0]
         if out_elements <= self.kernel_max_elements:
             return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=self.packed_weight(x.dtype),
                                   alpha_in=alpha_in)

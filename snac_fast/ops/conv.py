@@ -39,6 +39,17 @@ if HAS_TRITON:
         return v + (1.0 / (alpha + _EPS))[:, None] * (s * s)
 
     @triton.jit
+    def _dot_accumulate(acc, a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+        """acc + a @ b: exact fp32 products for float32 operands (IEEE), and bf16 upcast under
+        Triton's interpreter (UPCAST: numpy has no bf16, so it would multiply raw bits)."""
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        if IEEE or UPCAST:
+            return acc + tl.dot(a, b, input_precision="ieee")
+        return acc + tl.dot(a, b)
+
+    @triton.jit
     def _depthwise_taps(x_ptr, w_ptr, row_base, chan, row_ok, cols, T,
                         K: tl.constexpr, DILATION: tl.constexpr, MASKED: tl.constexpr,
                         ROWS: tl.constexpr, BLOCK_T: tl.constexpr):
@@ -110,13 +121,7 @@ if HAS_TRITON:
             if HAS_IN_BIAS:
                 in_b = tl.load(in_bias_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 b = tl.where(n_ok[None, :], b.to(tl.float32) + in_b[:, None], 0.0).to(b.dtype)
-            if UPCAST:  # Triton's interpreter multiplies bf16 as raw bits (numpy has no bf16)
-                a = a.to(tl.float32)
-                b = b.to(tl.float32)
-            if IEEE or UPCAST:
-                acc += tl.dot(a, b, input_precision="ieee")
-            else:
-                acc += tl.dot(a, b)
+            acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         if HAS_SCALE:

@@ -27,7 +27,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops.conv import _snake_rows
+    from snac_fast.ops.conv import _dot_accumulate, _snake_rows
 
     @triton.jit
     def _conv_transpose_kernel(
@@ -61,13 +61,7 @@ if HAS_TRITON:
                     v = _snake_rows(v.to(tl.float32), alpha).to(x_ptr.dtype.element_ty)
                 a = tl.load(w_ptr + (g * n_rows + rows)[:, None].to(tl.int64) * C_in + ch[None, :],
                             mask=rows_ok[:, None] & ch_ok[None, :], other=0.0)
-                if UPCAST:  # Triton's interpreter multiplies bf16 as raw bits (numpy has no bf16)
-                    a = a.to(tl.float32)
-                    v = v.to(tl.float32)
-                if IEEE or UPCAST:
-                    acc += tl.dot(a, v, input_precision="ieee")
-                else:
-                    acc += tl.dot(a, v)
+                acc = _dot_accumulate(acc, a, v, IEEE, UPCAST)
         # rows (channel, phase) x columns j  ->  [channel, j * PHASES + phase]
         y = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_M, PHASES, BLOCK_J)), (0, 2, 1)), (BLOCK_M, BLOCK_J * PHASES))
         co = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
