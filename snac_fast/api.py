@@ -76,7 +76,7 @@ class FastSNAC:
             cuda_graphs = self.device.type == "cuda" and fuse
         if cuda_graphs and (self.device.type != "cuda" or not fuse):
             raise ValueError("cuda_graphs=True needs a CUDA device and fuse=True")
-        self.graphs = GraphedDecode(self.model, max_graphs=max_graphs) if cuda_graphs else None
+        self.graphs = GraphedDecode(self.model, self.device, max_graphs=max_graphs) if cuda_graphs else None
 
     @classmethod
     def from_pretrained(
@@ -152,11 +152,13 @@ class FastSNAC:
         reuse_output: with CUDA graphs, return the graph's output buffer itself (no copy); the next
         decode of the same shape overwrites it.
         """
-        codes = [c.to(self.device, non_blocking=True) for c in validate_codes(codes, self.config)]
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
-        if self.graphs is not None:
-            return self.graphs(codes, generator, copy_output=not reuse_output)
+        if self.graphs is not None:  # checks the ids itself, without a sync before the launch
+            if not self.graphs.knows(codes):  # shapes of a cached graph passed these checks already
+                validate_codes(codes, self.config, check_ids=False)
+            return self.graphs(list(codes), generator, copy_output=not reuse_output)
+        codes = [c.to(self.device, non_blocking=True) for c in validate_codes(codes, self.config)]
         with injected_noise(self.model, generator) if generator is not None else contextlib.nullcontext():
             return self.model.decode(codes)
 

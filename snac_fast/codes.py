@@ -11,11 +11,13 @@ from torch import Tensor
 TOKEN_FILE_KEYS = {"codes", "model"}
 
 
-def validate_codes(codes: object, config: dict) -> list[Tensor]:
+def validate_codes(codes: object, config: dict, check_ids: bool = True) -> list[Tensor]:
     """Check codes against a model config before any kernel runs; ValueError names what is wrong.
 
     codes: one integer tensor [B, L_i] per level (``len(config["vq_strides"])`` levels), with
     L_i * vq_strides[i] equal across levels, ids in [0, codebook_size), equal batch sizes.
+    check_ids=False leaves the id range to the caller (:func:`check_code_ids`; a CUDA-graph decode
+    flags bad ids inside its codebook kernel instead of syncing with the GPU before the launch).
     """
     strides = config["vq_strides"]
     if isinstance(codes, Tensor):
@@ -46,15 +48,20 @@ def validate_codes(codes: object, config: dict) -> list[Tensor]:
         step = window // strides[0] if window % strides[0] == 0 else window
         raise ValueError(f"this model's attention needs the latent length ({latent} = {lengths[0]} coarse frames x {strides[0]}) "
                          f"to be a multiple of {window}: use a multiple of {step} coarse frames")
-    size = config["codebook_size"]
-    # one reduction and one host sync for all levels (the codes may live on the GPU)
+    if check_ids:
+        check_code_ids(codes, config["codebook_size"])
+    return list(codes)
+
+
+def check_code_ids(codes: list[Tensor], size: int) -> None:
+    """ValueError naming the level and the id when an id is outside [0, size). One reduction for
+    all levels (and one host sync when the codes live on a GPU)."""
     lo, hi = torch.stack(torch.cat([c.reshape(-1) for c in codes]).aminmax()).tolist()
     if lo < 0 or hi >= size:
         for i, c in enumerate(codes):  # the error path may take its time: name the level
             bad = c[(c < 0) | (c >= size)]
             if bad.numel():
                 raise ValueError(f"codes level {i} holds id {bad[0].item()}, outside [0, {size}) of this model's codebook")
-    return list(codes)
 
 
 def validate_audio(audio: object) -> Tensor:

@@ -89,12 +89,19 @@ def absorb(module: nn.Module, by: str) -> nn.Module:
 
 
 class _SnakeOut:
-    """Mixin for fused layers that can apply the next Snake1d in their epilogue."""
+    """Mixin for fused layers that can apply the next Snake1d in their epilogue: instead of their
+    output (:meth:`absorb_next_snake`, when the next layer needs only the snake), or beside it
+    (:meth:`pair_next_snake`, for a residual unit, which needs both: the layer then returns the
+    tuple ``(y, snake(y))`` from one kernel)."""
 
     _snake_out: nn.Module | None = None
+    _snake_pair: nn.Module | None = None
 
     def absorb_next_snake(self, snake_module: nn.Module) -> None:
         object.__setattr__(self, "_snake_out", snake_module)  # not a child: it stays where it is
+
+    def pair_next_snake(self, snake_module: nn.Module) -> None:
+        object.__setattr__(self, "_snake_pair", snake_module)
 
     @property
     def alpha_out(self) -> Tensor | None:
@@ -122,12 +129,15 @@ def is_pointwise(conv: nn.Module) -> bool:
 
 
 class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
-    """A residual unit (Snake -> dilated depthwise conv7 -> Snake -> 1x1 conv, plus x) in 3 kernels:
-    snake; depthwise conv + bias + snake; 1x1 conv + bias + residual add (+ the next layer's snake
-    once absorbed).
+    """A residual unit (Snake -> dilated depthwise conv7 -> Snake -> 1x1 conv, plus x) in two
+    kernels: depthwise conv + bias + snake; 1x1 conv + bias + residual add, whose epilogue also
+    writes the next unit's input snake (or applies the next layer's snake) once surgery set that up.
+    The unit's own first snake is then computed by the layer before it; called on a plain tensor,
+    the unit runs it itself (a third kernel).
 
     Keeps upstream's ``block`` (the same four modules, weights folded), so state-dict keys and module
-    names are unchanged. Input and output: [B, C, T].
+    names are unchanged. Input: [B, C, T], or the pair (x, snake(x)) from the layer before; output:
+    [B, C, T], or such a pair for the next unit.
     """
 
     replaces = ("block.0", "block.1", "block.2", "block.3")
@@ -150,12 +160,23 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
             raise ValueError("residual unit is not fusable: needs FastSnake1d, folded weights, same-padding depthwise conv")
         return cls(unit.block)
 
-    def forward(self, x: Tensor) -> Tensor:
-        from snac_fast.ops.conv import depthwise_conv_snake, pointwise_conv
+    def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
+        """A pair input belongs to the unit: the previous layer made it for this call alone, so the
+        unit's output overwrites it (no new activation buffers)."""
+        from snac_fast.ops.conv import depthwise_conv_snake, pointwise_conv, pointwise_conv_pair
 
         snake1, dw, snake2, pw = self.block
-        h = depthwise_conv_snake(snake1(x), dw.weight, dw.bias, dw.dilation[0], snake2.alpha)
-        return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out)
+        if isinstance(x, tuple):
+            x, s = x
+            out, snake_out = x, s
+        else:
+            s = snake(x, snake1.alpha) if isinstance(snake1, _Absorbed) else snake1(x)
+            out = snake_out = None
+        h = depthwise_conv_snake(s, dw.weight, dw.bias, dw.dilation[0], snake2.alpha)
+        if self._snake_pair is not None:
+            return pointwise_conv_pair(h, pw.weight, pw.bias, residual=x, alpha=self._snake_pair.alpha,
+                                       out=out, snake_out=snake_out)
+        return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out, out=out)
 
 
 class DepthwisePointwiseConv1d(_SnakeOut, nn.Conv1d):
@@ -187,13 +208,17 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
     """The decoder block's upsampling ConvTranspose1d (and the block's input Snake1d, when no layer
     before could absorb it, as after attention).
 
-    Outputs up to ``kernel_max_elements`` run the Triton phase GEMM with the bias inside (no layout
-    transforms); larger ones run cuDNN, whose tensor-core kernels win there, without the bias: the
-    FusedNoiseBlock after it adds the bias as it loads its input (:meth:`defers_bias`). Same
-    parameters and name; the packed weight is rebuilt whenever the weight changes.
+    Outputs up to ``kernel_max_elements``, and any output of a conv with at most
+    ``kernel_max_in_channels`` inputs, run the Triton phase GEMM with the bias inside (no layout
+    transforms). Larger ones run cuDNN, whose tensor-core kernels win there (H200: 60 s decode,
+    C_in 1024/512/256: cuDNN 133/261/433 us against 263/494/534 us; C_in 128: Triton 303 us against
+    484 us, scripts/tune_tiles.py --only convt-paths), without the bias: the FusedNoiseBlock after it
+    adds the bias as it loads its input (:meth:`defers_bias`). Same parameters and name; the packed
+    weight is rebuilt whenever the weight changes.
     """
 
     kernel_max_elements = 1 << 19
+    kernel_max_in_channels = 128
     _snake_in: nn.Module | None = None
     _bias_taken = False  # set when a FusedNoiseBlock after it adds the bias for the cuDNN path
 
@@ -219,9 +244,12 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
     def absorb_previous_snake(self, snake_module: nn.Module) -> None:
         object.__setattr__(self, "_snake_in", snake_module)
 
+    def runs_cudnn(self, output_elements: int) -> bool:
+        return output_elements > self.kernel_max_elements and self.in_channels > self.kernel_max_in_channels
+
     def defers_bias(self, output_elements: int) -> bool:
         """True when an output of this many elements comes from cuDNN without the bias."""
-        return output_elements > self.kernel_max_elements and self.bias is not None and self._bias_taken
+        return self.runs_cudnn(output_elements) and self.bias is not None and self._bias_taken
 
     def packed_weight(self, dtype: torch.dtype) -> Tensor:
         from snac_fast.ops.conv_transpose import pack_phase_weight
@@ -238,7 +266,7 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
 
         alpha_in = None if self._snake_in is None else self._snake_in.alpha
         out_elements = x.shape[0] * self.out_channels * x.shape[2] * self.stride[0]
-        if out_elements <= self.kernel_max_elements:
+        if not self.runs_cudnn(out_elements):
             return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=self.packed_weight(x.dtype),
                                   alpha_in=alpha_in)
         if alpha_in is not None:
@@ -267,8 +295,9 @@ class OutputConvTanh(nn.Conv1d):
         return conv_tanh(x, self.weight, self.bias)
 
 
-class FusedNoiseBlock(_upstream_layers()[0]):
-    """NoiseBlock ``x + noise * conv1x1(x)`` in one kernel (GEMM with noise-scale and residual epilogue).
+class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
+    """NoiseBlock ``x + noise * conv1x1(x)`` in one kernel (GEMM with noise-scale and residual
+    epilogue; with :meth:`pair_next_snake` it returns (y, snake(y)) for the residual unit after it).
 
     ``draw_noise(x) -> [B, 1, T]`` supplies the noise: fresh ``torch.randn`` like upstream by default;
     seeded decodes, fidelity checks and CUDA graphs replace it per instance. After
@@ -302,11 +331,13 @@ class FusedNoiseBlock(_upstream_layers()[0]):
     def draw_noise(x: Tensor) -> Tensor:
         return torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
 
-    def forward(self, x: Tensor) -> Tensor:
-        from snac_fast.ops.conv import pointwise_conv
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        from snac_fast.ops.conv import pointwise_conv, pointwise_conv_pair
 
-        return pointwise_conv(x, self.linear.weight, self.linear.bias, residual=x, scale=self.draw_noise(x),
-                              input_bias=self.input_bias(x))
+        args = (x, self.linear.weight, self.linear.bias, x, self.draw_noise(x), self.input_bias(x))
+        if self._snake_pair is not None:
+            return pointwise_conv_pair(*args, alpha=self._snake_pair.alpha)
+        return pointwise_conv(*args)
 
 
 def _upstream_quantizer():
@@ -321,6 +352,7 @@ class FusedResidualVectorQuantize(_upstream_quantizer()):
     Same submodules and parameters."""
 
     replaces = ("from_codes",)
+    bad_ids: Tensor | None = None  # int32 [1] flag set when an id is out of range (CUDA graphs set it)
 
     @classmethod
     def from_quantizer(cls, quantizer: nn.Module) -> "FusedResidualVectorQuantize":
@@ -337,4 +369,5 @@ class FusedResidualVectorQuantize(_upstream_quantizer()):
 
         qs = self.quantizers
         return codes_to_latent(codes, [q.codebook.weight for q in qs], [q.out_proj.weight for q in qs],
-                               [q.out_proj.bias for q in qs], [q.stride for q in qs], qs[0].out_proj.weight.dtype)
+                               [q.out_proj.bias for q in qs], [q.stride for q in qs], qs[0].out_proj.weight.dtype,
+                               bad_ids=self.bad_ids)

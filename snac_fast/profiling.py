@@ -211,6 +211,7 @@ def _hooked_runs(model, codes, clock, runs, warmup, top_only):
 
         def post(mod, args, out, name=name):
             marks[name].append(clock.mark())
+            out = out[0] if isinstance(out, tuple) else out  # (y, snake(y)) pairs: y
             shapes.setdefault(name, list(out.shape) if isinstance(out, Tensor) else [])
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]

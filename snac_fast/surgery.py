@@ -114,11 +114,12 @@ def _decoder_execution_order(model: nn.Module) -> list[tuple[str, nn.Sequential,
 
 def fuse_decoder(model: nn.Module) -> dict[str, list[str]]:
     """Replace the decoding path's layers by fused kernels that keep the same submodules and parameters:
-    codes -> latent (one kernel), the input depthwise + 1x1 convs (two), each residual unit (two or
-    three), each NoiseBlock (one), each transposed conv (phase GEMM with bias, or cuDNN for large
-    outputs with the bias moved into the NoiseBlock), the output conv + tanh (one). A decoder-level
+    codes -> latent (one kernel), the input depthwise + 1x1 convs (two), each residual unit (two),
+    each NoiseBlock (one), each transposed conv (phase GEMM with bias, or cuDNN for large outputs
+    with the bias moved into the NoiseBlock), the output conv + tanh (one). A decoder-level
     Snake1d runs in the epilogue of the fused layer before it when there is one, else in the
-    transposed conv after it. Needs FastSnake1d and folded weights. Returns the replaced names by
+    transposed conv after it; a residual unit's first Snake1d is written by the NoiseBlock or unit
+    before it, beside its output. Needs FastSnake1d and folded weights. Returns the replaced names by
     kind ("absorbed": layers now computed inside a neighbour).
     """
     from snac.layers import NoiseBlock, ResidualUnit
@@ -172,6 +173,14 @@ def fuse_decoder(model: nn.Module) -> dict[str, list[str]]:
                 continue
         if not isinstance(layer, _Absorbed):
             previous = (name, layer)
+    # a residual unit's first snake: written by the layer before it, beside that layer's output
+    for (name, parent, i), (next_name, next_parent, j) in zip(order, order[1:]):
+        layer, unit = parent[i], next_parent[j]
+        if (isinstance(layer, (FusedNoiseBlock, FusedResidualUnit)) and isinstance(unit, FusedResidualUnit)
+                and layer.alpha_out is None and type(unit.block[0]) is FastSnake1d):
+            unit.block[0] = absorb(unit.block[0], name)
+            layer.pair_next_snake(unit.block[0])
+            done["absorbed"].append(f"{next_name}.block.0")
     return done
 
 

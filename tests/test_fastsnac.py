@@ -35,8 +35,9 @@ def test_surgery_counts_types_and_tree(name):
     fused = fast.report.fused
     assert len(fused["residual_units"]) == 12 and len(fused["noise_blocks"]) == 4 and len(fused["conv_transposes"]) == 4
     assert fused["quantizer"] == ["quantizer"] and len(fused["input_convs"]) == len(fused["output_conv"]) == 1
-    # absorbed: the input 1x1 conv, the tanh, the 4 block-input snakes and the output snake
-    assert len(fast.report.absorbed) == 7
+    # absorbed: the input 1x1 conv, the tanh, the 4 block-input snakes, the output snake and the
+    # first snake of each of the 12 residual units
+    assert len(fast.report.absorbed) == 19
     # same tree: every module name survives; Snake1d becomes FastSnake1d, parametrized convs plain
     # convs, fused layers subclasses of the layers they replace (which keep the same children)
     assert set(before) - {n for n in before if ".parametrizations" in n} == set(after)

@@ -11,8 +11,10 @@ from snac_fast.graphs import GraphedDecode
 from snac_fast.modules import (AbsorbedSnake1d, FastSnake1d, FusedConvTranspose1d, FusedNoiseBlock,
                                FusedResidualUnit)
 from snac_fast.ops.codebook import codes_to_latent, codes_to_latent_reference
-from snac_fast.ops.conv import (_dw_config, conv_tanh, conv_tanh_reference, depthwise_conv_snake,
-                                depthwise_conv_snake_reference, pointwise_conv, pointwise_conv_reference)
+from snac_fast.ops.conv import (_conv_tanh_triton, _dw_config, conv_tanh, conv_tanh_reference, depthwise_conv_snake,
+                                depthwise_conv_snake_reference, pointwise_conv, pointwise_conv_pair,
+                                pointwise_conv_pair_reference, pointwise_conv_reference)
+from snac_fast.ops.snake import snake
 from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference
 from snac_fast.surgery import fold_weight_norm, fuse_decoder
 
@@ -42,9 +44,17 @@ def log_uniform_alpha(n, gen):
 
 @pytest.fixture
 def poisoned_empty(monkeypatch):
-    """Every torch.empty comes back full of NaN: a kernel that skips an output element fails."""
-    real_empty = torch.empty
-    monkeypatch.setattr(torch, "empty", lambda *a, **k: real_empty(*a, **k).fill_(float("nan")))
+    """Every torch.empty and Tensor.new_empty comes back full of NaN: a kernel that skips an output
+    element fails."""
+    def poisoned(make):
+        def empty(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        return empty
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -65,7 +75,7 @@ def test_depthwise_conv_snake(dtype, dilation, C):
 @pytest.mark.parametrize("dilation", [1, 9])
 def test_depthwise_interior_and_edge_tiles(dilation, poisoned_empty):
     """Long enough for interior tiles (unmasked loads) between the two edge tiles (masked)."""
-    T = 3 * _dw_config(2, 10**9)[1] + 5
+    T = 3 * _dw_config(2, 10**9, torch.device("cpu"))[1] + 5
     gen = torch.Generator().manual_seed(dilation)
     x = torch.randn(1, 2, T, generator=gen)
     w = torch.randn(2, 1, 7, generator=gen)
@@ -109,6 +119,10 @@ def test_conv_tanh_kernel(dtype, poisoned_empty):
         w = (torch.randn(C_out, C_in, 7, generator=gen) / 8).to(dtype)
         b = torch.randn(C_out, generator=gen).to(dtype)
         close(conv_tanh(x, w, b), conv_tanh_reference(d(x), d(w), d(b)), dtype)
+    x, w = torch.randn(1, 96, 300, generator=gen).to(dtype), (torch.randn(1, 96, 7, generator=gen) / 8).to(dtype)
+    close(conv_tanh(x, w), conv_tanh_reference(d(x), d(w), None), dtype)  # no bias
+    for config in [(32, 32, 4), (64, 64, 4)]:  # small tiles: unmasked interior tiles; a ragged channel block
+        close(_conv_tanh_triton(x, w, None, config), conv_tanh_reference(d(x), d(w), None), dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -129,6 +143,23 @@ def test_codes_to_latent_matches_upstream_quantizer(dtype, strides, poisoned_emp
     ref = codes_to_latent_reference(codes, [q.codebook.weight for q in qs], [q.out_proj.weight for q in qs],
                                     [q.out_proj.bias for q in qs], strides, torch.float64)
     close(got, ref, dtype)
+    args = ([q.codebook.weight for q in qs], [q.out_proj.weight for q in qs], [q.out_proj.bias for q in qs], strides)
+    flag = torch.zeros(1, dtype=torch.int32)
+    close(codes_to_latent(codes, *args, bad_ids=flag), ref, dtype)
+    assert flag.item() == 0
+    for level, bad in [(len(strides) - 1, 4096), (0, -3)]:
+        wrong = [c.clone() for c in codes]
+        wrong[level][1, -1] = bad
+        assert torch.isfinite(codes_to_latent(wrong, *args, bad_ids=flag)).all()  # row 0 read, never out of bounds
+        assert flag.item() == 1
+        flag.zero_()
+
+
+def gemm_inputs(C, T, dtype, gen):
+    """h [2, C, T], a 1x1 weight [C, C, 1], a bias [C] and a residual [2, C, T], in dtype."""
+    h = torch.randn(2, C, T, generator=gen).to(dtype)
+    w = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype)
+    return h, w, torch.randn(C, generator=gen).to(dtype), torch.randn(2, C, T, generator=gen).to(dtype)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -136,10 +167,7 @@ def test_codes_to_latent_matches_upstream_quantizer(dtype, strides, poisoned_emp
 def test_pointwise_conv(dtype, C):
     gen = torch.Generator().manual_seed(C)
     T = 45
-    h = torch.randn(2, C, T, generator=gen).to(dtype)
-    w = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype)
-    b = torch.randn(C, generator=gen).to(dtype)
-    res = torch.randn(2, C, T, generator=gen).to(dtype)
+    h, w, b, res = gemm_inputs(C, T, dtype, gen)
     scale = torch.randn(2, 1, T, generator=gen).to(dtype)
     ib, a_out = torch.randn(C, generator=gen).to(dtype), log_uniform_alpha(C, gen)
     for args in [(b, res, None, None, None), (None, res, scale, None, None), (None, None, None, None, None),
@@ -154,6 +182,39 @@ def test_pointwise_conv_rectangular_and_poisoned(poisoned_empty):
     got = pointwise_conv(h, w)
     assert torch.isfinite(got).all()
     close(got, pointwise_conv_reference(h.double(), w.double()), torch.float32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C", [512, 96, 64])
+def test_pointwise_conv_pair_in_place(dtype, C):
+    """(y, snake(y)) from one kernel, written over the residual and a spent buffer (a residual
+    unit's chain); and as a NoiseBlock uses it (scale, input bias, fresh outputs)."""
+    gen = torch.Generator().manual_seed(C)
+    T = 77
+    h, w, b, res = gemm_inputs(C, T, dtype, gen)
+    a = log_uniform_alpha(C, gen)
+    ref_y, ref_s = pointwise_conv_pair_reference(h.double(), w.double(), b.double(), res.double(), alpha=a.double())
+    spent = torch.full_like(res, float("nan"))
+    y, s = pointwise_conv_pair(h, w, b, residual=res, alpha=a, out=res, snake_out=spent)
+    assert y is res and s is spent
+    close(y, ref_y, dtype)
+    close(s, ref_s, dtype)
+    close(s, snake(ref_y, a.double()), dtype)
+    x, scale, ib = h.clone(), torch.randn(2, 1, T, generator=gen).to(dtype), torch.randn(C, generator=gen).to(dtype)
+    y, s = pointwise_conv_pair(x, w, b, x, scale, ib, alpha=a)
+    ref_y, ref_s = pointwise_conv_pair_reference(*map(d, (x, w, b, x, scale, ib)), alpha=a.double())
+    close(y, ref_y, dtype)
+    close(s, ref_s, dtype)
+
+
+def test_pointwise_conv_in_place_over_the_residual(poisoned_empty):
+    gen = torch.Generator().manual_seed(5)
+    h, res = torch.randn(1, 64, 50, generator=gen), torch.randn(1, 64, 50, generator=gen)
+    w, a = torch.randn(64, 64, 1, generator=gen) / 8, log_uniform_alpha(64, gen)
+    ref = pointwise_conv_reference(h.double(), w.double(), residual=res.double(), alpha_out=a.double())
+    got = pointwise_conv(h, w, residual=res, alpha_out=a, out=res)
+    assert got is res
+    close(got, ref, torch.float32)
 
 
 def test_argument_errors():
@@ -171,6 +232,17 @@ def test_argument_errors():
         pointwise_conv(x, w_pw, residual=torch.randn(1, 4, 9))
     with pytest.raises(ValueError, match="floating"):
         pointwise_conv(x.long(), w_pw)
+    with pytest.raises(ValueError, match="must not share memory with h"):
+        pointwise_conv(x, w_pw, out=x)
+    with pytest.raises(ValueError, match="out must be a contiguous"):
+        pointwise_conv(x, w_pw, out=torch.empty(1, 4, 9))
+    with pytest.raises(ValueError, match="snake_out must be a contiguous"):
+        pointwise_conv_pair(x, w_pw, alpha=torch.ones(4), snake_out=torch.empty(1, 4, 10, dtype=torch.float64))
+    with pytest.raises(ValueError, match="different tensors"):
+        buf = torch.empty(1, 4, 10)
+        pointwise_conv_pair(x, w_pw, alpha=torch.ones(4), out=buf, snake_out=buf)
+    with pytest.raises(ValueError, match="alpha needs 4 values"):
+        pointwise_conv_pair(x, w_pw, alpha=torch.ones(3))
     with pytest.raises(ValueError, match=r"weight must be \[4, C_out, 4\]"):
         conv_transpose(x, torch.randn(4, 2, 5), None, 2)
     with pytest.raises(ValueError, match="K odd"):
@@ -218,6 +290,16 @@ def test_fused_residual_unit_matches_upstream(C, dilation):
     x = torch.randn(2, C, 333)
     with torch.no_grad():
         close(fused(x), unit(x), torch.float32)
+        # in a chain the unit gets (x, snake(x)) from the layer before and writes its result over them
+        pair = (x.clone(), snake(x, fused.block[0].alpha))
+        y = fused(pair)
+        assert y is pair[0]
+        close(y, unit(x), torch.float32)
+        fused.pair_next_snake(FastSnake1d(C))
+        y, s = fused((x.clone(), snake(x, fused.block[0].alpha)))
+        close(y, unit(x), torch.float32)
+        close(s, unit(x) + torch.sin(unit(x)) ** 2, torch.float32)  # the next snake's alpha is 1
+        fused.pair_next_snake(None)
         close(fused.half()(x.half()), unit(x), torch.float16)
 
 
@@ -259,6 +341,7 @@ def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
     cudnn: large-output path, transposed conv on cuDNN with its bias added by the NoiseBlock."""
     if cudnn:
         monkeypatch.setattr(FusedConvTranspose1d, "kernel_max_elements", 0)
+        monkeypatch.setattr(FusedConvTranspose1d, "kernel_max_in_channels", 0)
     torch.manual_seed(stride)
     blocks = [DecoderBlock(128, 64, stride=stride, noise=True, groups=64).eval(),
               DecoderBlock(64, 32, stride=2, noise=True, groups=32).eval()]
@@ -281,8 +364,12 @@ def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
     done = fuse_decoder(holder)
     assert done["conv_transposes"] == ["decoder.model.0.block.1", "decoder.model.1.block.1"]
     assert len(done["residual_units"]) == 6 and len(done["noise_blocks"]) == 2
-    assert done["absorbed"] == ["decoder.model.0.block.0", "decoder.model.1.block.0"]
+    units = [f"decoder.model.{b}.block.{u}.block.0" for b in (0, 1) for u in (3, 4, 5)]
+    assert done["absorbed"] == ["decoder.model.0.block.0", "decoder.model.1.block.0"] + units
     first, second = blocks[0].block, blocks[1].block
+    for producer, unit in [(first[2], first[3]), (first[3], first[4]), (first[4], first[5])]:
+        assert producer._snake_pair is unit.block[0] and isinstance(unit.block[0], AbsorbedSnake1d)
+    assert first[5]._snake_pair is None
     assert isinstance(first[0], AbsorbedSnake1d) and first[0].absorbed_by == "decoder.model.0.block.1"
     assert first[1]._snake_in is first[0] and first[2]._upsampler is first[1]
     assert first[2].input_bias(torch.empty(2, 64, 11 * stride)) is (first[1].bias if cudnn else None)
@@ -314,7 +401,7 @@ def test_surgery_absorbs_snakes_by_architecture():
         modules = dict(fast.model.named_modules())
         snakes = [n for n in fast.report.absorbed if isinstance(modules[n], AbsorbedSnake1d)]
         assert sum(isinstance(m, FastSnake1d) for m in fast.model.decoder.modules()) == 29
-        assert len(snakes) == 5  # 4 block inputs + the output snake; residual units keep theirs inside
+        assert len(snakes) == 17  # 4 block inputs, the output snake, the first snake of 12 residual units
         assert [n for n in snakes if isinstance(modules[modules[n].absorbed_by], FusedConvTranspose1d)] == into_conv
         assert type(fast.model.decoder.model[-1]).__name__ == "AbsorbedTanh"
         assert type(fast.model.quantizer).__name__ == "FusedResidualVectorQuantize"
@@ -324,7 +411,9 @@ def test_compile_traces_through_the_ops():
     """Registered torch.library ops: dynamo captures them in one graph (fullgraph=True fails on a break)."""
     def f(x, alpha, w_dw, w_pw, w_t):
         h = depthwise_conv_snake(x, w_dw, None, 3, alpha)
-        h = pointwise_conv(h, w_pw, residual=x, alpha_out=alpha)
+        y, s = pointwise_conv_pair(h, w_pw, residual=x, alpha=alpha)
+        h = depthwise_conv_snake(s, w_dw, None, 1, alpha)
+        h = pointwise_conv(h, w_pw, residual=y, alpha_out=alpha, out=y)
         return conv_tanh(conv_transpose(h, w_t, None, 2, alpha_in=alpha), torch.ones(1, 4, 7))
 
     compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
@@ -340,25 +429,47 @@ class _FakeGraph:
         self.replays += 1
 
 
-def test_graph_cache_is_bounded_lru(monkeypatch):
+def fake_snac(codebook_size=4096):
+    """Just what GraphedDecode reads of a model: the codebook size."""
+    model = torch.nn.Module()
+    model.quantizer = torch.nn.Module()
+    level = torch.nn.Module()
+    level.codebook = torch.nn.Embedding(codebook_size, 1)
+    model.quantizer.quantizers = torch.nn.ModuleList([level])
+    return model
+
+
+def test_graph_cache_is_bounded_lru_and_checks_cpu_ids(monkeypatch):
     from snac_fast.graphs import _Captured
 
-    def fake_capture(self, codes):
+    def fake_capture(self, codes, seeded):
         self.captures += 1
-        return _Captured(_FakeGraph(), [c.clone() for c in codes], torch.zeros(0), [], torch.zeros(1))
+        flag = torch.zeros(1, dtype=torch.int32)
+        return _Captured(_FakeGraph(), torch.zeros(sum(c.numel() for c in codes), dtype=torch.long), torch.zeros(1),
+                         [], torch.zeros(1), flag, flag.clone())
 
     monkeypatch.setattr(GraphedDecode, "_capture", fake_capture)
-    runner = GraphedDecode(torch.nn.Module(), max_graphs=2)
+    runner = GraphedDecode(fake_snac(), "cpu", max_graphs=2)
     shapes = [(1, 4), (1, 8), (1, 4), (1, 12), (1, 8)]
     for s in shapes:
         runner([torch.zeros(s, dtype=torch.long)])
     assert len(runner) == 2 and runner.captures == 4  # (1,4) reused once; (1,8) evicted then recaptured
     assert [k[0][0] for k in runner.keys()] == [(1, 12), (1, 8)]
+    assert runner.knows([torch.ones((1, 8), dtype=torch.long)]) and not runner.knows([torch.ones((1, 8))])
+    assert not runner.knows(torch.ones(1, 8)) and not runner.knows([1, 2]) and not runner.knows(None)
     out = runner([torch.zeros((1, 8), dtype=torch.long)])
-    assert out is not runner._cache[runner.keys()[-1]].output  # a copy unless asked otherwise
-    assert runner([torch.zeros((1, 8), dtype=torch.long)], copy_output=False) is runner._cache[runner.keys()[-1]].output
+    entry = runner._cache[runner.keys()[-1]]
+    assert out is not entry.output  # a copy unless asked otherwise
+    assert runner([torch.zeros((1, 8), dtype=torch.long)], copy_output=False) is entry.output
+    codes = [torch.arange(8).view(1, 8)]
+    runner(codes)
+    assert torch.equal(entry.codes, codes[0].view(-1))  # the codes went into the static buffer
+    replays = entry.graph.replays
+    with pytest.raises(ValueError, match="holds id 4096"):
+        runner([torch.full((1, 8), 4096)])
+    assert entry.graph.replays == replays  # CPU codes: checked before the launch
     with pytest.raises(ValueError):
-        GraphedDecode(torch.nn.Module(), max_graphs=0)
+        GraphedDecode(fake_snac(), "cpu", max_graphs=0)
 
 
 def test_graphs_need_cuda():
@@ -384,6 +495,12 @@ def test_gpu_residual_unit_kernels(cuda, dtype, dilation, C):
     wp = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype)
     got = pointwise_conv(x.to(cuda), wp.to(cuda), b.to(cuda), residual=x.to(cuda), alpha_out=a.to(cuda))
     close(got.cpu(), pointwise_conv_reference(d(x), d(wp), d(b), d(x), alpha_out=d(a)), dtype)
+    h, res = x.flip(-1).contiguous(), x.to(cuda)
+    y, s = pointwise_conv_pair(h.to(cuda), wp.to(cuda), b.to(cuda), residual=res, alpha=a.to(cuda), out=res)
+    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(wp), d(b), d(x), alpha=d(a))
+    assert y is res
+    close(y.cpu(), ref_y, dtype)
+    close(s.cpu(), ref_s, dtype)
 
 
 @pytest.mark.gpu
@@ -432,6 +549,14 @@ def test_gpu_graphs_match_eager_and_keep_outputs(cuda, name):
     first = a.clone()
     graphed.decode(random_codes(graphed.config, 8, batch=2, seed=1), seed=4)
     assert torch.equal(a, first), "a later replay overwrote an earlier result"
+    gpu_codes = [c.to(cuda) for c in codes]
+    assert torch.equal(graphed.decode(gpu_codes, seed=3), a)  # the same graph, fed from GPU codes
+    bad = [c.clone() for c in gpu_codes]
+    bad[-1][1, -1] = graphed.config["codebook_size"]
+    for wrong in (bad, [c.cpu() for c in bad]):  # flagged in the graph; checked on the CPU before it
+        with pytest.raises(ValueError, match=f"level {len(bad) - 1} holds id {graphed.config['codebook_size']}"):
+            graphed.decode(wrong)
+    assert torch.equal(graphed.decode(gpu_codes, seed=3), a)  # the flag was cleared
     view = graphed.decode(codes, seed=3, reuse_output=True)
     assert graphed.decode(codes, seed=5, reuse_output=True).data_ptr() == view.data_ptr()
     for n in (4, 12, 16):  # eviction keeps at most max_graphs

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -25,3 +26,26 @@ def runs_triton(t: torch.Tensor) -> bool:
     if t.device.type == "cuda":
         return not TRITON_INTERPRET
     return t.device.type == "cpu" and TRITON_INTERPRET
+
+
+def wave_programs(device: torch.device) -> int:
+    """How many programs a launch needs to occupy ``device``: its SM count rounded down to a power
+    of two (128 on H100/H200). 1 for Triton's interpreter, which pays per program: biggest tiles."""
+    if device.type != "cuda" or TRITON_INTERPRET:
+        return 1
+    return _wave_programs(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _wave_programs(index: int) -> int:
+    return 1 << (torch.cuda.get_device_properties(index).multi_processor_count.bit_length() - 1)
+
+
+def first_filling(tiles: list[tuple[int, ...]], programs, target: int) -> tuple[int, ...]:
+    """The first tile (in order of preference, biggest first) whose launch has at least ``target``
+    programs, else the last. Small problems get small tiles so that every SM works: at streaming
+    sizes a decoder kernel is latency-bound, not bandwidth-bound (scripts/tune_tiles.py)."""
+    for tile in tiles:
+        if programs(tile) >= target:
+            return tile
+    return tiles[-1]

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, runs_triton
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, runs_triton, wave_programs
 from snac_fast.ops.conv import check_same_device
 from snac_fast.ops.snake import KERNEL_DTYPES
 
@@ -27,19 +27,21 @@ if HAS_TRITON:
     def _add_level(acc, codes_ptr, table_ptr, w_ptr, b_ptr, batch, L, offs_c, c_ok, offs_t, t_ok, N,
                    STRIDE: tl.constexpr, D: tl.constexpr):
         idx = tl.load(codes_ptr + batch.to(tl.int64) * L + offs_t // STRIDE, mask=t_ok, other=0).to(tl.int64)
-        idx = tl.where((idx >= 0) & (idx < N), idx, 0)  # ids are validated before launch; never read out of bounds
+        ok = (idx >= 0) & (idx < N)
+        bad = tl.max(tl.where(ok, 0, 1), axis=0)  # masked lanes loaded 0: in range
+        idx = tl.where(ok, idx, 0)  # never read out of bounds; the caller learns of it through bad
         for d in tl.static_range(D):
             e = tl.load(table_ptr + idx * D + d, mask=t_ok, other=0.0).to(tl.float32)
             w = tl.load(w_ptr + offs_c * D + d, mask=c_ok, other=0.0).to(tl.float32)
             acc += w[:, None] * e[None, :]
-        return acc + tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[:, None]
+        return acc + tl.load(b_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)[:, None], bad
 
     @triton.jit
     def _codes_to_latent_kernel(
-        c0, c1, c2, c3, e0, e1, e2, e3, w0, w1, w2, w3, b0, b1, b2, b3, out_ptr,
+        c0, c1, c2, c3, e0, e1, e2, e3, w0, w1, w2, w3, b0, b1, b2, b3, out_ptr, bad_ptr,
         C, T, N, n_c_blocks, n_t_blocks,
         LEVELS: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
-        D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+        D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, FLAG_BAD: tl.constexpr,
     ):
         pid = tl.program_id(0)
         t_block = pid % n_t_blocks
@@ -51,13 +53,18 @@ if HAS_TRITON:
         c_ok = offs_c < C
         t_ok = offs_t < T
         acc = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
-        acc = _add_level(acc, c0, e0, w0, b0, batch, T // S0, offs_c, c_ok, offs_t, t_ok, N, S0, D)
+        acc, bad = _add_level(acc, c0, e0, w0, b0, batch, T // S0, offs_c, c_ok, offs_t, t_ok, N, S0, D)
         if LEVELS > 1:
-            acc = _add_level(acc, c1, e1, w1, b1, batch, T // S1, offs_c, c_ok, offs_t, t_ok, N, S1, D)
+            acc, bad1 = _add_level(acc, c1, e1, w1, b1, batch, T // S1, offs_c, c_ok, offs_t, t_ok, N, S1, D)
+            bad = tl.maximum(bad, bad1)
         if LEVELS > 2:
-            acc = _add_level(acc, c2, e2, w2, b2, batch, T // S2, offs_c, c_ok, offs_t, t_ok, N, S2, D)
+            acc, bad2 = _add_level(acc, c2, e2, w2, b2, batch, T // S2, offs_c, c_ok, offs_t, t_ok, N, S2, D)
+            bad = tl.maximum(bad, bad2)
         if LEVELS > 3:
-            acc = _add_level(acc, c3, e3, w3, b3, batch, T // S3, offs_c, c_ok, offs_t, t_ok, N, S3, D)
+            acc, bad3 = _add_level(acc, c3, e3, w3, b3, batch, T // S3, offs_c, c_ok, offs_t, t_ok, N, S3, D)
+            bad = tl.maximum(bad, bad3)
+        if FLAG_BAD:  # every writer stores the same 1: no atomics needed
+            tl.store(bad_ptr, 1, mask=bad > 0)
         out_offs = (batch.to(tl.int64) * C + offs_c.to(tl.int64))[:, None] * T + offs_t[None, :]
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=c_ok[:, None] & t_ok[None, :])
 
@@ -73,7 +80,7 @@ def codes_to_latent_reference(codes: list[Tensor], codebooks: list[Tensor], weig
     return z.to(dtype)
 
 
-def _codes_to_latent_triton(codes, codebooks, weights, biases, strides, dtype):
+def _codes_to_latent_triton(codes, codebooks, weights, biases, strides, dtype, bad_ids=None):
     B = codes[0].shape[0]
     C, D = weights[0].shape[0], codebooks[0].shape[1]
     T = codes[0].shape[1] * strides[0]
@@ -81,40 +88,47 @@ def _codes_to_latent_triton(codes, codebooks, weights, biases, strides, dtype):
     if out.numel() == 0:
         return out
     pad = lambda xs: [x.contiguous() for x in xs] + [xs[0]] * (MAX_LEVELS - len(xs))  # noqa: E731
-    block_c = min(triton.next_power_of_2(C), 64)
     block_t = min(triton.next_power_of_2(T), 1024 if TRITON_INTERPRET else 64)
+    block_c = first_filling([(min(triton.next_power_of_2(C), c),) for c in (64, 32, 16)],
+                            lambda t: B * triton.cdiv(C, t[0]) * triton.cdiv(T, block_t), wave_programs(out.device))[0]
     n_c, n_t = triton.cdiv(C, block_c), triton.cdiv(T, block_t)
     s = list(strides) + [1] * (MAX_LEVELS - len(strides))
     _codes_to_latent_kernel[(B * n_c * n_t,)](
         *pad(codes), *pad(codebooks), *pad([w.reshape(C, D) for w in weights]), *pad(biases), out,
-        C, T, codebooks[0].shape[0], n_c, n_t,
+        out if bad_ids is None else bad_ids, C, T, codebooks[0].shape[0], n_c, n_t,
         LEVELS=len(codes), S0=s[0], S1=s[1], S2=s[2], S3=s[3], D=D, BLOCK_C=block_c, BLOCK_T=block_t,
-        num_warps=4,
+        FLAG_BAD=bad_ids is not None, num_warps=4,
     )
     return out
 
 
-@torch.library.custom_op("snac_fast::codes_to_latent", mutates_args=())
+@torch.library.custom_op("snac_fast::codes_to_latent", mutates_args=("bad_ids",))
 def _codes_to_latent_op(codes: list[Tensor], codebooks: list[Tensor], weights: list[Tensor], biases: list[Tensor],
-                        strides: list[int], dtype: torch.dtype) -> Tensor:
+                        strides: list[int], dtype: torch.dtype, bad_ids: Tensor | None) -> Tensor:
     if dtype in KERNEL_DTYPES and runs_triton(codes[0]):
-        return _codes_to_latent_triton(codes, codebooks, weights, biases, strides, dtype)
+        return _codes_to_latent_triton(codes, codebooks, weights, biases, strides, dtype, bad_ids)
+    size = codebooks[0].shape[0]
+    bad = [(c < 0) | (c >= size) for c in codes]
+    if bad_ids is not None and any(b.any() for b in bad):
+        bad_ids.fill_(1)
+    codes = [c.masked_fill(b, 0) for c, b in zip(codes, bad)]  # as the kernel: row 0 for a bad id
     return codes_to_latent_reference(codes, codebooks, weights, biases, strides, dtype).contiguous()
 
 
 @_codes_to_latent_op.register_fake
-def _(codes, codebooks, weights, biases, strides, dtype):
+def _(codes, codebooks, weights, biases, strides, dtype, bad_ids):
     return codebooks[0].new_empty((codes[0].shape[0], weights[0].shape[0], codes[0].shape[1] * strides[0]), dtype=dtype)
 
 
 def codes_to_latent(codes: list[Tensor], codebooks: list[Tensor], weights: list[Tensor], biases: list[Tensor],
-                    strides: list[int], dtype: torch.dtype | None = None) -> Tensor:
+                    strides: list[int], dtype: torch.dtype | None = None, bad_ids: Tensor | None = None) -> Tensor:
     """``sum_i repeat_interleave(conv1x1(embedding(codes[i], codebooks[i]), weights[i], biases[i]), strides[i])``.
 
-    codes: integer [B, L_i] per level with L_i * strides[i] equal (ids are assumed validated: ids
-    outside the codebook read row 0 instead of out of bounds); codebooks: [N, D]; weights:
-    [C, D, 1]; biases: [C]; at most 4 levels. Returns [B, C, L_0 * strides[0]] in ``dtype``
-    (default: the codebooks' dtype). Inference only.
+    codes: integer [B, L_i] per level with L_i * strides[i] equal; codebooks: [N, D]; weights:
+    [C, D, 1]; biases: [C]; at most 4 levels. An id outside [0, N) reads row 0 instead (never out
+    of bounds) and sets ``bad_ids`` (an int32 [1] flag on the codes' device) to 1 when given: the
+    range check of a CUDA-graph decode, with no host sync before the launch. Returns
+    [B, C, L_0 * strides[0]] in ``dtype`` (default: the codebooks' dtype). Inference only.
     """
     n = len(codes)
     if not 1 <= n <= MAX_LEVELS or not len(codebooks) == len(weights) == len(biases) == len(strides) == n:
@@ -125,6 +139,8 @@ def codes_to_latent(codes: list[Tensor], codebooks: list[Tensor], weights: list[
         raise ValueError("all levels need codebooks and projections of one shape")
     if weights[0].shape[1:] != (codebooks[0].shape[1], 1):
         raise ValueError(f"projection weights must be [C, {codebooks[0].shape[1]}, 1], got {tuple(weights[0].shape)}")
-    check_same_device(codes[0].device, *codes, *codebooks, *weights, *biases)
+    if bad_ids is not None and (bad_ids.dtype != torch.int32 or bad_ids.numel() != 1):
+        raise ValueError(f"bad_ids must be an int32 tensor of one element, got {bad_ids.dtype} {tuple(bad_ids.shape)}")
+    check_same_device(codes[0].device, *codes, *codebooks, *weights, *biases, bad_ids)
     return _codes_to_latent_op(list(codes), list(codebooks), list(weights), list(biases), [int(s) for s in strides],
-                               dtype or codebooks[0].dtype)
+                               dtype or codebooks[0].dtype, bad_ids)

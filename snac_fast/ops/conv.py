@@ -3,9 +3,10 @@
 ``depthwise_conv_snake``: the residual unit's middle, ``snake(depthwise_conv(x) + bias, alpha)`` with a
 dilated K-tap per-channel filter and zero padding (K-1)*dilation/2, in one pass (taps and alpha in
 registers, fp32 accumulation; the shifted loads hit L1/L2, so x is read from memory about once).
-The unit's first snake stays its own kernel: inside this one it would be recomputed for each of the
-7 taps, which measured slower at every decoder shape, streaming chunks included
-(scripts/profile_kernels.py --tune-fused).
+The unit's first snake is not computed here: inside this kernel it would be recomputed for each of
+the 7 taps, which measured slower at every decoder shape, streaming chunks included
+(measured in session 2). The layer before the unit writes it instead
+(``pointwise_conv_pair``).
 
 ``pointwise_conv``: a 1x1 convolution as a GEMM with its epilogue fused,
 ``out = snake_out(residual + scale * (W @ h + bias))``, each part optional: the residual unit's tail
@@ -13,6 +14,8 @@ The unit's first snake stays its own kernel: inside this one it would be recompu
 (``x + noise * (W @ x)``) are one kernel each. ``input_bias`` adds a per-channel bias to h (and to
 the residual) as they are loaded: the NoiseBlock takes over the bias of a cuDNN transposed
 convolution before it, which saves cuDNN's separate bias pass over the block's largest tensor.
+``pointwise_conv_pair`` also stores ``snake(out)`` from the same tile: a residual unit's output and
+the next unit's input snake in one kernel. Both can write in place over the residual.
 
 ``conv_tanh``: the decoder's output layer, a "same"-padded conv1d to few channels, then tanh.
 """
@@ -23,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, runs_triton
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, runs_triton, wave_programs
 from snac_fast.ops.snake import KERNEL_DTYPES, snake_reference
 
 if HAS_TRITON:
@@ -95,10 +98,10 @@ if HAS_TRITON:
 
     @triton.jit
     def _pointwise_conv_kernel(
-        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, in_bias_ptr, alpha_out_ptr, out_ptr,
+        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, in_bias_ptr, alpha_out_ptr, out_ptr, pair_alpha_ptr, pair_out_ptr,
         C_out, C_in, T, n_m_blocks, n_t_blocks,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_IN_BIAS: tl.constexpr,
-        SNAKE_OUT: tl.constexpr, IEEE: tl.constexpr,
+        SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr,
         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -136,11 +139,28 @@ if HAS_TRITON:
         if SNAKE_OUT:
             acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if PAIR:  # the next residual unit's input snake, from the same fp32 tile
+            pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
+            tl.store(pair_out_ptr + out_offs, pair.to(pair_out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _conv_taps(acc, tile, w_row, ch_ok, cols, T, K: tl.constexpr, MASKED: tl.constexpr):
+        """acc + sum_k w[:, k] * x[:, cols + k - K//2] for a [channels, time] tile of pointers."""
+        for k in tl.static_range(K):
+            w = tl.load(w_row + k, mask=ch_ok, other=0.0).to(tl.float32)
+            if MASKED:  # ends of the signal (zero padding) or a ragged channel block
+                src = cols + (k - (K - 1) // 2)
+                v = tl.load(tile + (k - (K - 1) // 2), mask=ch_ok[:, None] & ((src >= 0) & (src < T))[None, :], other=0.0)
+            else:  # interior tiles: no mask arithmetic, which bounded this kernel (integer-bound, not memory)
+                v = tl.load(tile + (k - (K - 1) // 2))
+            acc += w[:, None] * v.to(tl.float32)
+        return acc
 
     @triton.jit
     def _conv_tanh_kernel(
         x_ptr, w_ptr, b_ptr, out_ptr, C_in, C_out, T, n_t_blocks,
         K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, C_BLOCKS: tl.constexpr,
+        C_IN_FULL: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):
         pid = tl.program_id(0)
         t_block = pid % n_t_blocks
@@ -149,17 +169,21 @@ if HAS_TRITON:
         batch = row // C_out
         cols = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
         x_base = x_ptr + batch.to(tl.int64) * C_in * T
+        halo = (K - 1) // 2
+        interior = (t_block * BLOCK_T >= halo) & ((t_block + 1) * BLOCK_T + halo <= T)
         acc = tl.zeros((BLOCK_C, BLOCK_T), dtype=tl.float32)
         for cb in range(C_BLOCKS):
             ch = cb * BLOCK_C + tl.arange(0, BLOCK_C)
             ch_ok = ch < C_in
-            rows = x_base + ch.to(tl.int64)[:, None] * T
-            for k in tl.static_range(K):
-                src = cols + (k - (K - 1) // 2)
-                w = tl.load(w_ptr + (co * C_in + ch) * K + k, mask=ch_ok, other=0.0).to(tl.float32)
-                v = tl.load(rows + src[None, :], mask=ch_ok[:, None] & ((src >= 0) & (src < T))[None, :], other=0.0)
-                acc += w[:, None] * v.to(tl.float32)
-        y = tl.sum(acc, axis=0) + tl.load(b_ptr + co).to(tl.float32)
+            tile = x_base + ch.to(tl.int64)[:, None] * T + cols[None, :]
+            w_row = w_ptr + (co * C_in + ch) * K
+            if interior and C_IN_FULL:
+                acc = _conv_taps(acc, tile, w_row, ch_ok, cols, T, K, False)
+            else:
+                acc = _conv_taps(acc, tile, w_row, ch_ok, cols, T, K, True)
+        y = tl.sum(acc, axis=0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + co).to(tl.float32)
         a = tl.minimum(tl.abs(y), 20.0)  # tanh(20) is 1 in float32; no overflow in exp
         t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
         y = tl.where(y < 0, -t, t)
@@ -187,11 +211,7 @@ def depthwise_conv_snake_reference(x: Tensor, weight: Tensor, bias: Tensor | Non
     return _maybe_snake(y, alpha).to(x.dtype)
 
 
-def pointwise_conv_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
-                             residual: Tensor | None = None, scale: Tensor | None = None,
-                             input_bias: Tensor | None = None, alpha_out: Tensor | None = None) -> Tensor:
-    """``snake((residual + ib) + scale * (conv1d(h + ib, weight) + bias), alpha_out)`` in float32
-    (float64 for float64 input); ib = input_bias per channel."""
+def _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias) -> Tensor:
     compute = _compute_dtype(h)
     hc = h.to(compute)
     if input_bias is not None:
@@ -203,7 +223,24 @@ def pointwise_conv_reference(h: Tensor, weight: Tensor, bias: Tensor | None = No
         y = y * scale.to(compute)
     if residual is not None:
         y = y + residual.to(compute)
-    return _maybe_snake(y, alpha_out).to(h.dtype)
+    return y
+
+
+def pointwise_conv_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
+                             residual: Tensor | None = None, scale: Tensor | None = None,
+                             input_bias: Tensor | None = None, alpha_out: Tensor | None = None) -> Tensor:
+    """``snake((residual + ib) + scale * (conv1d(h + ib, weight) + bias), alpha_out)`` in float32
+    (float64 for float64 input); ib = input_bias per channel."""
+    return _maybe_snake(_pointwise_conv_compute(h, weight, bias, residual, scale, input_bias), alpha_out).to(h.dtype)
+
+
+def pointwise_conv_pair_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
+                                  residual: Tensor | None = None, scale: Tensor | None = None,
+                                  input_bias: Tensor | None = None, *, alpha: Tensor) -> tuple[Tensor, Tensor]:
+    """(y, snake(y, alpha)) for y = :func:`pointwise_conv_reference` (no alpha_out); the snake is
+    taken of the unrounded float32 (float64) y."""
+    y = _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias)
+    return y.to(h.dtype), snake_reference(y, alpha).to(h.dtype)
 
 
 def conv_tanh_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
@@ -224,11 +261,16 @@ def _block_k(C_in: int) -> int:
     return block
 
 
-def _dw_config(n_rows: int, T: int) -> tuple[int, int, int]:
-    tile = 1 << 16 if TRITON_INTERPRET else 2048
-    block_t = min(triton.next_power_of_2(T), tile)
-    rows = min(triton.next_power_of_2(n_rows), max(1, tile // block_t))
-    return rows, block_t, 4
+def _dw_config(n_rows: int, T: int, device: torch.device) -> tuple[int, int, int]:
+    """(ROWS, BLOCK_T, num_warps): 512-element tiles (the fastest on an H200 at every decoder shape,
+    scripts/tune_tiles.py); one warp each once there are many of them, four while the grid is small."""
+    if TRITON_INTERPRET:
+        block_t = min(triton.next_power_of_2(T), 1 << 16)
+        return min(triton.next_power_of_2(n_rows), max(1, (1 << 16) // block_t)), block_t, 4
+    block_t = min(triton.next_power_of_2(T), 512)
+    rows = min(triton.next_power_of_2(n_rows), 512 // block_t)
+    programs = triton.cdiv(n_rows, rows) * triton.cdiv(T, block_t)
+    return rows, block_t, 1 if programs >= 8 * wave_programs(device) else 4
 
 
 def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha, config=None):
@@ -238,7 +280,7 @@ def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha, config=None):
         return out
     x = x.contiguous()
     K = weight.shape[-1]
-    rows, block_t, warps = config or _dw_config(B * C, T)
+    rows, block_t, warps = config or _dw_config(B * C, T, x.device)
     n_t_blocks = triton.cdiv(T, block_t)
     grid = (triton.cdiv(B * C, rows) * n_t_blocks,)
     w = weight.reshape(C, K)
@@ -252,36 +294,62 @@ def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha, config=None):
     return out
 
 
-def _pw_config(C_out: int, C_in: int, T: int) -> tuple[int, int, int, int, int]:
-    block_m = max(16, min(128, triton.next_power_of_2(C_out)))
-    block_k = max(16, min(64, triton.next_power_of_2(C_in)))
-    block_n = max(16, min(1024 if TRITON_INTERPRET else 128, triton.next_power_of_2(T)))
-    return block_m, block_n, block_k, 4, 3
+# (BLOCK_M, BLOCK_N) in order of preference; small problems take the first that fills the GPU
+_PW_TILES = ((128, 128), (64, 128), (64, 64), (64, 32), (64, 16), (32, 16), (16, 16))
 
 
-def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out):
+def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Long inputs: 128 x 128 tiles (the GEMM is
+    bandwidth-bound there). Streaming chunks: the biggest tile that still gives every SM a program,
+    and 128-deep K steps for the narrow ones (fewer serial iterations); 2-4x faster than one big
+    tile at those shapes on an H200 (scripts/tune_tiles.py)."""
+    if TRITON_INTERPRET:
+        return (max(16, min(128, triton.next_power_of_2(C_out))), max(16, min(1024, triton.next_power_of_2(T))),
+                max(16, min(64, triton.next_power_of_2(C_in))), 4, 3)
+    cap_m, cap_n = max(16, triton.next_power_of_2(C_out)), max(16, triton.next_power_of_2(T))
+    tiles = [(min(m, cap_m), min(n, cap_n)) for m, n in _PW_TILES]
+    block_m, block_n = first_filling(tiles, lambda t: B * triton.cdiv(C_out, t[0]) * triton.cdiv(T, t[1]),
+                                     wave_programs(device))
+    block_k = max(16, min(128 if C_in >= 512 and block_n <= 32 else 64, triton.next_power_of_2(C_in)))
+    return block_m, block_n, block_k, 2 if block_m * block_n <= 512 else 4, 3
+
+
+def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out,
+                           pair_alpha=None, pair_out=None, config=None):
+    """Writes into out (and pair_out); out may be residual itself (each element is read before it
+    is written, by the same program)."""
     B, C_in, T = h.shape
     C_out = weight.shape[0]
-    out = torch.empty((B, C_out, T), dtype=h.dtype, device=h.device)
     if out.numel() == 0:
-        return out
+        return
     h = h.contiguous()
     w = weight.reshape(C_out, C_in).contiguous()
     residual = None if residual is None else residual.contiguous()
     scale = None if scale is None else scale.contiguous()
-    block_m, block_n, block_k, warps, stages = _pw_config(C_out, C_in, T)
+    block_m, block_n, block_k, warps, stages = config or _pw_config(B, C_out, C_in, T, h.device)
     n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
-    flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731
+    flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
     _pointwise_conv_kernel[(B * n_m * n_t,)](
         w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
-        flat(input_bias), flat(alpha_out), out, C_out, C_in, T, n_m, n_t,
+        flat(input_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
+        C_out, C_in, T, n_m, n_t,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        HAS_IN_BIAS=input_bias is not None, SNAKE_OUT=alpha_out is not None,
+        HAS_IN_BIAS=input_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
         IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
         num_warps=warps, num_stages=stages,
     )
-    return out
+
+
+# (BLOCK_C, BLOCK_T): 4,096-element tiles, shorter in time while the grid is small
+_TANH_TILES = ((16, 256), (32, 128), (64, 64), (64, 32))
+
+
+def _conv_tanh_config(rows: int, T: int, device: torch.device) -> tuple[int, int, int]:
+    if TRITON_INTERPRET:
+        return 64, 4096, 4
+    block_c, block_t = first_filling(_TANH_TILES, lambda t: rows * triton.cdiv(T, t[1]), wave_programs(device))
+    return block_c, block_t, 4
 
 
 def _conv_tanh_triton(x, weight, bias, config=None):
@@ -291,13 +359,14 @@ def _conv_tanh_triton(x, weight, bias, config=None):
     if out.numel() == 0:
         return out
     x = x.contiguous()
-    block_c, block_t, warps = config or ((64, 4096, 4) if TRITON_INTERPRET else (16, 256, 4))  # swept: --tune-fused
+    block_c, block_t, warps = config or _conv_tanh_config(B * C_out, T, x.device)
     block_c = min(triton.next_power_of_2(C_in), block_c)
     block_t = min(triton.next_power_of_2(T), block_t)
     n_t = triton.cdiv(T, block_t)
     _conv_tanh_kernel[(B * C_out * n_t,)](
         x, weight.contiguous(), weight if bias is None else bias, out, C_in, C_out, T, n_t,
-        K=K, BLOCK_C=block_c, BLOCK_T=block_t, C_BLOCKS=triton.cdiv(C_in, block_c), num_warps=warps,
+        K=K, BLOCK_C=block_c, BLOCK_T=block_t, C_BLOCKS=triton.cdiv(C_in, block_c), C_IN_FULL=C_in % block_c == 0, HAS_BIAS=bias is not None,
+        num_warps=warps,
     )
     return out
 
@@ -321,17 +390,29 @@ def _(x, weight, bias, dilation, alpha):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("snac_fast::pointwise_conv", mutates_args=())
+@torch.library.custom_op("snac_fast::pointwise_conv", mutates_args=("out", "pair_out"))
 def _pointwise_conv_op(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                       scale: Tensor | None, input_bias: Tensor | None, alpha_out: Tensor | None) -> Tensor:
+                       scale: Tensor | None, input_bias: Tensor | None, alpha_out: Tensor | None, out: Tensor,
+                       pair_alpha: Tensor | None, pair_out: Tensor | None) -> None:
+    # here, not in the wrappers: torch.compile runs an op's body as it is, without tracing it
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    if storage(out) == storage(h) or pair_out is not None and storage(pair_out) == storage(h):
+        raise ValueError("out and snake_out must not share memory with h: the GEMM reads all of h's channels")
+    if pair_out is not None and storage(pair_out) == storage(out):
+        raise ValueError("out and snake_out must be different tensors")
     if _kernel_applies(h):
-        return _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out)
-    return pointwise_conv_reference(h, weight, bias, residual, scale, input_bias, alpha_out).contiguous()
+        _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out)
+    elif pair_out is None:
+        out.copy_(pointwise_conv_reference(h, weight, bias, residual, scale, input_bias, alpha_out))
+    else:
+        y, pair = pointwise_conv_pair_reference(h, weight, bias, residual, scale, input_bias, alpha=pair_alpha)
+        out.copy_(y)
+        pair_out.copy_(pair)
 
 
 @_pointwise_conv_op.register_fake
-def _(h, weight, bias, residual, scale, input_bias, alpha_out):
-    return h.new_empty((h.shape[0], weight.shape[0], h.shape[2]))
+def _(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out):
+    return None
 
 
 @torch.library.custom_op("snac_fast::conv_tanh", mutates_args=())
@@ -382,16 +463,7 @@ def depthwise_conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
     return _depthwise_conv_snake_op(x, weight, bias, int(dilation), alpha)
 
 
-def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
-                   scale: Tensor | None = None, input_bias: Tensor | None = None,
-                   alpha_out: Tensor | None = None) -> Tensor:
-    """``snake(residual + scale * (W @ h + bias), alpha_out)``: a 1x1 conv with its epilogue fused.
-
-    h: [B, C_in, T]; weight: [C_out, C_in, 1]; bias, alpha_out: [C_out]; residual: [B, C_out, T];
-    scale: [B, 1, T]; input_bias: [C_in], added to h and to the residual as they are loaded (needs
-    C_in == C_out when a residual is given). Returns [B, C_out, T] contiguous in h's dtype.
-    Inference only.
-    """
+def _check_pointwise(h, weight, bias, residual, scale, input_bias, **alphas: Tensor | None) -> None:
     check_floating(h, "h")
     check_floating(weight, "weight")
     B, C_in, T = h.shape
@@ -402,12 +474,52 @@ def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residu
         raise ValueError(f"residual must be {(B, C_out, T)}, got {tuple(residual.shape)}")
     if scale is not None and tuple(scale.shape) != (B, 1, T):
         raise ValueError(f"scale must be {(B, 1, T)}, got {tuple(scale.shape)}")
-    _check_per_channel(C_out, bias=bias, alpha_out=alpha_out)
+    _check_per_channel(C_out, bias=bias, **alphas)
     _check_per_channel(C_in, input_bias=input_bias)
     if input_bias is not None and residual is not None and C_in != C_out:
         raise ValueError("input_bias with a residual needs C_in == C_out")
-    check_same_device(h.device, weight, bias, residual, scale, input_bias, alpha_out)
-    return _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, alpha_out)
+    check_same_device(h.device, weight, bias, residual, scale, input_bias, *alphas.values())
+
+
+def _output_buffer(out: Tensor | None, h: Tensor, C_out: int, what: str) -> Tensor:
+    """``out`` checked as a destination for a [B, C_out, T] result of h, or a new one."""
+    shape = (h.shape[0], C_out, h.shape[2])
+    if out is None:
+        return h.new_empty(shape)
+    if tuple(out.shape) != shape or out.dtype != h.dtype or out.device != h.device or not out.is_contiguous():
+        raise ValueError(f"{what} must be a contiguous {h.dtype} tensor {shape} on {h.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
+                   scale: Tensor | None = None, input_bias: Tensor | None = None,
+                   alpha_out: Tensor | None = None, *, out: Tensor | None = None) -> Tensor:
+    """``snake(residual + scale * (W @ h + bias), alpha_out)``: a 1x1 conv with its epilogue fused.
+
+    h: [B, C_in, T]; weight: [C_out, C_in, 1]; bias, alpha_out: [C_out]; residual: [B, C_out, T];
+    scale: [B, 1, T]; input_bias: [C_in], added to h and to the residual as they are loaded (needs
+    C_in == C_out when a residual is given). out: where to write (contiguous, h's dtype); it may be
+    the residual itself (an in-place update), never h. Returns [B, C_out, T] contiguous in h's
+    dtype. Inference only.
+    """
+    _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha_out=alpha_out)
+    out = _output_buffer(out, h, weight.shape[0], "out")
+    _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, alpha_out, out, None, None)
+    return out
+
+
+def pointwise_conv_pair(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
+                        scale: Tensor | None = None, input_bias: Tensor | None = None, *, alpha: Tensor,
+                        out: Tensor | None = None, snake_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(y, snake(y, alpha)) with y = :func:`pointwise_conv` (no alpha_out), both from one kernel:
+    a residual unit's output and the next unit's input snake. out and snake_out: destinations (the
+    same rules as :func:`pointwise_conv`'s out; snake_out may be any tensor no longer needed)."""
+    _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha=alpha)
+    out = _output_buffer(out, h, weight.shape[0], "out")
+    snake_out = _output_buffer(snake_out, h, weight.shape[0], "snake_out")
+    _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, None, out, alpha, snake_out)
+    return out, snake_out
 
 
 def conv_tanh(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:

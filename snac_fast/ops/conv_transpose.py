@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, runs_triton
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, runs_triton, wave_programs
 from snac_fast.ops.conv import _block_k, _compute_dtype, _maybe_snake, check_floating, check_same_device
 from snac_fast.ops.snake import KERNEL_DTYPES
 
@@ -122,18 +122,26 @@ def conv_transpose_reference(x: Tensor, weight: Tensor, bias: Tensor | None, str
     return y.to(x.dtype)
 
 
-def _convt_config(C_out: int, phases: int, C_in: int, T_in: int, batch: int,
-                  elem_bytes: int) -> tuple[int, int, int, int, int]:
-    """(BLOCK_M, BLOCK_J, BLOCK_K, num_warps, num_stages): 128 accumulator rows; columns shrink
-    until the grid covers the SMs; float32 tiles are halved to fit shared memory."""
-    block_m = max(1, min(triton.next_power_of_2(C_out), (1024 if TRITON_INTERPRET else 128) // phases))
-    block_j = 256 if TRITON_INTERPRET else 64
-    n_m = triton.cdiv(C_out, block_m)
-    while not TRITON_INTERPRET and block_j > 16 and batch * n_m * triton.cdiv(T_in, block_j) < 132:
-        block_j //= 2
-    block_j = max(16, min(block_j, triton.next_power_of_2(T_in)))
-    block_k = _block_k(C_in) if elem_bytes < 4 else min(_block_k(C_in), 32)
-    return block_m, block_j, block_k, 4, 3 if elem_bytes < 4 else 2
+# (accumulator rows = BLOCK_M * phases, BLOCK_J) in order of preference (scripts/tune_tiles.py)
+_CONVT_TILES = ((128, 128), (64, 64), (64, 32), (32, 16), (16, 16))
+
+
+def _convt_config(C_out: int, phases: int, C_in: int, T_in: int, batch: int, elem_bytes: int,
+                  device: torch.device) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_J, BLOCK_K, num_warps, num_stages): the biggest tile whose grid still gives
+    every SM a program (streaming chunks are latency-bound: 1.5-2x faster than one big tile on an
+    H200); 32-deep K steps for the biggest tiles; float32 takes at most 32 and 2 stages to fit
+    shared memory."""
+    if TRITON_INTERPRET:
+        block_m = max(1, min(triton.next_power_of_2(C_out), 1024 // phases))
+        return block_m, max(16, min(256, triton.next_power_of_2(T_in))), _block_k(C_in), 4, 3
+    cap_m, cap_j = triton.next_power_of_2(C_out), max(16, triton.next_power_of_2(T_in))
+    tiles = [(min(max(1, rows // phases), cap_m), min(j, cap_j)) for rows, j in _CONVT_TILES]
+    block_m, block_j = first_filling(tiles, lambda t: batch * triton.cdiv(C_out, t[0]) * triton.cdiv(T_in, t[1]),
+                                     wave_programs(device))
+    if elem_bytes == 4:
+        return block_m, min(block_j, 64), min(_block_k(C_in), 32), 4, 2
+    return block_m, block_j, min(_block_k(C_in), 32 if block_m * phases * block_j >= 8192 else 64), 4, 3
 
 
 def _conv_transpose_triton(x, packed, bias, stride, alpha_in, config=None):
@@ -144,7 +152,7 @@ def _conv_transpose_triton(x, packed, bias, stride, alpha_in, config=None):
     if out.numel() == 0:
         return out
     x = x.contiguous()
-    block_m, block_j, block_k, warps, stages = config or _convt_config(C_out, phases, C_in, T_in, B, x.element_size())
+    block_m, block_j, block_k, warps, stages = config or _convt_config(C_out, phases, C_in, T_in, B, x.element_size(), x.device)
     n_m, n_j = triton.cdiv(C_out, block_m), triton.cdiv(T_in, block_j)
     _conv_transpose_kernel[(B * n_m * n_j,)](
         x, packed, packed if bias is None else bias, packed if alpha_in is None else alpha_in.reshape(-1), out,

@@ -1,0 +1,149 @@
+"""Sweep launch tiles of the decoder kernels at the 24 kHz decoder's layer shapes; print the best
+configs against the current default (what the launch heuristics in snac_fast/ops were set from).
+
+    python scripts/tune_tiles.py --batch 1 32 --frames 4 --only convt pw dw tanh
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import median_ms  # noqa: E402
+
+from snac_fast.ops import conv as conv_ops  # noqa: E402
+from snac_fast.ops import conv_transpose as ct  # noqa: E402
+
+DEV, DT = "cuda", torch.float16
+
+
+def rnd(*s):
+    return torch.randn(*s, device=DEV, dtype=DT)
+
+
+def pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def timed(fn, x) -> float:
+    """Per-call GPU time (ms) of fn(x); small problems run many calls in one graph, since a single
+    small kernel would time the graph launch."""
+    calls = max(1, min(20, (1 << 23) // x.numel()))
+    return median_ms(fn, [(x,)] * calls, replays=10)
+
+
+def sweep(what, default_fn, fn, cfgs, x):
+    default = timed(default_fn, x)
+    results = sorted((timed(lambda x: fn(x, cfg), x), cfg) for cfg in cfgs)
+    best = ", ".join(f"{t * 1e3:.1f}us {c}" for t, c in results[:4])
+    print(f"  {what}: default {default * 1e3:.1f}us | best {best}", flush=True)
+
+
+def pw_into(h, w, b, res, cfg):
+    out = torch.empty((h.shape[0], w.shape[0], h.shape[2]), device=DEV, dtype=DT)
+    conv_ops._pointwise_conv_triton(h, w, b, res, None, None, None, out, config=cfg)
+    return out
+
+
+def sweep_pw(shapes, batches):
+    cfgs = [(bm, bn, bk, w, 3) for bm, bn in itertools.product((16, 32, 64, 128), (16, 32, 64, 128))
+            for bk in (32, 64, 128) for w in ((2,) if bm * bn <= 512 else (4,))]
+    for C_out, C_in, T in shapes:
+        w, b = rnd(C_out, C_in, 1) / C_in**0.5, rnd(C_out)
+        for B in batches:
+            h = rnd(B, C_in, T)
+            res = rnd(B, C_out, T) if C_in == C_out else None
+            call = lambda h, cfg=None: pw_into(h, w, b, res, cfg)  # noqa: E731
+            sweep(f"pw C_out={C_out} C_in={C_in} T={T} B={B}", call, call,
+                  [c for c in cfgs if c[2] <= C_in and c[1] <= max(16, pow2(T))], h)
+
+
+def sweep_dw(shapes, batches):
+    cfgs = sorted({(elems // bt, bt, w) for elems in (256, 512, 1024, 2048, 4096)
+                   for bt in (16, 32, 64, 128, 256, 512, 1024) if bt <= elems for w in (1, 2, 4, 8)
+                   if elems // (32 * w) >= 4})
+    for C, T in shapes:
+        wt, b, a = rnd(C, 1, 7) * 0.3, rnd(C), torch.rand(C, device=DEV) + 0.5
+        for B in batches:
+            x = rnd(B, C, T)
+            call = lambda x, cfg=None: conv_ops._depthwise_conv_snake_triton(x, wt, b, 3, a, cfg)  # noqa: E731
+            sweep(f"dw C={C} T={T} B={B}", call, call,
+                  [c for c in cfgs if c[0] <= pow2(B * C) and c[1] <= max(16, pow2(T))], x)
+
+
+def sweep_convt(shapes, batches):
+    for C_in, C_out, s, T_in in shapes:
+        P = pow2(s)
+        wt = rnd(C_in, C_out, 2 * s) / C_in**0.5
+        bias = rnd(C_out)
+        packed = ct.pack_phase_weight(wt, s)
+        pad, opad = ct.upsampling_padding(s)
+        cfgs = [(rows // P, bj, bk, w, st) for rows in (16, 32, 64, 128) for bj in (16, 32, 64, 128)
+                for bk in (32, 64) for w in (4,) for st in (3,) if rows >= P]
+        for B in batches:
+            x = rnd(B, C_in, T_in)
+            cudnn = timed(lambda x: F.conv_transpose1d(x, wt, None, s, pad, opad), x)
+            call = lambda x, cfg=None: ct._conv_transpose_triton(x, packed, bias, s, None, cfg)  # noqa: E731
+            sweep(f"convT C_in={C_in} C_out={C_out} s={s} T_in={T_in} B={B} (cuDNN no bias {cudnn * 1e3:.1f}us)",
+                  call, call, [c for c in cfgs if c[1] <= max(16, pow2(T_in))], x)
+
+
+def convt_paths(shapes, batches):
+    """The Triton kernel with its default tiles against cuDNN (no bias): where each path wins."""
+    for C_in, C_out, s, T_in in shapes:
+        wt = rnd(C_in, C_out, 2 * s) / C_in**0.5
+        packed = ct.pack_phase_weight(wt, s)
+        pad, opad = ct.upsampling_padding(s)
+        for B in batches:
+            x = rnd(B, C_in, T_in)
+            ours = timed(lambda x: ct._conv_transpose_triton(x, packed, None, s, None), x)
+            cudnn = timed(lambda x: F.conv_transpose1d(x, wt, None, s, pad, opad), x)
+            print(f"  convT C_in={C_in} s={s} T_in={T_in} B={B} out {B * C_out * T_in * s / 1e6:.2f} M: "
+                  f"triton {ours * 1e3:.1f}us, cuDNN {cudnn * 1e3:.1f}us", flush=True)
+
+
+def sweep_tanh(lengths, batches):
+    cfgs = [(bc, bt, w) for bc in (16, 32, 64) for bt in (32, 64, 128, 256, 512) for w in (2, 4, 8)
+            if 2048 <= bc * bt <= 8192]
+    w, b = rnd(1, 64, 7) / 8, rnd(1)
+    for T in lengths:
+        for B in batches:
+            x = rnd(B, 64, T)
+            call = lambda x, cfg=None: conv_ops._conv_tanh_triton(x, w, b, cfg)  # noqa: E731
+            sweep(f"conv_tanh C=64 T={T} B={B}", call, call, cfgs, x)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
+    ap.add_argument("--frames", type=int, default=4)
+    ap.add_argument("--only", nargs="+", default=["pw", "convt", "dw", "tanh"])
+    args = ap.parse_args()
+    T0 = 4 * args.frames
+    t0 = time.time()
+    for part in args.only:
+        if part == "convt":
+            sweep_convt([(1024, 512, 8, T0), (512, 256, 8, 8 * T0), (256, 128, 4, 64 * T0), (128, 64, 2, 256 * T0)],
+                        args.batch)
+        elif part == "pw":
+            sweep_pw([(1024, 768, T0), (512, 512, 8 * T0), (256, 256, 64 * T0), (128, 128, 256 * T0),
+                      (64, 64, 512 * T0)], args.batch)
+        elif part == "dw":
+            sweep_dw([(768, T0), (512, 8 * T0), (256, 64 * T0), (128, 256 * T0), (64, 512 * T0)], args.batch)
+        elif part == "convt-paths":
+            convt_paths([(1024, 512, 8, T0), (512, 256, 8, 8 * T0), (256, 128, 4, 64 * T0), (128, 64, 2, 256 * T0)],
+                        args.batch)
+        elif part == "tanh":
+            sweep_tanh([512 * T0], args.batch)
+        print(f"[{part} done at {time.time() - t0:.0f}s]", flush=True)
+
+
+if __name__ == "__main__":
+    main()
