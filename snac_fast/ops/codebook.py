@@ -23,6 +23,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from snac_fast.ops.conv import _program_tile
+
     @triton.jit
     def _add_level(acc, codes_ptr, table_ptr, w_ptr, b_ptr, batch, L, offs_c, c_ok, offs_t, t_ok, N,
                    STRIDE: tl.constexpr, D: tl.constexpr):
@@ -43,11 +45,7 @@ if HAS_TRITON:
         LEVELS: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
         D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, FLAG_BAD: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        t_block = pid % n_t_blocks
-        rest = pid // n_t_blocks
-        c_block = rest % n_c_blocks
-        batch = rest // n_c_blocks
+        batch, c_block, t_block = _program_tile(tl.program_id(0), n_c_blocks, n_t_blocks)
         offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
         offs_t = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
         c_ok = offs_c < C

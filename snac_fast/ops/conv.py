@@ -42,6 +42,14 @@ if HAS_TRITON:
         return v + (1.0 / (alpha + _EPS))[:, None] * (s * s)
 
     @triton.jit
+    def _program_tile(pid, n_row_blocks, n_col_blocks):
+        """(batch, row block, column block) of a program in a 1-D grid over [B, rows, columns]
+        tiles, columns fastest: neighbouring programs stream neighbouring time steps."""
+        col_block = pid % n_col_blocks
+        rest = pid // n_col_blocks
+        return rest // n_row_blocks, rest % n_row_blocks, col_block
+
+    @triton.jit
     def _dot_accumulate(acc, a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         """acc + a @ b: exact fp32 products for float32 operands (IEEE), and bf16 upcast under
         Triton's interpreter (UPCAST: numpy has no bf16, so it would multiply raw bits)."""
@@ -104,11 +112,7 @@ if HAS_TRITON:
         SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr,
         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        t_block = pid % n_t_blocks  # t fastest: neighbouring programs stream neighbouring columns
-        rest = pid // n_t_blocks
-        m_block = rest % n_m_blocks
-        batch = rest // n_m_blocks
+        batch, m_block, t_block = _program_tile(tl.program_id(0), n_m_blocks, n_t_blocks)
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = t_block * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
@@ -162,11 +166,7 @@ if HAS_TRITON:
         K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, C_BLOCKS: tl.constexpr,
         C_IN_FULL: tl.constexpr, HAS_BIAS: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        t_block = pid % n_t_blocks
-        row = pid // n_t_blocks  # batch * C_out + output channel
-        co = row % C_out
-        batch = row // C_out
+        batch, co, t_block = _program_tile(tl.program_id(0), C_out, n_t_blocks)
         cols = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
         x_base = x_ptr + batch.to(tl.int64) * C_in * T
         halo = (K - 1) // 2
@@ -187,7 +187,7 @@ if HAS_TRITON:
         a = tl.minimum(tl.abs(y), 20.0)  # tanh(20) is 1 in float32; no overflow in exp
         t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
         y = tl.where(y < 0, -t, t)
-        tl.store(out_ptr + row.to(tl.int64) * T + cols, y.to(out_ptr.dtype.element_ty), mask=cols < T)
+        tl.store(out_ptr + (batch.to(tl.int64) * C_out + co) * T + cols, y.to(out_ptr.dtype.element_ty), mask=cols < T)
 
 
 # --- references ---------------------------------------------------------------------------------

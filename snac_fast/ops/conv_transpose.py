@@ -27,7 +27,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops.conv import _dot_accumulate, _snake_rows
+    from snac_fast.ops.conv import _dot_accumulate, _program_tile, _snake_rows
 
     @triton.jit
     def _conv_transpose_kernel(
@@ -37,11 +37,7 @@ if HAS_TRITON:
         IEEE: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        j_block = pid % n_j_blocks
-        rest = pid // n_j_blocks
-        m_block = rest % n_m_blocks
-        batch = rest // n_m_blocks
+        batch, m_block, j_block = _program_tile(tl.program_id(0), n_m_blocks, n_j_blocks)
         rows = m_block * (BLOCK_M * PHASES) + tl.arange(0, BLOCK_M * PHASES)  # packed row = out channel * PHASES + phase
         n_rows = C_out * PHASES
         rows_ok = rows < n_rows
