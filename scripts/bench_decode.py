@@ -15,6 +15,7 @@ import gc
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -150,6 +151,7 @@ def main() -> None:
     if args.workloads:
         loads = [w for w in loads if any(w[0].startswith(p) for p in args.workloads) or w[0] in args.workloads]
     results = {}
+    failed = {}
     for mode in modes(args.model, set(args.skip)):
         t0 = time.perf_counter()
         fn = mode.build()
@@ -159,7 +161,12 @@ def main() -> None:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()  # peak includes compile, graph capture and warm-up
             t0 = time.perf_counter()
-            run_inference(fn, sets[0])  # first call: compiles, captures graphs, autotunes
+            try:
+                run_inference(fn, sets[0])  # first call: compiles, captures graphs, autotunes
+            except Exception as err:  # report it and go on: the other modes' figures still count
+                failed[f"{mode.label} / {label}"] = f"{type(err).__name__}: {err}"[:2000]
+                traceback.print_exc()
+                break
             torch.cuda.synchronize()
             first_s = time.perf_counter() - t0
             reps = 10 if frames > 100 else 30
@@ -192,8 +199,10 @@ def main() -> None:
           + markdown_table(header, rows)
           + "\nFidelity, SNR against upstream float32 (TF32 off), same codes and noise, B=2, "
           + f"{fid_frames} coarse frames: " + ", ".join(f"{k} {v:.2f} dB" for k, v in fid.items()) + "\n")
+    if failed:
+        md += "\nFailed: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in failed.items()) + "\n"
     write_results(args.out.parent, args.out.name, {"environment": env, "model": args.model, "results": results,
-                                                   "fidelity_snr_db": fid}, md)
+                                                   "fidelity_snr_db": fid, "failed": failed}, md)
     print(md)
 
 

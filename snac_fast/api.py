@@ -140,7 +140,6 @@ class FastSNAC:
     def latent_length(self, codes: list[Tensor]) -> int:
         return codes[0].shape[1] * self.config["vq_strides"][0]
 
-    @torch.inference_mode()
     def decode(self, codes: list[Tensor], *, seed: int | None = None, generator: torch.Generator | None = None,
                reuse_output: bool = False) -> Tensor:
         """Codes -> audio [B, 1, latent_length * hop_length] in the model's dtype, on its device.
@@ -155,12 +154,13 @@ class FastSNAC:
         if generator is None and seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(seed)
         if self.graphs is not None:  # checks the ids itself, without a sync before the launch
-            if not self.graphs.knows(codes):  # shapes of a cached graph passed these checks already
-                validate_codes(codes, self.config, check_ids=False)
-            return self.graphs(list(codes), generator, copy_output=not reuse_output)
+            return self.graphs(codes, generator, copy_output=not reuse_output, validate=self._validate_structure)
         codes = [c.to(self.device, non_blocking=True) for c in validate_codes(codes, self.config)]
-        with injected_noise(self.model, generator) if generator is not None else contextlib.nullcontext():
+        with torch.inference_mode(), injected_noise(self.model, generator) if generator is not None else contextlib.nullcontext():
             return self.model.decode(codes)
+
+    def _validate_structure(self, codes: list[Tensor]) -> None:
+        validate_codes(codes, self.config, check_ids=False)
 
     def check_fidelity(self, codes: list[Tensor], *, seed: int = 0, baseline: bool = True,
                        reference_device: torch.device | str | None = None):

@@ -5,8 +5,10 @@ around them, costs as much as the GPU work. A call here does little besides one 
 
 - the codes go into the graph's static buffer in one copy (levels flattened one after another);
 - ids are range-checked without a host sync before the launch: on the CPU for CPU codes; for GPU
-  codes the graph's codebook kernel raises a flag, read once the decode has finished (a bad id then
-  raises ValueError naming it, and the audio is discarded);
+  codes the graph's codebook kernel raises a flag in pinned host memory (written through its
+  mapped address: no copy node), read once the decode has finished (a bad id then raises
+  ValueError naming it, and the audio is discarded);
+- shapes seen before skip the structural checks (the cache key is computed once per call);
 - the NoiseBlocks read static noise buffers. Fresh noise (no generator) is one draw for all of them
   inside the graph, from the default CUDA generator, whose state advances on every replay as on
   every eager call; with a generator the noise is drawn outside, in the same order as an eager
@@ -19,6 +21,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -34,8 +37,10 @@ class _Captured:
     noise: Tensor  # static noise, all NoiseBlock calls one after another (the graph reads it: keep it alive)
     noise_views: list[Tensor]  # seeded graphs: its part per NoiseBlock call, in call order, filled per call
     output: Tensor
-    bad_ids: Tensor  # int32 [1]: the codebook kernel sets it when an id is out of range ...
-    bad_ids_host: Tensor  # ... and the graph copies it here (pinned) and clears it
+    bad_ids: Tensor  # int32 [1] in pinned host memory: the codebook kernel sets it for an out-of-range id
+
+    def __post_init__(self) -> None:
+        self.flag = self.bad_ids.numpy()  # reading it costs no torch dispatch
 
 
 class GraphedDecode:
@@ -53,6 +58,8 @@ class GraphedDecode:
         self.max_graphs = max_graphs
         self.warmup = warmup
         self.codebook_size = model.quantizer.quantizers[0].codebook.num_embeddings
+        self._index = self.device.index if self.device.index is not None else (
+            torch.cuda.current_device() if self.device.type == "cuda" else -1)
         self._cache: OrderedDict[tuple, _Captured] = OrderedDict()
         self.captures = 0  # how many graphs were captured so far (evictions make this exceed len)
 
@@ -67,45 +74,49 @@ class GraphedDecode:
 
     @staticmethod
     def key(codes: list[Tensor], seeded: bool = False) -> tuple:
-        return tuple((tuple(c.shape), c.dtype) for c in codes) + (seeded,)
+        return (*[(c.shape, c.dtype) for c in codes], seeded)  # torch.Size is a tuple
 
-    def knows(self, codes: object) -> bool:
-        """True when ``codes`` have the shapes and dtypes of a cached graph's codes: they pass the
-        structural checks that those passed (the checks depend on nothing else), so a replay can
-        skip them."""
-        try:
-            return any(self.key(codes, seeded) in self._cache for seeded in (False, True))
-        except (TypeError, AttributeError):
-            return False
-
-    def __call__(self, codes: list[Tensor], generator: torch.Generator | None = None, copy_output: bool = True) -> Tensor:
-        """codes: structurally validated (ids not yet checked), on any device. generator: None draws
-        fresh noise from the default CUDA generator, as upstream does. copy_output=False returns the
+    def __call__(self, codes: list[Tensor], generator: torch.Generator | None = None, copy_output: bool = True,
+                 validate: Callable[[list[Tensor]], object] | None = None) -> Tensor:
+        """codes: one integer tensor per level, on any device; ``validate(codes)`` runs the
+        structural checks before a capture (the shapes and dtypes of a cached graph passed them
+        already: they depend on nothing else); ids are checked here. generator: None draws fresh
+        noise from the default CUDA generator, as upstream does. copy_output=False returns the
         graph's static output buffer, which the next call of the same shape overwrites."""
-        key = self.key(codes, generator is not None)
-        entry = self._cache.get(key)
+        try:
+            key = self.key(codes, generator is not None)
+            entry = self._cache.get(key)
+        except (TypeError, AttributeError):  # not a list of tensors: validate says what is wrong
+            key = entry = None
         if entry is None:
+            if validate is not None:
+                validate(codes)
+            key = self.key(codes, generator is not None)
             entry = self._capture(codes, generator is not None)
             self._cache[key] = entry
             while len(self._cache) > self.max_graphs:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(key)
-        on_cpu = all(c.device.type == "cpu" for c in codes)
+        static = entry.codes
+        on_cpu = all(c.is_cpu for c in codes)  # (attributes, not torch.device objects: this runs per call)
         if on_cpu:  # check on the CPU: no sync with the GPU
             flat = torch.cat([c.reshape(-1) for c in codes])
             lo, hi = flat.aminmax()
             if lo < 0 or hi >= self.codebook_size:
                 check_code_ids(codes, self.codebook_size)
-            entry.codes.copy_(flat, non_blocking=True)
+            static.copy_(flat, non_blocking=True)
+        elif all(c.get_device() == self._index and c.dtype == static.dtype for c in codes):
+            torch.cat([c.reshape(-1) for c in codes], out=static)
         else:
-            torch.cat([c.reshape(-1).to(entry.codes.device, entry.codes.dtype) for c in codes], out=entry.codes)
+            torch.cat([c.reshape(-1).to(static.device, static.dtype) for c in codes], out=static)
         for view in entry.noise_views:  # the same draws, in the same order, as an eager decode
             view.copy_(draw(tuple(view.shape), generator, view))
         entry.graph.replay()
         output = entry.output.clone() if copy_output else entry.output
         if not on_cpu:  # wait for the decode (the caller would, to use the audio), then read its flag
             torch.cuda.current_stream(self.device).synchronize()
-            if entry.bad_ids_host.item():
+            if entry.flag[0]:
+                entry.flag[0] = 0
                 check_code_ids(codes, self.codebook_size)
         return output
 
@@ -113,12 +124,13 @@ class GraphedDecode:
         blocks = noise_blocks(self.model)
         quantizer = self.model.quantizer
         dtype = functools.reduce(torch.promote_types, [c.dtype for c in codes])
-        flat = torch.cat([c.reshape(-1).to(self.device, dtype) for c in codes])
+        with torch.inference_mode(False):  # buffers the calls write, in or out of inference mode
+            flat = torch.cat([c.reshape(-1).to(self.device, dtype) for c in codes])
+            bad_ids = torch.zeros(1, dtype=torch.int32, pin_memory=True)
         static_codes, offset = [], 0
         for c in codes:
             static_codes.append(flat[offset:offset + c.numel()].view(c.shape))
             offset += c.numel()
-        bad_ids = torch.zeros(1, dtype=torch.int32, device=self.device)
         shapes: list[tuple[int, int, int]] = []
         views: list[Tensor] = []
         calls = 0
@@ -141,30 +153,29 @@ class GraphedDecode:
                 for block in blocks:
                     block.draw_noise = record
                 out = self.model.decode(static_codes)
-                noise = torch.randn(sum(b * t for b, _, t in shapes), device=out.device, dtype=out.dtype)
+                with torch.inference_mode(False):
+                    noise = torch.randn(sum(b * t for b, _, t in shapes), device=out.device, dtype=out.dtype)
+                    offset = 0
+                    for b, _, t in shapes:
+                        views.append(noise[offset:offset + b * t].view(b, 1, t))
+                        offset += b * t
                 del out
-                offset = 0
-                for b, _, t in shapes:
-                    views.append(noise[offset:offset + b * t].view(b, 1, t))
-                    offset += b * t
                 for block in blocks:
                     block.draw_noise = replay_buffers
                 for _ in range(self.warmup):
                     self.model.decode(static_codes)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            bad_ids_host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
             with torch.inference_mode(), torch.cuda.graph(graph):
                 if not seeded:  # one draw for all blocks, advancing the default generator on each replay
                     noise.normal_()
                 output = self.model.decode(static_codes)
-                bad_ids_host.copy_(bad_ids, non_blocking=True)
-                bad_ids.zero_()
         finally:
             quantizer.bad_ids = None
             for block in blocks:
                 if "draw_noise" in vars(block):
                     del block.draw_noise
+        torch.cuda.current_stream().synchronize()
         bad_ids.zero_()  # the warm-up decodes may have flagged the first codes: the call checks them itself
         self.captures += 1
-        return _Captured(graph, flat, noise, views if seeded else [], output, bad_ids, bad_ids_host)
+        return _Captured(graph, flat, noise, views if seeded else [], output, bad_ids)

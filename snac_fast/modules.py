@@ -168,7 +168,8 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
         snake1, dw, snake2, pw = self.block
         if isinstance(x, tuple):
             x, s = x
-            out, snake_out = x, s
+            # Inductor's reinplacing can hand an in-place output the memory of h: fresh ones there
+            out, snake_out = (None, None) if torch.compiler.is_compiling() else (x, s)
         else:
             s = snake(x, snake1.alpha) if isinstance(snake1, _Absorbed) else snake1(x)
             out = snake_out = None

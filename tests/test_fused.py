@@ -1,5 +1,7 @@
 """Fused decoder kernels and modules against their unfused upstream layers; CUDA-graph cache logic."""
 
+import shutil
+
 import pytest
 import torch
 from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit
@@ -382,6 +384,20 @@ def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
         close(holder.decoder.model(x), expected, torch.float32)
 
 
+@pytest.mark.parametrize("stride", [2, 4, 8, 3])
+def test_phase_packing_holds_every_tap_once(stride):
+    """Even strides pack two taps per phase and no zeros; odd ones three blocks with zero taps."""
+    from snac_fast.ops.conv_transpose import pack_phase_weight, splits_phases
+
+    w = torch.arange(1, 5 * 3 * 2 * stride + 1, dtype=torch.float64).view(5, 3, 2 * stride)
+    packed = pack_phase_weight(w, stride)
+    assert sorted(packed[packed != 0].tolist()) == sorted(w.flatten().tolist())
+    if splits_phases(stride):
+        assert packed.shape == (4, 3 * stride // 2, 5) and (packed != 0).all()
+    else:
+        assert packed.shape == (3, 3 * 4, 5)
+
+
 def test_conv_transpose_repacks_when_its_weight_changes():
     torch.manual_seed(0)
     conv = FusedConvTranspose1d.from_conv(torch.nn.ConvTranspose1d(16, 8, 4, stride=2, padding=1))
@@ -421,6 +437,31 @@ def test_compile_traces_through_the_ops():
     torch.testing.assert_close(compiled(*args), f(*args))
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="Inductor on CPU needs a C++ compiler")
+def test_inductor_lowers_the_ops():
+    """Inductor (not only tracing): the codebook op (its flagged twin mutates, this one does not)
+    and a residual unit fed a pair, which under compile writes fresh buffers instead of over the
+    pair (Inductor's reinplacing could give the in-place output h's memory)."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    codes = [torch.randint(0, 16, (1, 4), generator=gen), torch.randint(0, 16, (1, 8), generator=gen)]
+    tables, ws, bs = [torch.randn(16, 2, generator=gen)] * 2, [torch.randn(8, 2, 1, generator=gen)] * 2, [torch.randn(8)] * 2
+    f = lambda c: codes_to_latent(c, tables, ws, bs, [2, 1])  # noqa: E731
+    torch.testing.assert_close(torch.compile(f)(codes), f(codes))
+    unit = upstream_unit(16, 3, seed=1)
+    fused = fused_copy(unit)
+    fused.pair_next_snake(FastSnake1d(16))
+    x = torch.randn(1, 16, 40, generator=gen)
+
+    def chain(x):
+        return fused((x * 1.0, snake(x, fused.block[0].alpha)))
+
+    with torch.no_grad():
+        y, s = torch.compile(chain)(x)
+        close(y, unit(x), torch.float32)
+        close(s, snake(unit(x), torch.ones(16, dtype=torch.float64)), torch.float32)
+
+
 class _FakeGraph:
     def __init__(self):
         self.replays = 0
@@ -446,17 +487,25 @@ def test_graph_cache_is_bounded_lru_and_checks_cpu_ids(monkeypatch):
         self.captures += 1
         flag = torch.zeros(1, dtype=torch.int32)
         return _Captured(_FakeGraph(), torch.zeros(sum(c.numel() for c in codes), dtype=torch.long), torch.zeros(1),
-                         [], torch.zeros(1), flag, flag.clone())
+                         [], torch.zeros(1), flag)
 
     monkeypatch.setattr(GraphedDecode, "_capture", fake_capture)
     runner = GraphedDecode(fake_snac(), "cpu", max_graphs=2)
+    validated = []
     shapes = [(1, 4), (1, 8), (1, 4), (1, 12), (1, 8)]
     for s in shapes:
-        runner([torch.zeros(s, dtype=torch.long)])
+        runner([torch.zeros(s, dtype=torch.long)], validate=lambda codes: validated.append(tuple(codes[0].shape)))
     assert len(runner) == 2 and runner.captures == 4  # (1,4) reused once; (1,8) evicted then recaptured
+    assert validated == [(1, 4), (1, 8), (1, 12), (1, 8)]  # structural checks only before a capture
     assert [k[0][0] for k in runner.keys()] == [(1, 12), (1, 8)]
-    assert runner.knows([torch.ones((1, 8), dtype=torch.long)]) and not runner.knows([torch.ones((1, 8))])
-    assert not runner.knows(torch.ones(1, 8)) and not runner.knows([1, 2]) and not runner.knows(None)
+
+    def reject(codes):
+        raise ValueError("codes must be a list of tensors")
+
+    for wrong in (torch.ones(1, 8), [1, 2], None):  # no key to look up: validate explains, nothing captured
+        with pytest.raises(ValueError, match="list of tensors"):
+            runner(wrong, validate=reject)
+    assert runner.captures == 4
     out = runner([torch.zeros((1, 8), dtype=torch.long)])
     entry = runner._cache[runner.keys()[-1]]
     assert out is not entry.output  # a copy unless asked otherwise

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, runs_triton, wave_programs
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, wave_programs
 from snac_fast.ops.conv import check_same_device
 from snac_fast.ops.snake import KERNEL_DTYPES
 
@@ -23,6 +23,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from snac_fast.ops._runtime import await_previous_kernel
     from snac_fast.ops.conv import _program_tile
 
     @triton.jit
@@ -43,8 +44,9 @@ if HAS_TRITON:
         c0, c1, c2, c3, e0, e1, e2, e3, w0, w1, w2, w3, b0, b1, b2, b3, out_ptr, bad_ptr,
         C, T, N, n_c_blocks, n_t_blocks,
         LEVELS: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr, S2: tl.constexpr, S3: tl.constexpr,
-        D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, FLAG_BAD: tl.constexpr,
+        D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, FLAG_BAD: tl.constexpr, PDL: tl.constexpr,
     ):
+        await_previous_kernel(PDL)
         batch, c_block, t_block = _program_tile(tl.program_id(0), n_c_blocks, n_t_blocks)
         offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
         offs_t = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -95,14 +97,12 @@ def _codes_to_latent_triton(codes, codebooks, weights, biases, strides, dtype, b
         *pad(codes), *pad(codebooks), *pad([w.reshape(C, D) for w in weights]), *pad(biases), out,
         out if bad_ids is None else bad_ids, C, T, codebooks[0].shape[0], n_c, n_t,
         LEVELS=len(codes), S0=s[0], S1=s[1], S2=s[2], S3=s[3], D=D, BLOCK_C=block_c, BLOCK_T=block_t,
-        FLAG_BAD=bad_ids is not None, num_warps=4,
+        FLAG_BAD=bad_ids is not None, num_warps=4, **launch_flags(out.device, B * n_c * n_t),
     )
     return out
 
 
-@torch.library.custom_op("snac_fast::codes_to_latent", mutates_args=("bad_ids",))
-def _codes_to_latent_op(codes: list[Tensor], codebooks: list[Tensor], weights: list[Tensor], biases: list[Tensor],
-                        strides: list[int], dtype: torch.dtype, bad_ids: Tensor | None) -> Tensor:
+def _codes_to_latent(codes, codebooks, weights, biases, strides, dtype, bad_ids):
     if dtype in KERNEL_DTYPES and runs_triton(codes[0]):
         return _codes_to_latent_triton(codes, codebooks, weights, biases, strides, dtype, bad_ids)
     size = codebooks[0].shape[0]
@@ -113,7 +113,25 @@ def _codes_to_latent_op(codes: list[Tensor], codebooks: list[Tensor], weights: l
     return codes_to_latent_reference(codes, codebooks, weights, biases, strides, dtype).contiguous()
 
 
+# two ops, not one with an optional mutated flag: Inductor cannot lower that one
+@torch.library.custom_op("snac_fast::codes_to_latent", mutates_args=())
+def _codes_to_latent_op(codes: list[Tensor], codebooks: list[Tensor], weights: list[Tensor], biases: list[Tensor],
+                        strides: list[int], dtype: torch.dtype) -> Tensor:
+    return _codes_to_latent(codes, codebooks, weights, biases, strides, dtype, None)
+
+
+@torch.library.custom_op("snac_fast::codes_to_latent_flagged", mutates_args=("bad_ids",))
+def _codes_to_latent_flagged_op(codes: list[Tensor], codebooks: list[Tensor], weights: list[Tensor],
+                                biases: list[Tensor], strides: list[int], dtype: torch.dtype, bad_ids: Tensor) -> Tensor:
+    return _codes_to_latent(codes, codebooks, weights, biases, strides, dtype, bad_ids)
+
+
 @_codes_to_latent_op.register_fake
+def _(codes, codebooks, weights, biases, strides, dtype):
+    return codebooks[0].new_empty((codes[0].shape[0], weights[0].shape[0], codes[0].shape[1] * strides[0]), dtype=dtype)
+
+
+@_codes_to_latent_flagged_op.register_fake
 def _(codes, codebooks, weights, biases, strides, dtype, bad_ids):
     return codebooks[0].new_empty((codes[0].shape[0], weights[0].shape[0], codes[0].shape[1] * strides[0]), dtype=dtype)
 
@@ -124,8 +142,9 @@ def codes_to_latent(codes: list[Tensor], codebooks: list[Tensor], weights: list[
 
     codes: integer [B, L_i] per level with L_i * strides[i] equal; codebooks: [N, D]; weights:
     [C, D, 1]; biases: [C]; at most 4 levels. An id outside [0, N) reads row 0 instead (never out
-    of bounds) and sets ``bad_ids`` (an int32 [1] flag on the codes' device) to 1 when given: the
-    range check of a CUDA-graph decode, with no host sync before the launch. Returns
+    of bounds) and sets ``bad_ids`` to 1 when given: an int32 [1] flag on the codes' device, or in
+    pinned host memory for CUDA codes (the kernel writes it through its mapped address, so a
+    CUDA-graph decode needs no copy node to read it after the sync). Returns
     [B, C, L_0 * strides[0]] in ``dtype`` (default: the codebooks' dtype). Inference only.
     """
     n = len(codes)
@@ -139,6 +158,8 @@ def codes_to_latent(codes: list[Tensor], codebooks: list[Tensor], weights: list[
         raise ValueError(f"projection weights must be [C, {codebooks[0].shape[1]}, 1], got {tuple(weights[0].shape)}")
     if bad_ids is not None and (bad_ids.dtype != torch.int32 or bad_ids.numel() != 1):
         raise ValueError(f"bad_ids must be an int32 tensor of one element, got {bad_ids.dtype} {tuple(bad_ids.shape)}")
-    check_same_device(codes[0].device, *codes, *codebooks, *weights, *biases, bad_ids)
-    return _codes_to_latent_op(list(codes), list(codebooks), list(weights), list(biases), [int(s) for s in strides],
-                               dtype or codebooks[0].dtype, bad_ids)
+    if bad_ids is not None and bad_ids.device != codes[0].device and not (bad_ids.is_pinned() and codes[0].is_cuda):
+        raise ValueError(f"bad_ids must be on {codes[0].device} (or pinned host memory for CUDA codes)")
+    check_same_device(codes[0].device, *codes, *codebooks, *weights, *biases)
+    args = (list(codes), list(codebooks), list(weights), list(biases), [int(s) for s in strides], dtype or codebooks[0].dtype)
+    return _codes_to_latent_op(*args) if bad_ids is None else _codes_to_latent_flagged_op(*args, bad_ids)

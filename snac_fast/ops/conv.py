@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, runs_triton, wave_programs
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, wave_programs
 from snac_fast.ops.snake import KERNEL_DTYPES, snake_reference
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from snac_fast.ops._runtime import await_previous_kernel
     from snac_fast.ops.snake import _EPS, _reduce_by_pi, _sin_reduced
 
     @triton.jit
@@ -81,8 +82,9 @@ if HAS_TRITON:
         x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr,
         n_rows, C, T, n_t_blocks,
         K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr,
-        SNAKE: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
+        SNAKE: tl.constexpr, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
     ):
+        await_previous_kernel(PDL)
         pid = tl.program_id(0)
         row_block = pid // n_t_blocks
         t_block = pid - row_block * n_t_blocks
@@ -110,8 +112,9 @@ if HAS_TRITON:
         C_out, C_in, T, n_m_blocks, n_t_blocks,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_IN_BIAS: tl.constexpr,
         SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr,
-        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
+        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr,
     ):
+        await_previous_kernel(PDL)
         batch, m_block, t_block = _program_tile(tl.program_id(0), n_m_blocks, n_t_blocks)
         offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = t_block * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -164,8 +167,9 @@ if HAS_TRITON:
     def _conv_tanh_kernel(
         x_ptr, w_ptr, b_ptr, out_ptr, C_in, C_out, T, n_t_blocks,
         K: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, C_BLOCKS: tl.constexpr,
-        C_IN_FULL: tl.constexpr, HAS_BIAS: tl.constexpr,
+        C_IN_FULL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
     ):
+        await_previous_kernel(PDL)
         batch, co, t_block = _program_tile(tl.program_id(0), C_out, n_t_blocks)
         cols = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
         x_base = x_ptr + batch.to(tl.int64) * C_in * T
@@ -289,7 +293,7 @@ def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha, config=None):
         x, w, flat(bias), flat(alpha), out,
         B * C, C, T, n_t_blocks,
         K=K, DILATION=dilation, HAS_BIAS=bias is not None, SNAKE=alpha is not None,
-        ROWS=rows, BLOCK_T=block_t, num_warps=warps,
+        ROWS=rows, BLOCK_T=block_t, num_warps=warps, **launch_flags(x.device, grid[0]),
     )
     return out
 
@@ -337,7 +341,7 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_o
         HAS_IN_BIAS=input_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
         IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t),
     )
 
 
@@ -366,7 +370,7 @@ def _conv_tanh_triton(x, weight, bias, config=None):
     _conv_tanh_kernel[(B * C_out * n_t,)](
         x, weight.contiguous(), weight if bias is None else bias, out, C_in, C_out, T, n_t,
         K=K, BLOCK_C=block_c, BLOCK_T=block_t, C_BLOCKS=triton.cdiv(C_in, block_c), C_IN_FULL=C_in % block_c == 0, HAS_BIAS=bias is not None,
-        num_warps=warps,
+        num_warps=warps, **launch_flags(x.device, B * C_out * n_t),
     )
     return out
 

@@ -5,7 +5,9 @@ the output is exactly s times longer than the input, and output sample ``j*s + r
 ``W[:, :, m]^T x[:, j]`` plus either ``W[:, :, m+s]^T x[:, j-1]`` (m < s) or ``W[:, :, m-s]^T x[:, j+1]``
 (m >= s), with m = r + padding. Packing the taps as one [3, C_out * P, C_in] matrix (P = s rounded up
 to a power of two; rows (channel, phase); block g multiplies x shifted by g - 1; inapplicable taps
-are zero) makes each program one GEMM over three shifted input tiles. Its accumulator rows
+are zero) makes each program one GEMM over three shifted input tiles. For SNAC's even strides the
+phases split in halves that need two shifts each, so the kernel keeps two accumulators and packs
+no zero taps (:func:`pack_phase_weight`). The accumulator rows
 (channel, phase) x columns j are exactly the output tile [channel, j*s + r]: after a reshape the
 store is contiguous in time, in the NCL layout, with no layout transforms (cuDNN converts to NHWC
 and back, which was 60% of its time). The input snake of the decoder block and the bias are fused.
@@ -19,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, runs_triton, wave_programs
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, wave_programs
 from snac_fast.ops.conv import _block_k, _compute_dtype, _maybe_snake, check_floating, check_same_device
 from snac_fast.ops.snake import KERNEL_DTYPES
 
@@ -27,39 +29,73 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from snac_fast.ops._runtime import await_previous_kernel
     from snac_fast.ops.conv import _dot_accumulate, _program_tile, _snake_rows
+
+    @triton.jit
+    def _shifted_input(x_rows, offs_j, shift: tl.constexpr, ch_ok, T_in, alpha, SNAKE_IN: tl.constexpr):
+        """x[:, j + shift] for a [channels, j] tile, zero outside [0, T_in); snake(0) = 0 keeps it so."""
+        src = offs_j + shift
+        v = tl.load(x_rows + src[None, :], mask=ch_ok[:, None] & ((src >= 0) & (src < T_in))[None, :], other=0.0)
+        if SNAKE_IN:
+            v = _snake_rows(v.to(tl.float32), alpha).to(v.dtype)
+        return v
+
+    @triton.jit
+    def _tap_weights(w_ptr, block: tl.constexpr, rows, n_rows, rows_ok, ch, ch_ok, C_in):
+        return tl.load(w_ptr + (block * n_rows + rows)[:, None].to(tl.int64) * C_in + ch[None, :],
+                       mask=rows_ok[:, None] & ch_ok[None, :], other=0.0)
 
     @triton.jit
     def _conv_transpose_kernel(
         x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr,
         C_in, C_out, T_in, n_m_blocks, n_j_blocks,
-        STRIDE: tl.constexpr, PHASES: tl.constexpr, SNAKE_IN: tl.constexpr, HAS_BIAS: tl.constexpr,
-        IEEE: tl.constexpr, UPCAST: tl.constexpr,
+        STRIDE: tl.constexpr, PHASES: tl.constexpr, SPLIT: tl.constexpr, PER_CHANNEL: tl.constexpr,
+        SNAKE_IN: tl.constexpr,
+        HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        await_previous_kernel(PDL)
         batch, m_block, j_block = _program_tile(tl.program_id(0), n_m_blocks, n_j_blocks)
-        rows = m_block * (BLOCK_M * PHASES) + tl.arange(0, BLOCK_M * PHASES)  # packed row = out channel * PHASES + phase
-        n_rows = C_out * PHASES
+        # packed row = out channel * PER_CHANNEL + phase (P/2 phases per accumulator when SPLIT, else P)
+        rows = m_block * (BLOCK_M * PER_CHANNEL) + tl.arange(0, BLOCK_M * PER_CHANNEL)
+        n_rows = C_out * PER_CHANNEL
         rows_ok = rows < n_rows
         offs_j = j_block * BLOCK_J + tl.arange(0, BLOCK_J)
         x_base = x_ptr + batch.to(tl.int64) * C_in * T_in
-        acc = tl.zeros((BLOCK_M * PHASES, BLOCK_J), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M * PER_CHANNEL, BLOCK_J), dtype=tl.float32)  # phases [0, P/2) when SPLIT, else all
+        acc_hi = tl.zeros((BLOCK_M * PER_CHANNEL, BLOCK_J), dtype=tl.float32)  # phases [P/2, P) when SPLIT
         for kb in range(K_BLOCKS):
             ch = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             ch_ok = ch < C_in
             x_rows = x_base + ch.to(tl.int64)[:, None] * T_in
+            alpha = tl.zeros((BLOCK_K,), dtype=tl.float32)
             if SNAKE_IN:
                 alpha = tl.load(alpha_ptr + ch, mask=ch_ok, other=1.0).to(tl.float32)
-            for g in tl.static_range(3):  # x[j - 1], x[j], x[j + 1]
-                src = offs_j + (g - 1)
-                v = tl.load(x_rows + src[None, :], mask=ch_ok[:, None] & ((src >= 0) & (src < T_in))[None, :], other=0.0)
-                if SNAKE_IN:  # snake(0) = 0: the zero padding stays zero
-                    v = _snake_rows(v.to(tl.float32), alpha).to(x_ptr.dtype.element_ty)
-                a = tl.load(w_ptr + (g * n_rows + rows)[:, None].to(tl.int64) * C_in + ch[None, :],
-                            mask=rows_ok[:, None] & ch_ok[None, :], other=0.0)
-                acc = _dot_accumulate(acc, a, v, IEEE, UPCAST)
+            prev = _shifted_input(x_rows, offs_j, -1, ch_ok, T_in, alpha, SNAKE_IN)
+            here = _shifted_input(x_rows, offs_j, 0, ch_ok, T_in, alpha, SNAKE_IN)
+            after = _shifted_input(x_rows, offs_j, 1, ch_ok, T_in, alpha, SNAKE_IN)
+            w0 = _tap_weights(w_ptr, 0, rows, n_rows, rows_ok, ch, ch_ok, C_in)
+            w1 = _tap_weights(w_ptr, 1, rows, n_rows, rows_ok, ch, ch_ok, C_in)
+            w2 = _tap_weights(w_ptr, 2, rows, n_rows, rows_ok, ch, ch_ok, C_in)
+            if SPLIT:  # low phases take x[j - 1] and x[j], high phases x[j] and x[j + 1]
+                w3 = _tap_weights(w_ptr, 3, rows, n_rows, rows_ok, ch, ch_ok, C_in)
+                acc = _dot_accumulate(acc, w0, prev, IEEE, UPCAST)
+                acc = _dot_accumulate(acc, w1, here, IEEE, UPCAST)
+                acc_hi = _dot_accumulate(acc_hi, w2, here, IEEE, UPCAST)
+                acc_hi = _dot_accumulate(acc_hi, w3, after, IEEE, UPCAST)
+            else:  # every phase takes all three, with zero taps where one does not apply
+                acc = _dot_accumulate(acc, w0, prev, IEEE, UPCAST)
+                acc = _dot_accumulate(acc, w1, here, IEEE, UPCAST)
+                acc = _dot_accumulate(acc, w2, after, IEEE, UPCAST)
         # rows (channel, phase) x columns j  ->  [channel, j * PHASES + phase]
-        y = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_M, PHASES, BLOCK_J)), (0, 2, 1)), (BLOCK_M, BLOCK_J * PHASES))
+        if SPLIT:
+            halves = tl.join(tl.reshape(acc, (BLOCK_M, PER_CHANNEL, BLOCK_J)),
+                             tl.reshape(acc_hi, (BLOCK_M, PER_CHANNEL, BLOCK_J)))  # [M, P/2, J, half]
+            y = tl.reshape(tl.permute(halves, (0, 2, 3, 1)), (BLOCK_M, BLOCK_J * PHASES))
+        else:
+            y = tl.reshape(tl.permute(tl.reshape(acc, (BLOCK_M, PHASES, BLOCK_J)), (0, 2, 1)), (BLOCK_M, BLOCK_J * PHASES))
         co = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
         co_ok = co < C_out
         if HAS_BIAS:
@@ -83,19 +119,36 @@ def upsampling_padding(stride: int) -> tuple[int, int]:
     return math.ceil(stride / 2), stride % 2
 
 
-def pack_phase_weight(weight: Tensor, stride: int) -> Tensor:
-    """ConvTranspose1d weight [C_in, C_out, 2 * stride] -> the kernel's [3, C_out * P, C_in] taps.
+def splits_phases(stride: int) -> bool:
+    """True for even power-of-two strides (SNAC's 8, 4, 2): there the low half of the output phases
+    takes only x[j - 1] and x[j], the high half only x[j] and x[j + 1], so the kernel packs two taps
+    per phase instead of three with a zero among them (a third fewer weight bytes and MACs)."""
+    return stride >= 2 and stride & (stride - 1) == 0
 
-    P = next power of two >= stride. Row ``co * P + r`` of block g holds the tap that multiplies
-    x[j + g - 1] for output phase r; padded phases and inapplicable taps are zero. Same dtype.
+
+def pack_phase_weight(weight: Tensor, stride: int) -> Tensor:
+    """ConvTranspose1d weight [C_in, C_out, 2 * stride] -> the kernel's packed taps, same dtype.
+
+    P = next power of two >= stride. Odd strides: [3, C_out * P, C_in]; row ``co * P + r`` of block
+    g holds the tap that multiplies x[j + g - 1] for output phase r; padded phases and inapplicable
+    taps are zero. Even strides (:func:`splits_phases`): [4, C_out * P/2, C_in]; row ``co * P/2 + r``
+    of blocks 0, 1 holds phase r's taps on x[j - 1], x[j]; of blocks 2, 3 phase P/2 + r's on x[j],
+    x[j + 1]: no zeros.
     """
     C_in, C_out, K = weight.shape
     if K != 2 * stride:
         raise ValueError(f"needs kernel size 2 * stride = {2 * stride}, got {K}")
     phases = 1 << (stride - 1).bit_length()
     pad, _ = upsampling_padding(stride)
-    packed = weight.new_zeros((3, C_out, phases, C_in))
     w = weight.permute(1, 2, 0)  # [C_out, K, C_in]
+    if splits_phases(stride):  # pad = stride / 2: phase r has m = r + pad < stride exactly when r < P/2
+        half = stride // 2
+        packed = weight.new_empty((4, C_out, half, C_in))
+        for r in range(half):
+            packed[0, :, r], packed[1, :, r] = w[:, r + pad + stride], w[:, r + pad]
+            packed[2, :, r], packed[3, :, r] = w[:, r + half + pad], w[:, r + half + pad - stride]
+        return packed.reshape(4, C_out * half, C_in).contiguous()
+    packed = weight.new_zeros((3, C_out, phases, C_in))
     for r in range(stride):
         m = r + pad
         packed[1, :, r] = w[:, m]
@@ -143,20 +196,23 @@ def _convt_config(C_out: int, phases: int, C_in: int, T_in: int, batch: int, ele
 def _conv_transpose_triton(x, packed, bias, stride, alpha_in, config=None):
     B, C_in, T_in = x.shape
     phases = 1 << (stride - 1).bit_length()
-    C_out = packed.shape[1] // phases
+    split = splits_phases(stride)
+    per_channel = phases // 2 if split else phases
+    C_out = packed.shape[1] // per_channel
     out = torch.empty((B, C_out, T_in * stride), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
     x = x.contiguous()
     block_m, block_j, block_k, warps, stages = config or _convt_config(C_out, phases, C_in, T_in, B, x.element_size(), x.device)
+    block_m = max(block_m, 16 // per_channel)  # tl.dot needs 16 rows
     n_m, n_j = triton.cdiv(C_out, block_m), triton.cdiv(T_in, block_j)
     _conv_transpose_kernel[(B * n_m * n_j,)](
         x, packed, packed if bias is None else bias, packed if alpha_in is None else alpha_in.reshape(-1), out,
         C_in, C_out, T_in, n_m, n_j,
-        STRIDE=stride, PHASES=phases, SNAKE_IN=alpha_in is not None, HAS_BIAS=bias is not None,
+        STRIDE=stride, PHASES=phases, SPLIT=split, PER_CHANNEL=per_channel, SNAKE_IN=alpha_in is not None, HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32, UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch_flags(x.device, B * n_m * n_j),
     )
     return out
 

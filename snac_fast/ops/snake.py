@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, runs_triton
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, launch_flags, runs_triton
 
 EPS = 1e-9  # upstream's guard in 1 / (alpha + 1e-9)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -24,6 +24,8 @@ KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 if HAS_TRITON:
     import triton
     import triton.language as tl
+
+    from snac_fast.ops._runtime import await_previous_kernel
 
     _INV_PI = tl.constexpr(0.3183098861837907)
     _PI_A = tl.constexpr(3.140625)  # pi split in 12-bit pieces: k * piece is exact in float32
@@ -84,8 +86,9 @@ if HAS_TRITON:
         x_ptr, alpha_ptr, out_ptr,
         n_rows, C, T, n_t_blocks,
         stride_xb, stride_xc, stride_xt,
-        ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
+        ROWS: tl.constexpr, BLOCK_T: tl.constexpr, PDL: tl.constexpr,
     ):
+        await_previous_kernel(PDL)
         rows, row_ok, chan, batch, cols, mask, _ = _tile(
             tl.program_id(0), n_rows, C, T, n_t_blocks, ROWS, BLOCK_T
         )
@@ -196,7 +199,7 @@ def _forward_triton(x: Tensor, alpha: Tensor, config: tuple[int, int, int] | Non
     grid = (triton.cdiv(n_rows, rows) * n_t_blocks,)
     _snake_fwd_kernel[grid](
         x, alpha.reshape(-1), out, n_rows, C, T, n_t_blocks, *x.stride(),
-        ROWS=rows, BLOCK_T=block_t, num_warps=num_warps,
+        ROWS=rows, BLOCK_T=block_t, num_warps=num_warps, **launch_flags(x.device, grid[0]),
     )
     return out
 
