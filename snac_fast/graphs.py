@@ -91,7 +91,8 @@ class GraphedDecode:
         if entry is None:
             if validate is not None:
                 validate(codes)
-            key = self.key(codes, generator is not None)
+            if key is None:  # validate accepted what key() could not read
+                key = self.key(codes, generator is not None)
             entry = self._capture(codes, generator is not None)
             self._cache[key] = entry
             while len(self._cache) > self.max_graphs:

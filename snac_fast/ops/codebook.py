@@ -127,13 +127,11 @@ def _codes_to_latent_flagged_op(codes: list[Tensor], codebooks: list[Tensor], we
 
 
 @_codes_to_latent_op.register_fake
-def _(codes, codebooks, weights, biases, strides, dtype):
+def _empty_latent(codes, codebooks, weights, biases, strides, dtype, bad_ids=None):
     return codebooks[0].new_empty((codes[0].shape[0], weights[0].shape[0], codes[0].shape[1] * strides[0]), dtype=dtype)
 
 
-@_codes_to_latent_flagged_op.register_fake
-def _(codes, codebooks, weights, biases, strides, dtype, bad_ids):
-    return codebooks[0].new_empty((codes[0].shape[0], weights[0].shape[0], codes[0].shape[1] * strides[0]), dtype=dtype)
+_codes_to_latent_flagged_op.register_fake(_empty_latent)
 
 
 def codes_to_latent(codes: list[Tensor], codebooks: list[Tensor], weights: list[Tensor], biases: list[Tensor],
