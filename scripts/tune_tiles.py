@@ -93,8 +93,9 @@ def sweep_convt(shapes, batches):
         packed = ct.pack_phase_weight(wt, s)
         pad, opad = ct.upsampling_padding(s)
         split = ct.splits_phases(s)
-        cfgs = [(rows // P, bj, bk, w, st) for rows in (16, 32, 64, 128) for bj in (16, 32, 64, 128)
-                for bk in (32, 64, 128) for w in (4,) for st in (3,) if rows >= P and (not split or rows >= 32)]
+        cfgs = [(rows // P, bj, bk, w, st) for rows in (16, 32, 64, 128, 256) for bj in (16, 32, 64, 128)
+                for bk in (32, 64, 128) for w in (4, 8) for st in (3,)
+                if rows >= P and (not split or rows >= 32) and rows * bj <= 32768]
         for B in batches:
             x = rnd(B, C_in, T_in)
             cudnn = timed(lambda x: F.conv_transpose1d(x, wt, None, s, pad, opad), x)

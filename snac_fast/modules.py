@@ -209,12 +209,13 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
     """The decoder block's upsampling ConvTranspose1d (and the block's input Snake1d, when no layer
     before could absorb it, as after attention).
 
-    Outputs up to ``kernel_max_elements``, and any output of a conv with at most
-    ``kernel_max_in_channels`` inputs, run the Triton phase GEMM with the bias inside (no layout
-    transforms). Larger ones run cuDNN, whose tensor-core kernels win there (H200: 60 s decode,
-    C_in 1024/512/256: cuDNN 133/261/433 us against 263/494/534 us; C_in 128: Triton 303 us against
-    484 us, scripts/tune_tiles.py --only convt-paths), without the bias: the FusedNoiseBlock after it
-    adds the bias as it loads its input (:meth:`defers_bias`). Same parameters and name; the packed
+    Outputs up to ``kernel_max_elements``, any output of a conv with at most
+    ``kernel_max_in_channels`` inputs, and short inputs of several batches (which the kernel folds
+    into its columns) run the Triton phase GEMM with the bias inside (no layout transforms). Larger
+    ones run cuDNN, whose tensor-core kernels win there (H200: 60 s decode, C_in 1024/512/256: cuDNN
+    133/258/433 us against 229/420/457 us; C_in 128: Triton 303 us against 484 us; B=32 chunk,
+    C_in 512: 62 against 72 us, scripts/tune_tiles.py --only convt-paths), without the bias: the
+    FusedNoiseBlock after it adds the bias as it loads its input (:meth:`defers_bias`). Same parameters and name; the packed
     weight is rebuilt whenever the weight changes.
     """
 
@@ -245,34 +246,54 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
     def absorb_previous_snake(self, snake_module: nn.Module) -> None:
         object.__setattr__(self, "_snake_in", snake_module)
 
-    def runs_cudnn(self, output_elements: int) -> bool:
-        return output_elements > self.kernel_max_elements and self.in_channels > self.kernel_max_in_channels
+    def runs_cudnn(self, batch: int, length: int) -> bool:
+        """Whether an input [batch, C_in, length] goes to cuDNN: a large output of a conv with many
+        inputs, unless the kernel folds the batches (short inputs: there it wins, H200, B=32
+        chunk, C_in 1024: 46 us against cuDNN's 64 us)."""
+        from snac_fast.ops.conv_transpose import folds_batches
 
-    def defers_bias(self, output_elements: int) -> bool:
-        """True when an output of this many elements comes from cuDNN without the bias."""
-        return self.runs_cudnn(output_elements) and self.bias is not None and self._bias_taken
+        return (batch * self.out_channels * length * self.stride[0] > self.kernel_max_elements
+                and self.in_channels > self.kernel_max_in_channels and not folds_batches(batch, length))
+
+    def defers_bias(self, batch: int, length: int) -> bool:
+        """True when the output for an input [batch, C_in, length] comes from cuDNN without the bias."""
+        return self.runs_cudnn(batch, length) and self.bias is not None and self._bias_taken
 
     def packed_weight(self, dtype: torch.dtype) -> Tensor:
+        """The weight packed for the Triton kernel in ``dtype``, cached while the weight is unchanged.
+
+        Under ``torch.compile`` the cache is read, never keyed or filled: a key on ``data_ptr`` breaks
+        the graph, and a tensor packed inside a compiled graph lives in its memory (with CUDA graphs,
+        the next replay overwrites it). Surgery packs the weight eagerly (:meth:`pack`); for another
+        dtype the compiled graph packs its own copy per call."""
         from snac_fast.ops.conv_transpose import pack_phase_weight
 
         w = self.weight
+        if torch.compiler.is_compiling():
+            packed = self._packed[1]
+            if packed is not None and packed.dtype == dtype and packed.device == w.device:
+                return packed
+            return pack_phase_weight(w.detach().to(dtype), self.stride[0])
         key = (w.data_ptr(), w._version, w.device, dtype)
         if self._packed[0] != key:
             with torch.no_grad():
                 object.__setattr__(self, "_packed", (key, pack_phase_weight(w.detach().to(dtype), self.stride[0])))
         return self._packed[1]
 
+    def pack(self) -> None:
+        """Pack the weight for its own dtype now, outside any compiled graph."""
+        self.packed_weight(self.weight.dtype)
+
     def forward(self, x: Tensor) -> Tensor:
         from snac_fast.ops.conv_transpose import conv_transpose
 
         alpha_in = None if self._snake_in is None else self._snake_in.alpha
-        out_elements = x.shape[0] * self.out_channels * x.shape[2] * self.stride[0]
-        if not self.runs_cudnn(out_elements):
+        if not self.runs_cudnn(x.shape[0], x.shape[2]):
             return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=self.packed_weight(x.dtype),
                                   alpha_in=alpha_in)
         if alpha_in is not None:
             x = snake(x, alpha_in)
-        bias = None if self.defers_bias(out_elements) else self.bias
+        bias = None if self.defers_bias(x.shape[0], x.shape[2]) else self.bias
         return F.conv_transpose1d(x, self.weight, bias, self.stride, self.padding, self.output_padding)
 
 
@@ -319,7 +340,7 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
 
     def input_bias(self, x: Tensor) -> Tensor | None:
         conv = self._upsampler
-        return conv.bias if conv is not None and conv.defers_bias(x.numel()) else None
+        return conv.bias if conv is not None and conv.defers_bias(x.shape[0], x.shape[2] // conv.stride[0]) else None
 
     @classmethod
     def from_block(cls, block: nn.Module) -> "FusedNoiseBlock":

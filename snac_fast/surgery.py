@@ -226,4 +226,7 @@ def accelerate(
         report.absorbed = report.fused.pop("absorbed")
     if device is not None or dtype is not None:
         report.float32_attention = to_device_dtype(model, device, dtype)
+    for module in model.decoder.modules():  # on the final device and dtype, outside torch.compile
+        if isinstance(module, FusedConvTranspose1d):
+            module.pack()
     return report

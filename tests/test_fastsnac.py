@@ -10,6 +10,8 @@ from snac_fast import FastSNAC, FastSnake1d, accelerate
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
 from snac_fast.fidelity import decode_with_noise
+from snac_fast.modules import FusedConvTranspose1d
+from snac_fast.noise import noise_blocks
 from snac_fast.testing import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
@@ -188,6 +190,51 @@ def test_gpu_fp32_decode_matches_upstream(cuda, name):
     codes = random_codes(fast.config, 4 * coarse_frames(fast.config), batch=2, seed=2)
     out = fast.decode(codes, generator=torch.Generator().manual_seed(5))
     assert snr_db(decode_with_noise(ref, codes, 5, torch.device("cpu")), out) >= 60
+
+
+def _fixed_noise(fast):
+    """NoiseBlocks draw a fixed, traceable signal instead of fresh noise: compiled and eager decodes
+    are then comparable."""
+    for block in noise_blocks(fast.model):
+        block.draw_noise = lambda x: torch.cos(torch.arange(x.shape[0] * x.shape[2], device=x.device, dtype=torch.float32)
+                                               ).to(x.dtype).reshape(x.shape[0], 1, x.shape[2])
+
+
+def _packed_weights(fast):
+    return [m._packed[1] for m in fast.model.modules() if isinstance(m, FusedConvTranspose1d)]
+
+
+def test_whole_decode_compiles_as_one_graph():
+    """torch.compile traces a fused decode without a graph break and uses the transposed convs'
+    weights packed at surgery, never packing or caching inside the graph (a tensor cached there
+    lives in the graph's memory: under reduce-overhead the next replay overwrote it)."""
+    torch._dynamo.reset()
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu", dtype=torch.float32)
+    packed = _packed_weights(fast)
+    assert len(packed) == 4 and all(p is not None for p in packed)
+    _fixed_noise(fast)
+    compiled = torch.compile(fast.model.decode, backend="aot_eager", fullgraph=True)
+    with torch.inference_mode():
+        for seed in range(2):
+            codes = random_codes(fast.config, 2, seed=seed)
+            torch.testing.assert_close(compiled(codes), fast.model.decode(codes))
+    assert all(a is b for a, b in zip(_packed_weights(fast), packed))
+
+
+@pytest.mark.gpu
+def test_gpu_compile_reduce_overhead_matches_eager(cuda):
+    """FastSNAC's decode under torch.compile(mode="reduce-overhead") (Inductor, CUDA graph trees),
+    several calls with outputs kept (cloned), against the eager fused decode."""
+    torch._dynamo.reset()
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, cuda_graphs=False)
+    _fixed_noise(fast)
+    compiled = torch.compile(fast.model.decode, mode="reduce-overhead")
+    code_sets = [[c.to(cuda) for c in random_codes(fast.config, 4, seed=seed)] for seed in range(4)]
+    with torch.inference_mode():
+        got = [compiled(codes).clone() for codes in code_sets * 2]
+        want = [fast.model.decode(codes) for codes in code_sets * 2]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, atol=2e-3, rtol=0)
 
 
 def test_half_precision_attention_runs_in_float32():

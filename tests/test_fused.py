@@ -17,7 +17,7 @@ from snac_fast.ops.conv import (_conv_tanh_triton, _dw_config, conv_tanh, conv_t
                                 depthwise_conv_snake_reference, pointwise_conv, pointwise_conv_pair,
                                 pointwise_conv_pair_reference, pointwise_conv_reference)
 from snac_fast.ops.snake import snake
-from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference
+from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference, folds_batches
 from snac_fast.surgery import fold_weight_norm, fuse_decoder
 
 # residual-unit channel counts of the three published decoders (24 kHz; 32 and 44 kHz share theirs)
@@ -75,9 +75,11 @@ def test_depthwise_conv_snake(dtype, dilation, C):
 
 
 @pytest.mark.parametrize("dilation", [1, 9])
-def test_depthwise_interior_and_edge_tiles(dilation, poisoned_empty):
-    """Long enough for interior tiles (unmasked loads) between the two edge tiles (masked)."""
-    T = 3 * _dw_config(2, 10**9, torch.device("cpu"))[1] + 5
+@pytest.mark.parametrize("ragged", [0, 5])
+def test_depthwise_interior_and_edge_tiles(dilation, ragged, poisoned_empty):
+    """Long enough for interior tiles (unmasked loads) between the two edge tiles (masked), the last
+    one ending at T or ragged."""
+    T = 3 * _dw_config(2, 10**9, torch.device("cpu"))[1] + ragged
     gen = torch.Generator().manual_seed(dilation)
     x = torch.randn(1, 2, T, generator=gen)
     w = torch.randn(2, 1, 7, generator=gen)
@@ -108,9 +110,11 @@ def test_conv_transpose_matches_torch_module(stride, poisoned_empty):
     torch.manual_seed(stride)
     conv = torch.nn.ConvTranspose1d(32, 16, 2 * stride, stride=stride, padding=math.ceil(stride / 2),
                                     output_padding=stride % 2)
-    x = torch.randn(3, 32, 1 + 2 * stride)
-    with torch.no_grad():
-        close(conv_transpose(x, conv.weight, conv.bias, stride), conv(x.double().float()), torch.float32)
+    for T in (1 + 2 * stride, 131):  # batches folded into the columns, then one batch per program
+        assert folds_batches(3, T) == (T < 128)
+        x = torch.randn(3, 32, T)
+        with torch.no_grad():
+            close(conv_transpose(x, conv.weight, conv.bias, stride), conv(x.double().float()), torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -348,8 +352,9 @@ def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
     blocks = [DecoderBlock(128, 64, stride=stride, noise=True, groups=64).eval(),
               DecoderBlock(64, 32, stride=2, noise=True, groups=32).eval()]
     set_alphas(torch.nn.ModuleList(blocks), stride)
-    x = torch.randn(2, 128, 11)
-    T1 = 11 * stride
+    T0 = 130 if cudnn else 11  # short inputs of several batches stay on the kernel (batches folded)
+    x = torch.randn(2, 128, T0)
+    T1 = T0 * stride
     noises = [torch.randn(2, 1, T1), torch.randn(2, 1, 2 * T1)]
     with torch.no_grad():
         h = x
@@ -374,7 +379,7 @@ def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
     assert first[5]._snake_pair is None
     assert isinstance(first[0], AbsorbedSnake1d) and first[0].absorbed_by == "decoder.model.0.block.1"
     assert first[1]._snake_in is first[0] and first[2]._upsampler is first[1]
-    assert first[2].input_bias(torch.empty(2, 64, 11 * stride)) is (first[1].bias if cudnn else None)
+    assert first[2].input_bias(torch.empty(2, 64, T1)) is (first[1].bias if cudnn else None)
     assert second[0].absorbed_by == "decoder.model.0.block.5" and first[5].alpha_out is second[0].alpha
     assert {k.replace("parametrizations.weight.original1", "weight") for k in keys if "original0" not in k} \
         == set(torch.nn.ModuleList(blocks).state_dict())
@@ -534,13 +539,15 @@ def test_graphs_need_cuda():
 @pytest.mark.parametrize("C", CHANNELS)
 def test_gpu_residual_unit_kernels(cuda, dtype, dilation, C):
     gen = torch.Generator().manual_seed(C + dilation)
-    T = 20001  # several interior tiles between the masked edge tiles
+    T = 20001  # several interior tiles between the edge tiles
     x = torch.randn(2, C, T, generator=gen).to(dtype)
     w = (torch.randn(C, 1, 7, generator=gen) * 0.4).to(dtype)
     b = torch.randn(C, generator=gen).to(dtype)
     a = log_uniform_alpha(C, gen)
-    got = depthwise_conv_snake(x.to(cuda), w.to(cuda), b.to(cuda), dilation, a.to(cuda))
-    close(got.cpu(), depthwise_conv_snake_reference(d(x), d(w), d(b), dilation, d(a)), dtype)
+    for length in (T, 10240):  # the last tile ragged, then ending at T
+        xs = x[..., :length].contiguous()
+        got = depthwise_conv_snake(xs.to(cuda), w.to(cuda), b.to(cuda), dilation, a.to(cuda))
+        close(got.cpu(), depthwise_conv_snake_reference(d(xs), d(w), d(b), dilation, d(a)), dtype)
     wp = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype)
     got = pointwise_conv(x.to(cuda), wp.to(cuda), b.to(cuda), residual=x.to(cuda), alpha_out=a.to(cuda))
     close(got.cpu(), pointwise_conv_reference(d(x), d(wp), d(b), d(x), alpha_out=d(a)), dtype)
