@@ -21,6 +21,7 @@ import gc
 import json
 import math
 from dataclasses import asdict, dataclass, field
+from typing import Callable
 
 import torch
 from torch import Tensor, nn
@@ -118,10 +119,12 @@ def _true_float32():
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
-def decode_with_noise(model: nn.Module, codes: list[Tensor], seed: int, device: torch.device) -> Tensor:
-    """Decode with ``model`` on ``device``, noise from a CPU generator; returns float32 audio on CPU."""
+def decode_with_noise(model: nn.Module, codes: list[Tensor], seed: int, device: torch.device,
+                      decode: Callable[[list[Tensor]], Tensor] | None = None) -> Tensor:
+    """Decode with ``model`` on ``device``, noise from a CPU generator; returns float32 audio on CPU.
+    decode: called instead of ``model.decode`` (e.g. a ``torch.compile`` of it)."""
     with torch.inference_mode(), seeded_noise(model, seed, "cpu"):
-        out = model.decode([c.to(device) for c in codes])
+        out = (decode or model.decode)([c.to(device) for c in codes])
     return out.float().cpu()
 
 

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 
 from snac_fast.codes import check_code_ids
 from snac_fast.noise import draw, noise_blocks
+from snac_fast.ops._runtime import cuda_index
 
 
 @dataclass
@@ -58,8 +59,7 @@ class GraphedDecode:
         self.max_graphs = max_graphs
         self.warmup = warmup
         self.codebook_size = model.quantizer.quantizers[0].codebook.num_embeddings
-        self._index = self.device.index if self.device.index is not None else (
-            torch.cuda.current_device() if self.device.type == "cuda" else -1)
+        self._index = cuda_index(self.device) if self.device.type == "cuda" else -1
         self._cache: OrderedDict[tuple, _Captured] = OrderedDict()
         self.captures = 0  # how many graphs were captured so far (evictions make this exceed len)
 

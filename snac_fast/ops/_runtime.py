@@ -50,8 +50,13 @@ def dependent_launch(device: torch.device, programs: int) -> bool:
     take SM slots from the last wave."""
     if device.type != "cuda" or TRITON_INTERPRET or os.environ.get("SNAC_FAST_PDL", "1") == "0":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = cuda_index(device)
     return programs <= 8 * _wave_programs(index) and _capability(index) >= (9, 0)
+
+
+def cuda_index(device: torch.device) -> int:
+    """The ordinal of a CUDA ``device`` ("cuda" alone means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def launch_flags(device: torch.device, programs: int) -> dict[str, bool]:
@@ -70,7 +75,7 @@ def wave_programs(device: torch.device) -> int:
     of two (128 on H100/H200). 1 for Triton's interpreter, which pays per program: biggest tiles."""
     if device.type != "cuda" or TRITON_INTERPRET:
         return 1
-    return _wave_programs(device.index if device.index is not None else torch.cuda.current_device())
+    return _wave_programs(cuda_index(device))
 
 
 @functools.lru_cache(maxsize=None)

@@ -4,9 +4,9 @@
 dilated K-tap per-channel filter and zero padding (K-1)*dilation/2, in one pass (taps and alpha in
 registers, fp32 accumulation; the shifted loads hit L1/L2, so x is read from memory about once).
 The unit's first snake is not computed here: inside this kernel it would be recomputed for each of
-the 7 taps, which measured slower at every decoder shape, streaming chunks included
-(measured in session 2). The layer before the unit writes it instead
-(``pointwise_conv_pair``).
+the 7 taps, which measured slower at every decoder shape, streaming chunks included (H200, e.g.
+60 s, 64 channels: 600 vs 395 us per unit; README, "The kernels"). The layer before the unit
+writes it instead (``pointwise_conv_pair``).
 
 ``pointwise_conv``: a 1x1 convolution as a GEMM with its epilogue fused,
 ``out = snake_out(residual + scale * (W @ h + bias))``, each part optional: the residual unit's tail
