@@ -85,37 +85,52 @@ def sweep_dw(shapes, batches):
                   [c for c in cfgs if c[0] <= pow2(B * C) and c[1] <= max(16, pow2(T))], x)
 
 
+def channels_last(x):
+    """x [B, C, T] laid out [B, T, C]: what the decoder feeds its transposed convs."""
+    return x.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def cudnn_channels_last(x, w, s):
+    """cuDNN's transposed conv on channels-last memory, no bias (FusedConvTranspose1d's cuDNN path)."""
+    pad, opad = ct.upsampling_padding(s)
+    w4 = w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+    return lambda x: F.conv_transpose2d(x.unsqueeze(2), w4, None, (1, s), (0, pad), (0, opad))
+
+
 def sweep_convt(shapes, batches):
     for C_in, C_out, s, T_in in shapes:
         P = pow2(s)
         wt = rnd(C_in, C_out, 2 * s) / C_in**0.5
         bias = rnd(C_out)
         packed = ct.pack_phase_weight(wt, s)
-        pad, opad = ct.upsampling_padding(s)
         split = ct.splits_phases(s)
         cfgs = [(rows // P, bj, bk, w, st) for rows in (16, 32, 64, 128, 256) for bj in (16, 32, 64, 128)
                 for bk in (32, 64, 128) for w in (4, 8) for st in (3,)
                 if rows >= P and (not split or rows >= 32) and rows * bj <= 32768]
         for B in batches:
-            x = rnd(B, C_in, T_in)
-            cudnn = timed(lambda x: F.conv_transpose1d(x, wt, None, s, pad, opad), x)
+            x = channels_last(rnd(B, C_in, T_in))
+            cudnn = timed(cudnn_channels_last(x, wt, s), x)
             call = lambda x, cfg=None: ct._conv_transpose_triton(x, packed, bias, s, None, cfg)  # noqa: E731
             sweep(f"convT C_in={C_in} C_out={C_out} s={s} T_in={T_in} B={B} (cuDNN no bias {cudnn * 1e3:.1f}us)",
                   call, call, [c for c in cfgs if c[1] <= max(16, pow2(T_in))], x)
 
 
 def convt_paths(shapes, batches):
-    """The Triton kernel with its default tiles against cuDNN (no bias): where each path wins."""
+    """The Triton kernel with its default tiles against cuDNN (no bias), both on channels-last input
+    (cuDNN also on [B, C, T] memory, where it adds layout transforms): where each path wins."""
     for C_in, C_out, s, T_in in shapes:
         wt = rnd(C_in, C_out, 2 * s) / C_in**0.5
         packed = ct.pack_phase_weight(wt, s)
         pad, opad = ct.upsampling_padding(s)
         for B in batches:
             x = rnd(B, C_in, T_in)
-            ours = timed(lambda x: ct._conv_transpose_triton(x, packed, None, s, None), x)
-            cudnn = timed(lambda x: F.conv_transpose1d(x, wt, None, s, pad, opad), x)
+            x_cl = channels_last(x)
+            ours = timed(lambda x: ct._conv_transpose_triton(x, packed, None, s, None), x_cl)
+            cudnn = timed(cudnn_channels_last(x_cl, wt, s), x_cl)
+            cudnn_ncl = timed(lambda x: F.conv_transpose1d(x, wt, None, s, pad, opad), x)
             print(f"  convT C_in={C_in} s={s} T_in={T_in} B={B} out {B * C_out * T_in * s / 1e6:.2f} M: "
-                  f"triton {ours * 1e3:.1f}us, cuDNN {cudnn * 1e3:.1f}us", flush=True)
+                  f"triton {ours * 1e3:.1f}us, cuDNN channels-last {cudnn * 1e3:.1f}us, [B, C, T] {cudnn_ncl * 1e3:.1f}us",
+                  flush=True)
 
 
 def sweep_tanh(lengths, batches):

@@ -92,10 +92,15 @@ class _SnakeOut:
     """Mixin for fused layers that can apply the next Snake1d in their epilogue: instead of their
     output (:meth:`absorb_next_snake`, when the next layer needs only the snake), or beside it
     (:meth:`pair_next_snake`, for a residual unit, which needs both: the layer then returns the
-    tuple ``(y, snake(y))`` from one kernel)."""
+    tuple ``(y, snake(y))`` from one kernel). After :meth:`write_channels_last` a plain output is
+    laid out [B, T, C] in memory (a transposed view), for a transposed conv after it."""
 
     _snake_out: nn.Module | None = None
     _snake_pair: nn.Module | None = None
+    channels_last_out = False
+
+    def write_channels_last(self) -> None:
+        self.channels_last_out = True
 
     def absorb_next_snake(self, snake_module: nn.Module) -> None:
         object.__setattr__(self, "_snake_out", snake_module)  # not a child: it stays where it is
@@ -177,6 +182,12 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
         if self._snake_pair is not None:
             return pointwise_conv_pair(h, pw.weight, pw.bias, residual=x, alpha=self._snake_pair.alpha,
                                        out=out, snake_out=snake_out)
+        if self.channels_last_out:  # into the spent snake's memory (not over x: the layouts differ)
+            if snake_out is not None:
+                B, C, T = snake_out.shape
+                snake_out = snake_out.view(B, T, C).transpose(1, 2)
+            return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out, out=snake_out,
+                                  channels_last=True)
         return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out, out=out)
 
 
@@ -202,25 +213,32 @@ class DepthwisePointwiseConv1d(_SnakeOut, nn.Conv1d):
         from snac_fast.ops.conv import depthwise_conv_snake, pointwise_conv
 
         h = depthwise_conv_snake(x, self.weight, self.bias, self.dilation[0])
-        return pointwise_conv(h, self._pointwise.weight, self._pointwise.bias, alpha_out=self.alpha_out)
+        return pointwise_conv(h, self._pointwise.weight, self._pointwise.bias, alpha_out=self.alpha_out,
+                              channels_last=self.channels_last_out)
 
 
 class FusedConvTranspose1d(nn.ConvTranspose1d):
     """The decoder block's upsampling ConvTranspose1d (and the block's input Snake1d, when no layer
     before could absorb it, as after attention).
 
-    Outputs up to ``kernel_max_elements``, any output of a conv with at most
-    ``kernel_max_in_channels`` inputs, and short inputs of several batches (which the kernel folds
-    into its columns) run the Triton phase GEMM with the bias inside (no layout transforms). Larger
-    ones run cuDNN, whose tensor-core kernels win there (H200: 60 s decode, C_in 1024/512/256: cuDNN
-    133/258/433 us against 229/420/457 us; C_in 128: Triton 303 us against 484 us; B=32 chunk,
-    C_in 512: 62 against 72 us, scripts/tune_tiles.py --only convt-paths), without the bias: the
-    FusedNoiseBlock after it adds the bias as it loads its input (:meth:`defers_bias`). Same parameters and name; the packed
-    weight is rebuilt whenever the weight changes.
+    Reads its input fastest laid out [B, T, C] in memory (:func:`~snac_fast.ops.conv.is_channels_last`,
+    which surgery has the layer before write), and takes one of two paths:
+
+    - outputs up to ``kernel_max_elements``: the Triton phase GEMM with the bias inside, output
+      contiguous [B, C, T] (streaming chunks at small batch sizes);
+    - larger ones: cuDNN's tensor-core kernel in channels-last layout (no layout transforms), output
+      a [B, C, T] view of [B, T, C] memory without the bias: the FusedNoiseBlock after it adds the
+      bias as it loads its input (:meth:`defers_bias`).
+
+    H200, fp16, channels-last input, the four 24 kHz blocks (scripts/tune_tiles.py --only convt-paths;
+    Triton on its earlier default tiles): streaming chunk at B=1, Triton 8.8/7.0/5.5/3.9 us against
+    cuDNN 13.2/12.2/9.2/7.2; at B=32,
+    42/56/70/49 against 29/34/41/38; 60 s, 156/309/372/240 against 79/151/188/151. Given [B, C, T]
+    tensors cuDNN wraps the same kernel in two layout transforms (60 s: 134/261/435/484 us).
+    Same parameters and name; the kernels' weight layouts are rebuilt whenever the weight changes.
     """
 
     kernel_max_elements = 1 << 19
-    kernel_max_in_channels = 128
     _snake_in: nn.Module | None = None
     _bias_taken = False  # set when a FusedNoiseBlock after it adds the bias for the cuDNN path
 
@@ -247,54 +265,56 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
         object.__setattr__(self, "_snake_in", snake_module)
 
     def runs_cudnn(self, batch: int, length: int) -> bool:
-        """Whether an input [batch, C_in, length] goes to cuDNN: a large output of a conv with many
-        inputs, unless the kernel folds the batches (short inputs: there it wins, H200, B=32
-        chunk, C_in 1024: 46 us against cuDNN's 64 us)."""
-        from snac_fast.ops.conv_transpose import folds_batches
-
-        return (batch * self.out_channels * length * self.stride[0] > self.kernel_max_elements
-                and self.in_channels > self.kernel_max_in_channels and not folds_batches(batch, length))
+        """Whether an input [batch, C_in, length] goes to cuDNN (a large output)."""
+        return batch * self.out_channels * length * self.stride[0] > self.kernel_max_elements
 
     def defers_bias(self, batch: int, length: int) -> bool:
         """True when the output for an input [batch, C_in, length] comes from cuDNN without the bias."""
         return self.runs_cudnn(batch, length) and self.bias is not None and self._bias_taken
 
-    def packed_weight(self, dtype: torch.dtype) -> Tensor:
-        """The weight packed for the Triton kernel in ``dtype``, cached while the weight is unchanged.
-
-        Under ``torch.compile`` the cache is read, never keyed or filled: a key on ``data_ptr`` breaks
-        the graph, and a tensor packed inside a compiled graph lives in its memory (with CUDA graphs,
-        the next replay overwrites it). Surgery packs the weight eagerly (:meth:`pack`); for another
-        dtype the compiled graph packs its own copy per call."""
+    def _layouts(self, weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         from snac_fast.ops.conv_transpose import pack_phase_weight
 
+        w = weight.detach().to(dtype)
+        return pack_phase_weight(w, self.stride[0]), w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
+
+    def kernel_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """(the Triton kernel's packed taps, cuDNN's channels-last weight [C_in, C_out, 1, K]) in
+        ``dtype``, cached while the weight is unchanged.
+
+        Under ``torch.compile`` the cache is read, never keyed or filled: a key on ``data_ptr`` breaks
+        the graph, and a tensor made inside a compiled graph lives in its memory (with CUDA graphs,
+        the next replay overwrites it). Surgery fills the cache eagerly (:meth:`pack`); for another
+        dtype the compiled graph makes its own copies per call."""
         w = self.weight
         if torch.compiler.is_compiling():
-            packed = self._packed[1]
-            if packed is not None and packed.dtype == dtype and packed.device == w.device:
-                return packed
-            return pack_phase_weight(w.detach().to(dtype), self.stride[0])
+            cached = self._packed[1]
+            if cached is not None and cached[0].dtype == dtype and cached[0].device == w.device:
+                return cached
+            return self._layouts(w, dtype)
         key = (w.data_ptr(), w._version, w.device, dtype)
         if self._packed[0] != key:
             with torch.no_grad():
-                object.__setattr__(self, "_packed", (key, pack_phase_weight(w.detach().to(dtype), self.stride[0])))
+                object.__setattr__(self, "_packed", (key, self._layouts(w, dtype)))
         return self._packed[1]
 
     def pack(self) -> None:
-        """Pack the weight for its own dtype now, outside any compiled graph."""
-        self.packed_weight(self.weight.dtype)
+        """Fill the weight cache for the module's own dtype now, outside any compiled graph."""
+        self.kernel_weights(self.weight.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         from snac_fast.ops.conv_transpose import conv_transpose
 
         alpha_in = None if self._snake_in is None else self._snake_in.alpha
+        packed, cudnn_weight = self.kernel_weights(x.dtype)
         if not self.runs_cudnn(x.shape[0], x.shape[2]):
-            return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=self.packed_weight(x.dtype),
-                                  alpha_in=alpha_in)
+            return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=packed, alpha_in=alpha_in)
         if alpha_in is not None:
             x = snake(x, alpha_in)
         bias = None if self.defers_bias(x.shape[0], x.shape[2]) else self.bias
-        return F.conv_transpose1d(x, self.weight, bias, self.stride, self.padding, self.output_padding)
+        y = F.conv_transpose2d(x.unsqueeze(2), cudnn_weight, bias, (1, self.stride[0]), (0, self.padding[0]),
+                               (0, self.output_padding[0]))
+        return y.squeeze(2)
 
 
 class OutputConvTanh(nn.Conv1d):
@@ -324,6 +344,7 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
     ``draw_noise(x) -> [B, 1, T]`` supplies the noise: fresh ``torch.randn`` like upstream by default;
     seeded decodes, fidelity checks and CUDA graphs replace it per instance. After
     :meth:`follow` it adds the preceding FusedConvTranspose1d's bias whenever that layer deferred it.
+    Its input may be laid out [B, T, C] (the cuDNN path's output); its outputs are contiguous.
     """
 
     replaces = ("linear",)

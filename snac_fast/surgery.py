@@ -116,7 +116,8 @@ def fuse_decoder(model: nn.Module) -> dict[str, list[str]]:
     """Replace the decoding path's layers by fused kernels that keep the same submodules and parameters:
     codes -> latent (one kernel), the input depthwise + 1x1 convs (two), each residual unit (two),
     each NoiseBlock (one), each transposed conv (phase GEMM with bias, or cuDNN for large outputs
-    with the bias moved into the NoiseBlock), the output conv + tanh (one). A decoder-level
+    with the bias moved into the NoiseBlock; the layer before it writes its input channels-last),
+    the output conv + tanh (one). A decoder-level
     Snake1d runs in the epilogue of the fused layer before it when there is one, else in the
     transposed conv after it; a residual unit's first Snake1d is written by the NoiseBlock or unit
     before it, beside its output. Needs FastSnake1d and folded weights. Returns the replaced names by
@@ -181,6 +182,13 @@ def fuse_decoder(model: nn.Module) -> dict[str, list[str]]:
             unit.block[0] = absorb(unit.block[0], name)
             layer.pair_next_snake(unit.block[0])
             done["absorbed"].append(f"{next_name}.block.0")
+    # a transposed conv reads [B, T, C] memory fastest (aligned shifted loads; cuDNN without layout
+    # transforms): the layer before it writes that layout
+    computing = [parent[i] for _, parent, i in order if not isinstance(parent[i], _Absorbed)]
+    for layer, after in zip(computing, computing[1:]):
+        if (isinstance(after, FusedConvTranspose1d) and isinstance(layer, (FusedResidualUnit, DepthwisePointwiseConv1d))
+                and layer._snake_pair is None):
+            layer.write_channels_last()
     return done
 
 

@@ -14,7 +14,7 @@ from snac_fast.modules import (AbsorbedSnake1d, FastSnake1d, FusedConvTranspose1
                                FusedResidualUnit)
 from snac_fast.ops.codebook import codes_to_latent, codes_to_latent_reference
 from snac_fast.ops.conv import (_conv_tanh_triton, _dw_config, conv_tanh, conv_tanh_reference, depthwise_conv_snake,
-                                depthwise_conv_snake_reference, pointwise_conv, pointwise_conv_pair,
+                                depthwise_conv_snake_reference, is_channels_last, pointwise_conv, pointwise_conv_pair,
                                 pointwise_conv_pair_reference, pointwise_conv_reference)
 from snac_fast.ops.snake import snake
 from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference, folds_batches
@@ -42,6 +42,13 @@ def d(t):
 
 def log_uniform_alpha(n, gen):
     return torch.exp(torch.empty(n).uniform_(-1.6, 1.6, generator=gen))
+
+
+def channels_last(t):
+    """The same values [B, C, T], laid out [B, T, C] in memory."""
+    out = t.transpose(1, 2).contiguous().transpose(1, 2)
+    assert is_channels_last(out)
+    return out
 
 
 @pytest.fixture
@@ -98,7 +105,7 @@ def test_conv_transpose_kernel(dtype, C_in, C_out, stride):
     b = torch.randn(C_out, generator=gen).to(dtype)
     alpha = log_uniform_alpha(C_in, gen)
     close(conv_transpose(x, w, b, stride, alpha_in=alpha), conv_transpose_reference(d(x), d(w), d(b), stride, d(alpha)), dtype)
-    close(conv_transpose(x, w, None, stride), conv_transpose_reference(d(x), d(w), None, stride), dtype)
+    close(conv_transpose(channels_last(x), w, None, stride), conv_transpose_reference(d(x), d(w), None, stride), dtype)
 
 
 @pytest.mark.parametrize("stride", [2, 3, 4, 5, 8])
@@ -114,7 +121,9 @@ def test_conv_transpose_matches_torch_module(stride, poisoned_empty):
         assert folds_batches(3, T) == (T < 128)
         x = torch.randn(3, 32, T)
         with torch.no_grad():
-            close(conv_transpose(x, conv.weight, conv.bias, stride), conv(x.double().float()), torch.float32)
+            expected = conv(x.double().float())
+            for layout in (x, channels_last(x)):  # [B, C, T] and [B, T, C] memory
+                close(conv_transpose(layout, conv.weight, conv.bias, stride), expected, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -211,6 +220,37 @@ def test_pointwise_conv_pair_in_place(dtype, C):
     ref_y, ref_s = pointwise_conv_pair_reference(*map(d, (x, w, b, x, scale, ib)), alpha=a.double())
     close(y, ref_y, dtype)
     close(s, ref_s, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pointwise_conv_channels_last_layouts(dtype, poisoned_empty):
+    """h and residual laid out [B, T, C] (a cuDNN transposed conv's output, read by the NoiseBlock),
+    and an output written that way (for the transposed conv after a block's last unit)."""
+    gen = torch.Generator().manual_seed(3)
+    C, T = 96, 37
+    h, w, b, res = gemm_inputs(C, T, dtype, gen)
+    a, ib = log_uniform_alpha(C, gen), torch.randn(C, generator=gen).to(dtype)
+    scale = torch.randn(2, 1, T, generator=gen).to(dtype)
+    ref = pointwise_conv_reference(d(h), d(w), d(b), d(res), alpha_out=d(a))
+    for h_in, res_in in [(channels_last(h), res), (h, channels_last(res)), (channels_last(h), channels_last(res))]:
+        close(pointwise_conv(h_in, w, b, res_in, alpha_out=a), ref, dtype)
+    got = pointwise_conv(h, w, b, res, alpha_out=a, channels_last=True)
+    assert is_channels_last(got)
+    close(got, ref, dtype)
+    x = channels_last(h)
+    y, s = pointwise_conv_pair(x, w, b, x, scale, ib, alpha=a)
+    ref_y, ref_s = pointwise_conv_pair_reference(*map(d, (h, w, b, h, scale, ib)), alpha=d(a))
+    assert y.is_contiguous() and s.is_contiguous()
+    close(y, ref_y, dtype)
+    close(s, ref_s, dtype)
+    into = channels_last(torch.empty_like(res))
+    assert pointwise_conv(h, w, b, res, alpha_out=a, out=into, channels_last=True) is into
+    close(into, ref, dtype)
+    with pytest.raises(ValueError, match="out must be a channels-last"):
+        pointwise_conv(h, w, out=torch.empty_like(res), channels_last=True)
+    spent = channels_last(res)
+    with pytest.raises(ValueError, match="overwrite the residual only"):
+        pointwise_conv(h, w, residual=spent, out=spent.transpose(1, 2).reshape(2, C, T))
 
 
 def test_pointwise_conv_in_place_over_the_residual(poisoned_empty):
@@ -347,7 +387,6 @@ def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
     cudnn: large-output path, transposed conv on cuDNN with its bias added by the NoiseBlock."""
     if cudnn:
         monkeypatch.setattr(FusedConvTranspose1d, "kernel_max_elements", 0)
-        monkeypatch.setattr(FusedConvTranspose1d, "kernel_max_in_channels", 0)
     torch.manual_seed(stride)
     blocks = [DecoderBlock(128, 64, stride=stride, noise=True, groups=64).eval(),
               DecoderBlock(64, 32, stride=2, noise=True, groups=32).eval()]
@@ -377,6 +416,8 @@ def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
     for producer, unit in [(first[2], first[3]), (first[3], first[4]), (first[4], first[5])]:
         assert producer._snake_pair is unit.block[0] and isinstance(unit.block[0], AbsorbedSnake1d)
     assert first[5]._snake_pair is None
+    # the unit before the second transposed conv writes [B, T, C]; the other layers [B, C, T]
+    assert [m.channels_last_out for m in first[3:]] + [m.channels_last_out for m in second[3:]] == [False, False, True] + [False] * 3
     assert isinstance(first[0], AbsorbedSnake1d) and first[0].absorbed_by == "decoder.model.0.block.1"
     assert first[1]._snake_in is first[0] and first[2]._upsampler is first[1]
     assert first[2].input_bias(torch.empty(2, 64, T1)) is (first[1].bias if cudnn else None)
@@ -551,6 +592,10 @@ def test_gpu_residual_unit_kernels(cuda, dtype, dilation, C):
     wp = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype)
     got = pointwise_conv(x.to(cuda), wp.to(cuda), b.to(cuda), residual=x.to(cuda), alpha_out=a.to(cuda))
     close(got.cpu(), pointwise_conv_reference(d(x), d(wp), d(b), d(x), alpha_out=d(a)), dtype)
+    x_cl = channels_last(x.to(cuda))  # the NoiseBlock after a cuDNN transposed conv; a unit before one
+    got = pointwise_conv(x_cl, wp.to(cuda), b.to(cuda), residual=x_cl, alpha_out=a.to(cuda), channels_last=True)
+    assert is_channels_last(got)
+    close(got.cpu(), pointwise_conv_reference(d(x), d(wp), d(b), d(x), alpha_out=d(a)), dtype)
     h, res = x.flip(-1).contiguous(), x.to(cuda)
     y, s = pointwise_conv_pair(h.to(cuda), wp.to(cuda), b.to(cuda), residual=res, alpha=a.to(cuda), out=res)
     ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(wp), d(b), d(x), alpha=d(a))
@@ -571,6 +616,8 @@ def test_gpu_conv_transpose_kernel(cuda, dtype, C_in, C_out, stride):
     alpha = log_uniform_alpha(C_in, gen)
     got = conv_transpose(x.to(cuda), w.to(cuda), b.to(cuda), stride, alpha_in=alpha.to(cuda))
     close(got.cpu(), conv_transpose_reference(d(x), d(w), d(b), stride, d(alpha)), dtype)
+    got = conv_transpose(channels_last(x).to(cuda), w.to(cuda), b.to(cuda), stride)
+    close(got.cpu(), conv_transpose_reference(d(x), d(w), d(b), stride), dtype)
 
 
 @pytest.mark.gpu

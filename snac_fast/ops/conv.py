@@ -15,7 +15,9 @@ writes it instead (``pointwise_conv_pair``).
 the residual) as they are loaded: the NoiseBlock takes over the bias of a cuDNN transposed
 convolution before it, which saves cuDNN's separate bias pass over the block's largest tensor.
 ``pointwise_conv_pair`` also stores ``snake(out)`` from the same tile: a residual unit's output and
-the next unit's input snake in one kernel. Both can write in place over the residual.
+the next unit's input snake in one kernel. Both can write in place over the residual. Inputs may be
+laid out [B, C, T] or [B, T, C] in memory (``is_channels_last``: a cuDNN transposed conv's output);
+``pointwise_conv(..., channels_last=True)`` writes [B, T, C] for the transposed conv after a block.
 
 ``conv_tanh``: the decoder's output layer, a "same"-padded conv1d to few channels, then tanh.
 """
@@ -109,7 +111,7 @@ if HAS_TRITON:
     @triton.jit
     def _pointwise_conv_kernel(
         w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, in_bias_ptr, alpha_out_ptr, out_ptr, pair_alpha_ptr, pair_out_ptr,
-        C_out, C_in, T, n_m_blocks, n_t_blocks,
+        C_out, C_in, T, n_m_blocks, n_t_blocks, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_IN_BIAS: tl.constexpr,
         SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr,
         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr,
@@ -121,13 +123,16 @@ if HAS_TRITON:
         offs_k = tl.arange(0, BLOCK_K)
         m_ok = offs_m < C_out
         n_ok = offs_n < T
+        # strides (channel, time): (T, 1) for [B, C, T] memory, (1, C) for [B, T, C] (a stride of 1 is
+        # a compile-time constant to Triton, so either layout gets contiguous vector loads)
         h_base = h_ptr + batch.to(tl.int64) * C_in * T
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(K_BLOCKS):  # a layer's C_in is fixed: a compile-time trip count
             k = kb * BLOCK_K + offs_k
             k_ok = k < C_in
             a = tl.load(w_ptr + offs_m[:, None] * C_in + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(h_base + k[:, None].to(tl.int64) * T + offs_n[None, :], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            b = tl.load(h_base + k[:, None].to(tl.int64) * h_stride_c + offs_n[None, :].to(tl.int64) * h_stride_t,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             if HAS_IN_BIAS:
                 in_b = tl.load(in_bias_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
                 b = tl.where(n_ok[None, :], b.to(tl.float32) + in_b[:, None], 0.0).to(b.dtype)
@@ -136,10 +141,12 @@ if HAS_TRITON:
             acc += tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         if HAS_SCALE:
             acc *= tl.load(scale_ptr + batch.to(tl.int64) * T + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        out_offs = batch.to(tl.int64) * C_out * T + offs_m[:, None].to(tl.int64) * T + offs_n[None, :]
+        batch_offset = batch.to(tl.int64) * C_out * T
+        out_offs = batch_offset + offs_m[:, None].to(tl.int64) * out_stride_c + offs_n[None, :].to(tl.int64) * out_stride_t
         mask = m_ok[:, None] & n_ok[None, :]
         if HAS_RES:
-            res = tl.load(res_ptr + out_offs, mask=mask, other=0.0).to(tl.float32)
+            res_offs = batch_offset + offs_m[:, None].to(tl.int64) * res_stride_c + offs_n[None, :].to(tl.int64) * res_stride_t
+            res = tl.load(res_ptr + res_offs, mask=mask, other=0.0).to(tl.float32)
             if HAS_IN_BIAS:
                 res += tl.load(in_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
             acc += res
@@ -318,17 +325,34 @@ def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> t
     return block_m, block_n, block_k, 2 if block_m * block_n <= 512 else 4, 3
 
 
+def is_channels_last(x: Tensor) -> bool:
+    """Whether x [B, C, T] is laid out as [B, T, C] in memory (``y.transpose(1, 2)`` of a contiguous
+    y) and not also contiguous (one channel or one time step, where the two layouts coincide)."""
+    B, C, T = x.shape
+    return C > 1 and T > 1 and x.stride() == (C * T, 1, C)
+
+
+def _with_layout(x: Tensor) -> tuple[Tensor, int, int]:
+    """(x, channel stride, time stride) for a kernel that reads [B, C, T] either way: a
+    channels-last x as it is, anything else made contiguous."""
+    if not is_channels_last(x):
+        x = x.contiguous()
+    return x, x.stride(1), x.stride(2)
+
+
 def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out,
-                           pair_alpha=None, pair_out=None, config=None):
-    """Writes into out (and pair_out); out may be residual itself (each element is read before it
-    is written, by the same program)."""
+                           pair_alpha=None, pair_out=None, out_channels_last=False, config=None):
+    """Writes into out (and pair_out, in out's layout): [B, C_out, T], or [B, T, C_out] when
+    ``out_channels_last``. out may be residual itself in the same layout (each element is read
+    before it is written, by the same program). h and residual: contiguous or channels-last."""
     B, C_in, T = h.shape
     C_out = weight.shape[0]
     if out.numel() == 0:
         return
-    h = h.contiguous()
+    h, h_stride_c, h_stride_t = _with_layout(h)
     w = weight.reshape(C_out, C_in).contiguous()
-    residual = None if residual is None else residual.contiguous()
+    residual, res_stride_c, res_stride_t = (None, 0, 0) if residual is None else _with_layout(residual)
+    out_stride_c, out_stride_t = (1, C_out) if out_channels_last else (T, 1)
     scale = None if scale is None else scale.contiguous()
     block_m, block_n, block_k, warps, stages = config or _pw_config(B, C_out, C_in, T, h.device)
     n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
@@ -336,7 +360,7 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_o
     _pointwise_conv_kernel[(B * n_m * n_t,)](
         w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
         flat(input_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
-        C_out, C_in, T, n_m, n_t,
+        C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
         HAS_IN_BIAS=input_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
         IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
@@ -397,25 +421,32 @@ def _(x, weight, bias, dilation, alpha):
 @torch.library.custom_op("snac_fast::pointwise_conv", mutates_args=("out", "pair_out"))
 def _pointwise_conv_op(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
                        scale: Tensor | None, input_bias: Tensor | None, alpha_out: Tensor | None, out: Tensor,
-                       pair_alpha: Tensor | None, pair_out: Tensor | None) -> None:
+                       pair_alpha: Tensor | None, pair_out: Tensor | None, out_channels_last: bool) -> None:
+    """out (and pair_out): contiguous [B, C_out, T], or contiguous [B, T, C_out] when
+    ``out_channels_last`` (a flag, not a transposed view: mutated arguments stay plain tensors)."""
     # here, not in the wrappers: torch.compile runs an op's body as it is, without tracing it
     storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
     if storage(out) == storage(h) or pair_out is not None and storage(pair_out) == storage(h):
         raise ValueError("out and snake_out must not share memory with h: the GEMM reads all of h's channels")
     if pair_out is not None and storage(pair_out) == storage(out):
         raise ValueError("out and snake_out must be different tensors")
+    if residual is not None and storage(out) == storage(residual) and (out_channels_last or not residual.is_contiguous()):
+        raise ValueError("out may overwrite the residual only when both are contiguous [B, C, T]")
     if _kernel_applies(h):
-        _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out)
-    elif pair_out is None:
-        out.copy_(pointwise_conv_reference(h, weight, bias, residual, scale, input_bias, alpha_out))
+        _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out,
+                               out_channels_last)
+        return
+    if pair_out is None:
+        results = [(out, pointwise_conv_reference(h, weight, bias, residual, scale, input_bias, alpha_out))]
     else:
         y, pair = pointwise_conv_pair_reference(h, weight, bias, residual, scale, input_bias, alpha=pair_alpha)
-        out.copy_(y)
-        pair_out.copy_(pair)
+        results = [(out, y), (pair_out, pair)]
+    for dest, value in results:
+        dest.copy_(value.transpose(1, 2) if out_channels_last else value)
 
 
 @_pointwise_conv_op.register_fake
-def _(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out):
+def _(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out, out_channels_last):
     return None
 
 
@@ -485,31 +516,39 @@ def _check_pointwise(h, weight, bias, residual, scale, input_bias, **alphas: Ten
     check_same_device(h.device, weight, bias, residual, scale, input_bias, *alphas.values())
 
 
-def _output_buffer(out: Tensor | None, h: Tensor, C_out: int, what: str) -> Tensor:
-    """``out`` checked as a destination for a [B, C_out, T] result of h, or a new one."""
-    shape = (h.shape[0], C_out, h.shape[2])
+def _output_buffer(out: Tensor | None, h: Tensor, C_out: int, what: str, channels_last: bool = False) -> Tensor:
+    """``out`` checked as a destination for a [B, C_out, T] result of h (contiguous, or channels-last
+    when asked), or a new one."""
+    B, _, T = h.shape
     if out is None:
-        return h.new_empty(shape)
-    if tuple(out.shape) != shape or out.dtype != h.dtype or out.device != h.device or not out.is_contiguous():
-        raise ValueError(f"{what} must be a contiguous {h.dtype} tensor {shape} on {h.device}, got "
+        return h.new_empty((B, T, C_out)).transpose(1, 2) if channels_last else h.new_empty((B, C_out, T))
+    layout_ok = is_channels_last(out) or out.is_contiguous() and (C_out == 1 or T == 1) if channels_last else out.is_contiguous()
+    if tuple(out.shape) != (B, C_out, T) or out.dtype != h.dtype or out.device != h.device or not layout_ok:
+        layout = "channels-last" if channels_last else "contiguous"
+        raise ValueError(f"{what} must be a {layout} {h.dtype} tensor {(B, C_out, T)} on {h.device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
     return out
 
 
 def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
                    scale: Tensor | None = None, input_bias: Tensor | None = None,
-                   alpha_out: Tensor | None = None, *, out: Tensor | None = None) -> Tensor:
+                   alpha_out: Tensor | None = None, *, out: Tensor | None = None,
+                   channels_last: bool = False) -> Tensor:
     """``snake(residual + scale * (W @ h + bias), alpha_out)``: a 1x1 conv with its epilogue fused.
 
     h: [B, C_in, T]; weight: [C_out, C_in, 1]; bias, alpha_out: [C_out]; residual: [B, C_out, T];
     scale: [B, 1, T]; input_bias: [C_in], added to h and to the residual as they are loaded (needs
-    C_in == C_out when a residual is given). out: where to write (contiguous, h's dtype); it may be
-    the residual itself (an in-place update), never h. Returns [B, C_out, T] contiguous in h's
-    dtype. Inference only.
+    C_in == C_out when a residual is given). h and residual may be contiguous or channels-last
+    (:func:`is_channels_last`). Returns [B, C_out, T] in h's dtype: contiguous, or with
+    ``channels_last`` laid out [B, T, C_out] in memory (the layout a transposed conv reads fastest).
+    out: where to write, in that layout; a contiguous out may be the residual itself (an in-place
+    update); never h. Inference only.
     """
     _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha_out=alpha_out)
-    out = _output_buffer(out, h, weight.shape[0], "out")
-    _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, alpha_out, out, None, None)
+    out = _output_buffer(out, h, weight.shape[0], "out", channels_last)
+    # the op takes the [B, T, C_out] tensor itself: mutated arguments stay plain contiguous tensors
+    _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, alpha_out, out.transpose(1, 2) if channels_last else out,
+                       None, None, channels_last)
     return out
 
 
@@ -522,7 +561,7 @@ def pointwise_conv_pair(h: Tensor, weight: Tensor, bias: Tensor | None = None, r
     _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha=alpha)
     out = _output_buffer(out, h, weight.shape[0], "out")
     snake_out = _output_buffer(snake_out, h, weight.shape[0], "snake_out")
-    _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, None, out, alpha, snake_out)
+    _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, None, out, alpha, snake_out, False)
     return out, snake_out
 
 

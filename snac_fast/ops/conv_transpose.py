@@ -9,10 +9,11 @@ are zero) makes each program one GEMM over three shifted input tiles. For SNAC's
 phases split in halves that need two shifts each, so the kernel keeps two accumulators and packs
 no zero taps (:func:`pack_phase_weight`). The accumulator rows
 (channel, phase) x columns j are exactly the output tile [channel, j*s + r]: after a reshape the
-store is contiguous in time, in the NCL layout, with no layout transforms (cuDNN converts to NHWC
-and back, which was 60% of its time). The input snake of the decoder block and the bias are fused.
-Short inputs of several batches (streaming chunks at B=32) fold the batches into the GEMM's columns,
-so each weight tile serves several batches instead of being streamed again per batch.
+store is contiguous in time, in the NCL layout. The input snake of the decoder block and the bias
+are fused. The input may be channels-last ([B, T, C] memory, as the decoder writes it): the shifted
+tiles are then aligned channel rows the K loop prefetches. Short inputs of several batches fold the
+batches into the GEMM's columns, so each weight tile serves several batches instead of being
+streamed again per batch.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, wave_programs
-from snac_fast.ops.conv import _block_k, _compute_dtype, _maybe_snake, check_floating, check_same_device
+from snac_fast.ops.conv import _block_k, _compute_dtype, _maybe_snake, check_floating, check_same_device, is_channels_last
 from snac_fast.ops.snake import KERNEL_DTYPES
 
 if HAS_TRITON:
@@ -35,12 +36,13 @@ if HAS_TRITON:
     from snac_fast.ops.conv import _dot_accumulate, _program_tile, _snake_rows
 
     @triton.jit
-    def _shifted_input(x_rows, col_offset, offs_j, shift: tl.constexpr, ch_ok, col_ok, T_in, alpha, SNAKE_IN: tl.constexpr):
-        """x[:, j + shift] for a [channels, columns] tile (column offsets ``col_offset`` + j), zero
-        outside [0, T_in); snake(0) = 0 keeps it so."""
+    def _shifted_input(x_rows, col_offset, offs_j, shift: tl.constexpr, time_stride, ch_ok, col_ok, T_in, alpha,
+                       SNAKE_IN: tl.constexpr):
+        """x[:, j + shift] for a [channels, columns] tile (column offsets ``col_offset`` + j *
+        ``time_stride``), zero outside [0, T_in); snake(0) = 0 keeps it so."""
         src = offs_j + shift
         ok = col_ok & (src >= 0) & (src < T_in)
-        v = tl.load(x_rows + (col_offset + src)[None, :], mask=ch_ok[:, None] & ok[None, :], other=0.0)
+        v = tl.load(x_rows + (col_offset + src * time_stride)[None, :], mask=ch_ok[:, None] & ok[None, :], other=0.0)
         if SNAKE_IN:
             v = _snake_rows(v.to(tl.float32), alpha).to(v.dtype)
         return v
@@ -55,7 +57,7 @@ if HAS_TRITON:
         x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr,
         C_in, C_out, T_in, n_cols, n_m_blocks, n_j_blocks,
         STRIDE: tl.constexpr, PHASES: tl.constexpr, SPLIT: tl.constexpr, PER_CHANNEL: tl.constexpr,
-        FOLD: tl.constexpr, SNAKE_IN: tl.constexpr,
+        FOLD: tl.constexpr, CHANNELS_LAST: tl.constexpr, SNAKE_IN: tl.constexpr,
         HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_J: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
         PDL: tl.constexpr,
@@ -77,16 +79,20 @@ if HAS_TRITON:
             col_offset = batch.to(tl.int64) * C_in * T_in
         acc = tl.zeros((BLOCK_M * PER_CHANNEL, BLOCK_J), dtype=tl.float32)  # phases [0, P/2) when SPLIT, else all
         acc_hi = tl.zeros((BLOCK_M * PER_CHANNEL, BLOCK_J), dtype=tl.float32)  # phases [P/2, P) when SPLIT
+        # x in memory: [B, C_in, T_in], or [B, T_in, C_in] (CHANNELS_LAST: the shifted tiles are then
+        # whole aligned channel rows, which the K loop can prefetch; time-contiguous ones start at
+        # odd 2-byte offsets and are loaded synchronously)
+        time_stride = C_in if CHANNELS_LAST else 1
         for kb in range(K_BLOCKS):
             ch = kb * BLOCK_K + tl.arange(0, BLOCK_K)
             ch_ok = ch < C_in
-            x_rows = x_ptr + ch.to(tl.int64)[:, None] * T_in
+            x_rows = x_ptr + (ch.to(tl.int64)[:, None] if CHANNELS_LAST else ch.to(tl.int64)[:, None] * T_in)
             alpha = tl.zeros((BLOCK_K,), dtype=tl.float32)
             if SNAKE_IN:
                 alpha = tl.load(alpha_ptr + ch, mask=ch_ok, other=1.0).to(tl.float32)
-            prev = _shifted_input(x_rows, col_offset, offs_j, -1, ch_ok, col_ok, T_in, alpha, SNAKE_IN)
-            here = _shifted_input(x_rows, col_offset, offs_j, 0, ch_ok, col_ok, T_in, alpha, SNAKE_IN)
-            after = _shifted_input(x_rows, col_offset, offs_j, 1, ch_ok, col_ok, T_in, alpha, SNAKE_IN)
+            prev = _shifted_input(x_rows, col_offset, offs_j, -1, time_stride, ch_ok, col_ok, T_in, alpha, SNAKE_IN)
+            here = _shifted_input(x_rows, col_offset, offs_j, 0, time_stride, ch_ok, col_ok, T_in, alpha, SNAKE_IN)
+            after = _shifted_input(x_rows, col_offset, offs_j, 1, time_stride, ch_ok, col_ok, T_in, alpha, SNAKE_IN)
             w0 = _tap_weights(w_ptr, 0, rows, n_rows, rows_ok, ch, ch_ok, C_in)
             w1 = _tap_weights(w_ptr, 1, rows, n_rows, rows_ok, ch, ch_ok, C_in)
             w2 = _tap_weights(w_ptr, 2, rows, n_rows, rows_ok, ch, ch_ok, C_in)
@@ -186,16 +192,14 @@ def conv_transpose_reference(x: Tensor, weight: Tensor, bias: Tensor | None, str
     return y.to(x.dtype)
 
 
-# (accumulator rows = BLOCK_M * phases, BLOCK_J) in order of preference (scripts/tune_tiles.py)
-_CONVT_TILES = ((128, 128), (64, 64), (64, 32), (32, 16), (16, 16))
-# with the batches folded into the columns: a 256-row tile on 8 warps first (H200, B=32 chunk,
-# C_in 1024: 46 us, against 82 us on the tiles above, 84 us without folding and 64 us on cuDNN;
-# scripts/tune_tiles.py --batch 32 --only convt)
-_FOLDED_TILES = ((256, 32),) + _CONVT_TILES[1:]
+# (accumulator rows = BLOCK_M * phases, BLOCK_J) in order of preference: 128-row tiles as long as the
+# grid fills the GPU (H200, streaming chunk at B=1, channels-last input, the 24 kHz blocks 2-4:
+# 5.7/4.8/3.4 us against 7.0/5.5/3.9 on the 64-row tiles first; scripts/tune_tiles.py --only convt)
+_CONVT_TILES = ((128, 128), (128, 32), (128, 16), (64, 32), (32, 16), (16, 16))
 
 
 def _convt_config(C_out: int, phases: int, C_in: int, n_cols: int, batches: int, elem_bytes: int,
-                  device: torch.device, folded: bool = False) -> tuple[int, int, int, int, int]:
+                  device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_J, BLOCK_K, num_warps, num_stages) for ``batches`` x [C_out * phases, n_cols]
     outputs (columns: time steps, or all batches' when folded): the biggest tile whose grid still gives
     every SM a program (streaming chunks are latency-bound: 1.5-2x faster than one big tile on an
@@ -205,19 +209,18 @@ def _convt_config(C_out: int, phases: int, C_in: int, n_cols: int, batches: int,
         block_m = max(1, min(triton.next_power_of_2(C_out), 1024 // phases))
         return block_m, max(16, min(256, triton.next_power_of_2(n_cols))), _block_k(C_in), 4, 3
     cap_m, cap_j = triton.next_power_of_2(C_out), max(16, triton.next_power_of_2(n_cols))
-    tiles = [(min(max(1, rows // phases), cap_m), min(j, cap_j)) for rows, j in (_FOLDED_TILES if folded else _CONVT_TILES)]
+    tiles = [(min(max(1, rows // phases), cap_m), min(j, cap_j)) for rows, j in _CONVT_TILES]
     block_m, block_j = first_filling(tiles, lambda t: batches * triton.cdiv(C_out, t[0]) * triton.cdiv(n_cols, t[1]),
                                      wave_programs(device))
     if elem_bytes == 4:
         return block_m, min(block_j, 64), min(_block_k(C_in), 32), 4, 2
-    warps = 8 if block_m * phases >= 256 else 4
-    return block_m, block_j, min(_block_k(C_in), 32 if block_m * phases * block_j >= 8192 else 64), warps, 3
+    return block_m, block_j, min(_block_k(C_in), 32 if block_m * phases * block_j >= 8192 else 64), 4, 3
 
 
 def folds_batches(batch: int, T_in: int) -> bool:
     """Whether the kernel's columns run over all batches' time steps: for inputs shorter than a
     column tile, so that one weight tile serves several batches (per batch, every program would
-    stream the whole weight again: B=32 streaming chunks)."""
+    stream the whole weight again: streaming chunks of a few batches)."""
     return batch > 1 and T_in < 128
 
 
@@ -230,17 +233,19 @@ def _conv_transpose_triton(x, packed, bias, stride, alpha_in, config=None):
     out = torch.empty((B, C_out, T_in * stride), dtype=x.dtype, device=x.device)
     if out.numel() == 0:
         return out
-    x = x.contiguous()
+    channels_last = is_channels_last(x)
+    if not channels_last:
+        x = x.contiguous()
     fold = folds_batches(B, T_in)
     grid_batches, n_cols = (1, B * T_in) if fold else (B, T_in)
     block_m, block_j, block_k, warps, stages = config or _convt_config(
-        C_out, phases, C_in, n_cols, grid_batches, x.element_size(), x.device, fold)
+        C_out, phases, C_in, n_cols, grid_batches, x.element_size(), x.device)
     block_m = max(block_m, 16 // per_channel)  # tl.dot needs 16 rows
     n_m, n_j = triton.cdiv(C_out, block_m), triton.cdiv(n_cols, block_j)
     _conv_transpose_kernel[(grid_batches * n_m * n_j,)](
         x, packed, packed if bias is None else bias, packed if alpha_in is None else alpha_in.reshape(-1), out,
         C_in, C_out, T_in, n_cols, n_m, n_j,
-        STRIDE=stride, PHASES=phases, SPLIT=split, PER_CHANNEL=per_channel, FOLD=fold,
+        STRIDE=stride, PHASES=phases, SPLIT=split, PER_CHANNEL=per_channel, FOLD=fold, CHANNELS_LAST=channels_last,
         SNAKE_IN=alpha_in is not None, HAS_BIAS=bias is not None,
         IEEE=x.dtype == torch.float32, UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
