@@ -183,10 +183,11 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
             return pointwise_conv_pair(h, pw.weight, pw.bias, residual=x, alpha=self._snake_pair.alpha,
                                        out=out, snake_out=snake_out)
         if self.channels_last_out:  # into the spent snake's memory (not over x: the layouts differ)
-            if snake_out is not None:
+            into = None
+            if snake_out is not None and snake_out.is_contiguous():
                 B, C, T = snake_out.shape
-                snake_out = snake_out.view(B, T, C).transpose(1, 2)
-            return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out, out=snake_out,
+                into = snake_out.view(B, T, C).transpose(1, 2)
+            return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out, out=into,
                                   channels_last=True)
         return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out, out=out)
 
