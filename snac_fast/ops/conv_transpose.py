@@ -272,7 +272,8 @@ def conv_transpose(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, 
     """SNAC's upsampling ``conv_transpose1d(snake(x, alpha_in), weight, bias, stride, padding=ceil(s/2),
     output_padding=s % 2)``; the snake is optional.
 
-    x: [B, C_in, T]; weight: [C_in, C_out, 2 * stride]; bias, alpha_in: [C_out], [C_in].
+    x: [B, C_in, T], contiguous or (fastest) channels-last, i.e. [B, T, C_in] memory; weight:
+    [C_in, C_out, 2 * stride]; bias, alpha_in: [C_out], [C_in].
     packed: :func:`pack_phase_weight` of weight in x's dtype (pass it to avoid repacking per call).
     Returns [B, C_out, stride * T] contiguous in x's dtype. Inference only.
     """
