@@ -265,13 +265,12 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
     def absorb_previous_snake(self, snake_module: nn.Module) -> None:
         object.__setattr__(self, "_snake_in", snake_module)
 
-    def runs_cudnn(self, batch: int, length: int) -> bool:
-        """Whether an input [batch, C_in, length] goes to cuDNN (a large output)."""
-        return batch * self.out_channels * length * self.stride[0] > self.kernel_max_elements
+    def runs_cudnn(self, output_elements: int) -> bool:
+        return output_elements > self.kernel_max_elements
 
-    def defers_bias(self, batch: int, length: int) -> bool:
-        """True when the output for an input [batch, C_in, length] comes from cuDNN without the bias."""
-        return self.runs_cudnn(batch, length) and self.bias is not None and self._bias_taken
+    def defers_bias(self, output_elements: int) -> bool:
+        """True when an output of this many elements comes from cuDNN without the bias."""
+        return self.runs_cudnn(output_elements) and self.bias is not None and self._bias_taken
 
     def _layouts(self, weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         from snac_fast.ops.conv_transpose import pack_phase_weight
@@ -308,11 +307,12 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
 
         alpha_in = None if self._snake_in is None else self._snake_in.alpha
         packed, cudnn_weight = self.kernel_weights(x.dtype)
-        if not self.runs_cudnn(x.shape[0], x.shape[2]):
+        out_elements = x.shape[0] * self.out_channels * x.shape[2] * self.stride[0]
+        if not self.runs_cudnn(out_elements):
             return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=packed, alpha_in=alpha_in)
         if alpha_in is not None:
             x = snake(x, alpha_in)
-        bias = None if self.defers_bias(x.shape[0], x.shape[2]) else self.bias
+        bias = None if self.defers_bias(out_elements) else self.bias
         y = F.conv_transpose2d(x.unsqueeze(2), cudnn_weight, bias, (1, self.stride[0]), (0, self.padding[0]),
                                (0, self.output_padding[0]))
         return y.squeeze(2)
@@ -362,7 +362,7 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
 
     def input_bias(self, x: Tensor) -> Tensor | None:
         conv = self._upsampler
-        return conv.bias if conv is not None and conv.defers_bias(x.shape[0], x.shape[2] // conv.stride[0]) else None
+        return conv.bias if conv is not None and conv.defers_bias(x.numel()) else None
 
     @classmethod
     def from_block(cls, block: nn.Module) -> "FusedNoiseBlock":
