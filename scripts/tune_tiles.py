@@ -141,7 +141,9 @@ def sweep_tanh(lengths, batches):
         for B in batches:
             x = rnd(B, 64, T)
             call = lambda x, cfg=None: conv_ops._conv_tanh_triton(x, w, b, cfg)  # noqa: E731
-            sweep(f"conv_tanh C=64 T={T} B={B}", call, call, cfgs, x)
+            taps = ", ".join(f"{timed(lambda x: conv_ops._conv_tanh_by_taps(x, w, b, bt), x) * 1e3:.1f}us ({bt})"
+                             for bt in (64, 128, 256, 512))
+            sweep(f"conv_tanh C=64 T={T} B={B} (tap GEMM by BLOCK_T: {taps})", call, call, cfgs, x)
 
 
 def main() -> None:

@@ -13,9 +13,10 @@ from snac_fast.graphs import GraphedDecode
 from snac_fast.modules import (AbsorbedSnake1d, FastSnake1d, FusedConvTranspose1d, FusedNoiseBlock,
                                FusedResidualUnit)
 from snac_fast.ops.codebook import codes_to_latent, codes_to_latent_reference
-from snac_fast.ops.conv import (_conv_tanh_triton, _dw_config, conv_tanh, conv_tanh_reference, depthwise_conv_snake,
-                                depthwise_conv_snake_reference, is_channels_last, pointwise_conv, pointwise_conv_pair,
-                                pointwise_conv_pair_reference, pointwise_conv_reference)
+from snac_fast.ops.conv import (TAP_GEMM_MIN_SAMPLES, _conv_tanh_by_taps, _conv_tanh_triton, _dw_config, conv_tanh,
+                                conv_tanh_reference, depthwise_conv_snake, depthwise_conv_snake_reference, is_channels_last,
+                                pointwise_conv, pointwise_conv_pair, pointwise_conv_pair_reference, pointwise_conv_reference,
+                                takes_tap_gemm)
 from snac_fast.ops.snake import snake
 from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference, folds_batches
 from snac_fast.surgery import fold_weight_norm, fuse_decoder
@@ -133,11 +134,24 @@ def test_conv_tanh_kernel(dtype, poisoned_empty):
         x = torch.randn(2, C_in, T, generator=gen).to(dtype)
         w = (torch.randn(C_out, C_in, 7, generator=gen) / 8).to(dtype)
         b = torch.randn(C_out, generator=gen).to(dtype)
-        close(conv_tanh(x, w, b), conv_tanh_reference(d(x), d(w), d(b)), dtype)
+        ref = conv_tanh_reference(d(x), d(w), d(b))
+        close(conv_tanh(x, w, b), ref, dtype)
+        close(_conv_tanh_by_taps(x, w, b), ref, dtype)  # the long-input path
     x, w = torch.randn(1, 96, 300, generator=gen).to(dtype), (torch.randn(1, 96, 7, generator=gen) / 8).to(dtype)
-    close(conv_tanh(x, w), conv_tanh_reference(d(x), d(w), None), dtype)  # no bias
+    ref = conv_tanh_reference(d(x), d(w), None)
+    close(conv_tanh(x, w), ref, dtype)  # no bias
     for config in [(32, 32, 4), (64, 64, 4)]:  # small tiles: unmasked interior tiles; a ragged channel block
-        close(_conv_tanh_triton(x, w, None, config), conv_tanh_reference(d(x), d(w), None), dtype)
+        close(_conv_tanh_triton(x, w, None, config), ref, dtype)
+    for block_t in (16, 64):  # taps summed across tile edges
+        close(_conv_tanh_by_taps(x, w, None, block_t), ref, dtype)
+    x = torch.randn(1, 24, 77, generator=gen).to(dtype)  # fewer channels than a K chunk, three outputs
+    w, b = (torch.randn(3, 24, 7, generator=gen) / 4).to(dtype), torch.randn(3, generator=gen).to(dtype)
+    close(_conv_tanh_by_taps(x, w, b, 32), conv_tanh_reference(d(x), d(w), d(b)), dtype)
+
+
+def test_conv_tanh_path_by_length():
+    x = torch.empty(4, 64, TAP_GEMM_MIN_SAMPLES // 4)
+    assert takes_tap_gemm(x, 1, 7) and not takes_tap_gemm(x[..., 1:], 1, 7) and not takes_tap_gemm(x, 10, 7)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -627,7 +641,9 @@ def test_gpu_output_and_codebook_kernels(cuda, dtype):
     x = torch.randn(2, 64, 100003, generator=gen).to(dtype)
     w = (torch.randn(1, 64, 7, generator=gen) / 8).to(dtype)
     b = torch.randn(1, generator=gen).to(dtype)
-    close(conv_tanh(x.to(cuda), w.to(cuda), b.to(cuda)).cpu(), conv_tanh_reference(d(x), d(w), d(b)), dtype)
+    ref = conv_tanh_reference(d(x), d(w), d(b))
+    close(conv_tanh(x.to(cuda), w.to(cuda), b.to(cuda)).cpu(), ref, dtype)  # the tap GEMM (a long input)
+    close(_conv_tanh_triton(x.to(cuda), w.to(cuda), b.to(cuda)).cpu(), ref, dtype)
     strides = [8, 4, 2, 1]
     codes = random_codes({"vq_strides": strides, "codebook_size": 4096}, 301, batch=2, seed=1)
     tables = [torch.randn(4096, 8, generator=gen).to(dtype) for _ in strides]

@@ -195,10 +195,56 @@ if HAS_TRITON:
         y = tl.sum(acc, axis=0)
         if HAS_BIAS:
             y += tl.load(b_ptr + co).to(tl.float32)
+        tl.store(out_ptr + (batch.to(tl.int64) * C_out + co) * T + cols, _tanh(y).to(out_ptr.dtype.element_ty), mask=cols < T)
+
+    @triton.jit
+    def _tanh(y):
         a = tl.minimum(tl.abs(y), 20.0)  # tanh(20) is 1 in float32; no overflow in exp
         t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
-        y = tl.where(y < 0, -t, t)
-        tl.store(out_ptr + (batch.to(tl.int64) * C_out + co) * T + cols, y.to(out_ptr.dtype.element_ty), mask=cols < T)
+        return tl.where(y < 0, -t, t)
+
+
+    @triton.jit
+    def _tap_sums_kernel(
+        x_ptr, w_ptr, y_ptr, C_in, T, n_t_blocks, ROWS,
+        K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr,
+        C_BLOCKS: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, PDL: tl.constexpr,
+    ):
+        """y[b, o*K + k, t] = sum_c w[o, c, k] * x[b, c, t] (fp32): every tap of a conv as one GEMM
+        over aligned, unshifted tiles of x. ROWS = C_out * K."""
+        await_previous_kernel(PDL)
+        batch, _, t_block = _program_tile(tl.program_id(0), 1, n_t_blocks)
+        rows = tl.arange(0, BLOCK_R)
+        cols = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
+        row_ok, col_ok = rows < ROWS, cols < T
+        w_rows = w_ptr + (rows // K) * C_in * K + rows % K  # w [C_out, C_in, K] read as [C_out * K, C_in]
+        x_base = x_ptr + batch.to(tl.int64) * C_in * T
+        acc = tl.zeros((BLOCK_R, BLOCK_T), dtype=tl.float32)
+        for cb in range(C_BLOCKS):
+            ch = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+            ch_ok = ch < C_in
+            a = tl.load(w_rows[:, None] + ch[None, :] * K, mask=row_ok[:, None] & ch_ok[None, :], other=0.0)
+            b = tl.load(x_base + ch[:, None].to(tl.int64) * T + cols[None, :], mask=ch_ok[:, None] & col_ok[None, :], other=0.0)
+            acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
+        y_offs = (batch.to(tl.int64) * ROWS + rows[:, None]) * T + cols[None, :]
+        tl.store(y_ptr + y_offs, acc, mask=row_ok[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def _tap_shift_tanh_kernel(y_ptr, b_ptr, out_ptr, C_out, T, n_t_blocks, K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                               BLOCK_T: tl.constexpr, PDL: tl.constexpr):
+        """out[b, o, t] = tanh(bias[o] + sum_k y[b, o*K + k, t + k - (K-1)/2]), zero outside [0, T)."""
+        await_previous_kernel(PDL)
+        row = tl.program_id(0) // n_t_blocks  # batch * C_out + o
+        cols = (tl.program_id(0) % n_t_blocks) * BLOCK_T + tl.arange(0, BLOCK_T)
+        y_base = y_ptr + row.to(tl.int64) * K * T
+        acc = tl.zeros((BLOCK_T,), dtype=tl.float32)
+        for k in tl.static_range(K):
+            src = cols + (k - (K - 1) // 2)
+            acc += tl.load(y_base + k * T + src, mask=(src >= 0) & (src < T), other=0.0)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + row % C_out).to(tl.float32)
+        tl.store(out_ptr + row.to(tl.int64) * T + cols, _tanh(acc).to(out_ptr.dtype.element_ty), mask=cols < T)
+
 
 
 # --- references ---------------------------------------------------------------------------------
@@ -399,6 +445,46 @@ def _conv_tanh_triton(x, weight, bias, config=None):
     return out
 
 
+def _conv_tanh_by_taps(x, weight, bias, block_t=None):
+    """:func:`conv_tanh` in two kernels: all taps as one GEMM over unshifted tiles of x into float32
+    sums per tap [B, C_out * K, T], then the shifted sum of those and tanh. The one-kernel form loads
+    every element of x K times at shifted, unaligned addresses, which bounds it on long inputs."""
+    B, C_in, T = x.shape
+    C_out, _, K = weight.shape
+    out = torch.empty((B, C_out, T), dtype=x.dtype, device=x.device)
+    if out.numel() == 0:
+        return out
+    x = x.contiguous()
+    rows = C_out * K
+    taps = torch.empty((B, rows, T), dtype=torch.float32, device=x.device)
+    block_c = max(16, min(64, triton.next_power_of_2(C_in)))
+    block_t = min(max(16, triton.next_power_of_2(T)), block_t or (4096 if TRITON_INTERPRET else 128))
+    n_t = triton.cdiv(T, block_t)
+    _tap_sums_kernel[(B * n_t,)](
+        x, weight.contiguous(), taps, C_in, T, n_t, rows,
+        K=K, BLOCK_R=max(16, triton.next_power_of_2(rows)), BLOCK_C=block_c, BLOCK_T=block_t,
+        C_BLOCKS=triton.cdiv(C_in, block_c), IEEE=x.dtype == torch.float32,
+        UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16, num_warps=4, **launch_flags(x.device, B * n_t),
+    )
+    block_t = min(triton.next_power_of_2(T), 1024)
+    n_t = triton.cdiv(T, block_t)
+    _tap_shift_tanh_kernel[(B * C_out * n_t,)](
+        taps, weight if bias is None else bias, out, C_out, T, n_t, K=K, HAS_BIAS=bias is not None,
+        BLOCK_T=block_t, num_warps=4, **launch_flags(x.device, B * C_out * n_t),
+    )
+    return out
+
+
+TAP_GEMM_MIN_SAMPLES = 1 << 16
+
+
+def takes_tap_gemm(x: Tensor, C_out: int, K: int) -> bool:
+    """Whether :func:`conv_tanh` runs as the two-kernel tap GEMM: long inputs (B * T samples), few
+    output taps."""
+    B, _, T = x.shape
+    return B * T >= TAP_GEMM_MIN_SAMPLES and C_out * K <= 64
+
+
 def _kernel_applies(x: Tensor) -> bool:
     return x.dtype in KERNEL_DTYPES and runs_triton(x)
 
@@ -453,6 +539,8 @@ def _(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, 
 @torch.library.custom_op("snac_fast::conv_tanh", mutates_args=())
 def _conv_tanh_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if _kernel_applies(x):
+        if takes_tap_gemm(x, *weight.shape[::2]):
+            return _conv_tanh_by_taps(x, weight, bias)
         return _conv_tanh_triton(x, weight, bias)
     return conv_tanh_reference(x, weight, bias).contiguous()
 
