@@ -19,7 +19,9 @@ the next unit's input snake in one kernel. Both can write in place over the resi
 laid out [B, C, T] or [B, T, C] in memory (``is_channels_last``: a cuDNN transposed conv's output);
 ``pointwise_conv(..., channels_last=True)`` writes [B, T, C] for the transposed conv after a block.
 
-``conv_tanh``: the decoder's output layer, a "same"-padded conv1d to few channels, then tanh.
+``conv_tanh``: the decoder's output layer, a "same"-padded conv1d to few channels, then tanh: one
+kernel, or for long inputs two (``takes_tap_gemm``): a GEMM of every tap over aligned tiles into
+float32 sums per tap, then their shifted sum and tanh.
 """
 
 from __future__ import annotations
@@ -203,7 +205,6 @@ if HAS_TRITON:
         t = 1.0 - 2.0 / (tl.exp(2.0 * a) + 1.0)
         return tl.where(y < 0, -t, t)
 
-
     @triton.jit
     def _tap_sums_kernel(
         x_ptr, w_ptr, y_ptr, C_in, T, n_t_blocks, ROWS,
@@ -244,7 +245,6 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(b_ptr + row % C_out).to(tl.float32)
         tl.store(out_ptr + row.to(tl.int64) * T + cols, _tanh(acc).to(out_ptr.dtype.element_ty), mask=cols < T)
-
 
 
 # --- references ---------------------------------------------------------------------------------
@@ -656,8 +656,9 @@ def pointwise_conv_pair(h: Tensor, weight: Tensor, bias: Tensor | None = None, r
 def conv_tanh(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``tanh(conv1d(x, weight, bias))`` with "same" zero padding (K-1)/2, stride 1: the decoder's
     output layer. x: [B, C_in, T]; weight: [C_out, C_in, K], K odd; bias: [C_out]. Returns
-    [B, C_out, T] in x's dtype. One program per (batch, output channel, time tile): meant for few
-    output channels (SNAC has one). Inference only."""
+    [B, C_out, T] in x's dtype. Meant for few output channels (SNAC has one): one program per
+    (batch, output channel, time tile); from ``TAP_GEMM_MIN_SAMPLES`` samples (B * T) on, a tap GEMM
+    and a shifted sum (float32 scratch of [B, C_out * K, T]). Inference only."""
     check_floating(x, "x")
     check_floating(weight, "weight")
     if weight.shape[1] != x.shape[1] or weight.shape[2] % 2 == 0:
