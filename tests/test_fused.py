@@ -593,29 +593,31 @@ def test_graphs_need_cuda():
 @pytest.mark.parametrize("dilation", [1, 3, 9])
 @pytest.mark.parametrize("C", CHANNELS)
 def test_gpu_residual_unit_kernels(cuda, dtype, dilation, C):
+    """float64 references computed on the GPU (on the CPU they took minutes)."""
     gen = torch.Generator().manual_seed(C + dilation)
     T = 20001  # several interior tiles between the edge tiles
-    x = torch.randn(2, C, T, generator=gen).to(dtype)
-    w = (torch.randn(C, 1, 7, generator=gen) * 0.4).to(dtype)
-    b = torch.randn(C, generator=gen).to(dtype)
-    a = log_uniform_alpha(C, gen)
+    x = torch.randn(2, C, T, generator=gen).to(dtype).to(cuda)
+    w = (torch.randn(C, 1, 7, generator=gen) * 0.4).to(dtype).to(cuda)
+    b = torch.randn(C, generator=gen).to(dtype).to(cuda)
+    a = log_uniform_alpha(C, gen).to(cuda)
     for length in (T, 10240):  # the last tile ragged, then ending at T
         xs = x[..., :length].contiguous()
-        got = depthwise_conv_snake(xs.to(cuda), w.to(cuda), b.to(cuda), dilation, a.to(cuda))
-        close(got.cpu(), depthwise_conv_snake_reference(d(xs), d(w), d(b), dilation, d(a)), dtype)
-    wp = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype)
-    got = pointwise_conv(x.to(cuda), wp.to(cuda), b.to(cuda), residual=x.to(cuda), alpha_out=a.to(cuda))
-    close(got.cpu(), pointwise_conv_reference(d(x), d(wp), d(b), d(x), alpha_out=d(a)), dtype)
-    x_cl = channels_last(x.to(cuda))  # the NoiseBlock after a cuDNN transposed conv; a unit before one
-    got = pointwise_conv(x_cl, wp.to(cuda), b.to(cuda), residual=x_cl, alpha_out=a.to(cuda), channels_last=True)
+        ref = depthwise_conv_snake_reference(d(xs), d(w), d(b), dilation, d(a))
+        close(depthwise_conv_snake(xs, w, b, dilation, a), ref, dtype)
+    wp = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype).to(cuda)
+    ref = pointwise_conv_reference(d(x), d(wp), d(b), d(x), alpha_out=d(a))
+    close(pointwise_conv(x, wp, b, residual=x, alpha_out=a), ref, dtype)
+    x_cl = channels_last(x)  # the NoiseBlock after a cuDNN transposed conv; a unit before one
+    got = pointwise_conv(x_cl, wp, b, residual=x_cl, alpha_out=a, channels_last=True)
     assert is_channels_last(got)
-    close(got.cpu(), pointwise_conv_reference(d(x), d(wp), d(b), d(x), alpha_out=d(a)), dtype)
-    h, res = x.flip(-1).contiguous(), x.to(cuda)
-    y, s = pointwise_conv_pair(h.to(cuda), wp.to(cuda), b.to(cuda), residual=res, alpha=a.to(cuda), out=res)
+    close(got, ref, dtype)
+    h = x.flip(-1).contiguous()
     ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(wp), d(b), d(x), alpha=d(a))
+    res = x.clone()
+    y, s = pointwise_conv_pair(h, wp, b, residual=res, alpha=a, out=res)
     assert y is res
-    close(y.cpu(), ref_y, dtype)
-    close(s.cpu(), ref_s, dtype)
+    close(y, ref_y, dtype)
+    close(s, ref_s, dtype)
 
 
 @pytest.mark.gpu
