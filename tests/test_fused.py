@@ -151,7 +151,8 @@ def test_conv_tanh_kernel(dtype, poisoned_empty):
 
 def test_conv_tanh_path_by_length():
     x = torch.empty(4, 64, TAP_GEMM_MIN_SAMPLES // 4)
-    assert takes_tap_gemm(x, 1, 7) and not takes_tap_gemm(x[..., 1:], 1, 7) and not takes_tap_gemm(x, 10, 7)
+    w, wide = torch.empty(1, 64, 7), torch.empty(10, 64, 7)
+    assert takes_tap_gemm(x, w) and not takes_tap_gemm(x[..., 1:], w) and not takes_tap_gemm(x, wide)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -478,10 +478,11 @@ def _conv_tanh_by_taps(x, weight, bias, block_t=None):
 TAP_GEMM_MIN_SAMPLES = 1 << 16
 
 
-def takes_tap_gemm(x: Tensor, C_out: int, K: int) -> bool:
-    """Whether :func:`conv_tanh` runs as the two-kernel tap GEMM: long inputs (B * T samples), few
-    output taps."""
+def takes_tap_gemm(x: Tensor, weight: Tensor) -> bool:
+    """Whether :func:`conv_tanh` of x [B, C_in, T] with weight [C_out, C_in, K] runs as the two-kernel
+    tap GEMM: long inputs (B * T samples), few output taps (C_out * K)."""
     B, _, T = x.shape
+    C_out, _, K = weight.shape
     return B * T >= TAP_GEMM_MIN_SAMPLES and C_out * K <= 64
 
 
@@ -539,7 +540,7 @@ def _(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, 
 @torch.library.custom_op("snac_fast::conv_tanh", mutates_args=())
 def _conv_tanh_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if _kernel_applies(x):
-        if takes_tap_gemm(x, *weight.shape[::2]):
+        if takes_tap_gemm(x, weight):
             return _conv_tanh_by_taps(x, weight, bias)
         return _conv_tanh_triton(x, weight, bias)
     return conv_tanh_reference(x, weight, bias).contiguous()
