@@ -53,21 +53,23 @@ def sweep(what, default_fn, fn, cfgs, x):
     print(f"  {what}: default {default * 1e3:.1f}us | best {best}", flush=True)
 
 
-def pw_into(h, w, b, res, cfg):
+def pw_into(h, w, b, res, alpha, cfg):
+    """A residual unit's tail when there is a residual (the pair: output and next snake), else a plain 1x1 conv."""
     out = torch.empty((h.shape[0], w.shape[0], h.shape[2]), device=DEV, dtype=DT)
-    conv_ops._pointwise_conv_triton(h, w, b, res, None, None, None, out, config=cfg)
+    pair = None if res is None else torch.empty_like(out)
+    conv_ops._pointwise_conv_triton(h, w, b, res, None, None, None, out, alpha if pair is not None else None, pair, config=cfg)
     return out
 
 
 def sweep_pw(shapes, batches):
-    cfgs = [(bm, bn, bk, w, 3) for bm, bn in itertools.product((16, 32, 64, 128), (16, 32, 64, 128))
-            for bk in (32, 64, 128) for w in ((2,) if bm * bn <= 512 else (4,))]
+    cfgs = [(bm, bn, bk, w, 3) for bm, bn in itertools.product((16, 32, 64, 128), (16, 32, 64, 128, 256))
+            for bk in (32, 64, 128) for w in ((2,) if bm * bn <= 512 else (4, 8) if bm * bn >= 8192 else (4,))]
     for C_out, C_in, T in shapes:
-        w, b = rnd(C_out, C_in, 1) / C_in**0.5, rnd(C_out)
+        w, b, a = rnd(C_out, C_in, 1) / C_in**0.5, rnd(C_out), torch.rand(C_out, device=DEV) + 0.5
         for B in batches:
             h = rnd(B, C_in, T)
             res = rnd(B, C_out, T) if C_in == C_out else None
-            call = lambda h, cfg=None: pw_into(h, w, b, res, cfg)  # noqa: E731
+            call = lambda h, cfg=None: pw_into(h, w, b, res, a, cfg)  # noqa: E731
             sweep(f"pw C_out={C_out} C_in={C_in} T={T} B={B}", call, call,
                   [c for c in cfgs if c[2] <= C_in and c[1] <= max(16, pow2(T))], h)
 
