@@ -369,7 +369,10 @@ def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> t
     tiles = [(min(m, cap_m), min(n, cap_n)) for m, n in _PW_TILES]
     block_m, block_n = first_filling(tiles, lambda t: B * triton.cdiv(C_out, t[0]) * triton.cdiv(T, t[1]),
                                      wave_programs(device))
-    block_k = max(16, triton.next_power_of_2(C_in) if C_in <= 128 else 128 if C_in >= 512 and block_n <= 32 else 64)
+    if C_in <= 128:  # the whole reduction in one K step
+        block_k = max(16, triton.next_power_of_2(C_in))
+    else:
+        block_k = 128 if C_in >= 512 and block_n <= 32 else 64
     return block_m, block_n, block_k, 2 if block_m * block_n <= 512 else 4, 3
 
 
