@@ -74,17 +74,26 @@ def sweep_pw(shapes, batches):
                   [c for c in cfgs if c[2] <= C_in and c[1] <= max(16, pow2(T))], h)
 
 
+def dw_configs(T: int, rows_max: int) -> list[tuple[int, int, int, int]]:
+    """(ROWS, BLOCK_T, num_warps, RUN): per-tap loads (RUN 0), or runs of RUN aligned chunks of 8
+    for T % 8 == 0, at 8 to 32 outputs per thread."""
+    cfgs = set()
+    for elems, bt, w, run in itertools.product((256, 512, 1024, 2048, 4096), (16, 32, 64, 128, 256, 512, 1024, 2048, 4096),
+                                               (1, 2, 4, 8), (0, 1, 2)):
+        per_thread = elems // (32 * w)
+        fits = per_thread >= 4 if run == 0 else T % 8 == 0 and bt % (8 * run) == 0 and 8 * run <= per_thread <= 32
+        if bt <= min(elems, max(16, pow2(T))) and elems // bt <= rows_max and fits:
+            cfgs.add((elems // bt, bt, w, run))
+    return sorted(cfgs)
+
+
 def sweep_dw(shapes, batches):
-    cfgs = sorted({(elems // bt, bt, w) for elems in (256, 512, 1024, 2048, 4096)
-                   for bt in (16, 32, 64, 128, 256, 512, 1024) if bt <= elems for w in (1, 2, 4, 8)
-                   if elems // (32 * w) >= 4})
     for C, T in shapes:
         wt, b, a = rnd(C, 1, 7) * 0.3, rnd(C), torch.rand(C, device=DEV) + 0.5
-        for B in batches:
+        for B, dilation in itertools.product(batches, (1, 3, 9)):
             x = rnd(B, C, T)
-            call = lambda x, cfg=None: conv_ops._depthwise_conv_snake_triton(x, wt, b, 3, a, cfg)  # noqa: E731
-            sweep(f"dw C={C} T={T} B={B}", call, call,
-                  [c for c in cfgs if c[0] <= pow2(B * C) and c[1] <= max(16, pow2(T))], x)
+            call = lambda x, cfg=None: conv_ops._depthwise_conv_snake_triton(x, wt, b, dilation, a, cfg)  # noqa: E731
+            sweep(f"dw C={C} T={T} B={B} dilation={dilation}", call, call, dw_configs(T, pow2(B * C)), x)
 
 
 def channels_last(x):
