@@ -157,7 +157,7 @@ if HAS_TRITON:
             if MASKED:  # tiles at the ends: zero padding outside [0, T)
                 m = row_ok[:, None] & ((src >= 0) & (src < T))[None, :]
                 v = tl.load(x_ptr + row_base[:, None] + src[None, :], mask=m, other=0.0).to(tl.float32)
-            else:  # interior tiles: every tap in range, no mask arithmetic (the kernel is ALU-bound)
+            else:  # interior tiles: every tap in range, no mask arithmetic
                 v = tl.load(x_ptr + row_base[:, None] + src[None, :]).to(tl.float32)
             acc += w[:, None] * v
         return acc
