@@ -407,12 +407,12 @@ def _block_k(C_in: int) -> int:
 
 def _dw_config(n_rows: int, T: int, halo: int, device: torch.device) -> tuple[int, int, int, int]:
     """(ROWS, BLOCK_T, num_warps, RUN) for the depthwise kernel over [n_rows, T] with a tap reach of
-    ``halo`` steps each side, as measured fastest on an H200 at the decoder's shapes (tile sweep,
-    scripts/tune_tiles.py --only dw). T % 8 == 0 (every decoder layer after the first) takes runs
-    of aligned chunks: on a small grid, tiles of up to 2048 outputs, 8 per thread, at least a
-    wave of programs; rows up to 4096 steps as one tile each, 16 outputs per thread, in runs of 16
-    where the halo spans more than two chunks (dilation 9); longer rows in 2048-step tiles of 32
-    outputs per thread. Other T: per-tap loads (RUN = 0), 512-element tiles of one warp, or of
+    ``halo`` steps each side, as measured fastest on an H200 at the 24 kHz decoder's shapes (a sweep
+    of rows, length, warps and run length; scripts/tune_tiles.py --only dw covers the same configs).
+    T % 8 == 0 (every decoder layer after the first) takes runs of aligned chunks: on a small grid,
+    tiles of up to 2048 outputs, 8 per thread, at least a wave of programs; rows up to 4096 steps
+    as one tile each, 16 outputs per thread, in runs of 16 where the halo spans more than two
+    chunks (dilation 9); longer rows in 2048-step tiles of 32 outputs per thread. Other T: per-tap loads (RUN = 0), 512-element tiles of one warp, or of
     four while the grid is small."""
     if TRITON_INTERPRET:  # few, big programs: the interpreter pays per program
         block_t = min(triton.next_power_of_2(T), 1 << 16)
