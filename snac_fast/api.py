@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from typing import Callable
 
 import torch
@@ -12,7 +13,7 @@ from torch import Tensor, nn
 from snac_fast.codes import validate_audio, validate_codes
 from snac_fast.graphs import GraphedDecode
 from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
-from snac_fast.noise import injected_noise
+from snac_fast.noise import check_seed, injected_noise, keyed_noise
 from snac_fast.surgery import SurgeryReport, accelerate
 
 DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -77,6 +78,8 @@ class FastSNAC:
         if cuda_graphs and (self.device.type != "cuda" or not fuse):
             raise ValueError("cuda_graphs=True needs a CUDA device and fuse=True")
         self.graphs = GraphedDecode(self.model, self.device, max_graphs=max_graphs) if cuda_graphs else None
+        self.lock = threading.RLock()  # decodes and stream steps patch the model's noise and share graph buffers
+        self._stream_engines: dict = {}
 
     @classmethod
     def from_pretrained(
@@ -145,19 +148,57 @@ class FastSNAC:
         """Codes -> audio [B, 1, latent_length * hop_length] in the model's dtype, on its device.
 
         codes: one integer tensor [B, L_i] per level (upstream's ``encode`` output), any device.
-        seed: make the NoiseBlocks' noise reproducible (same seed, same device: same audio, with
-        or without CUDA graphs); None draws fresh noise like upstream. generator: draw the noise
-        from this torch.Generator instead (any device; overrides seed).
+        seed: position-keyed NoiseBlock noise (row b keyed by (seed, b), see :mod:`snac_fast.noise`):
+        the same audio with or without CUDA graphs, and the audio a :meth:`stream` with this seed
+        produces; a prefix of the codes decodes to the prefix of the audio, up to the receptive
+        field at its end. None draws fresh noise like upstream. generator: draw the noise from this
+        torch.Generator in NoiseBlock call order instead (any device; overrides seed).
         reuse_output: with CUDA graphs, return the graph's output buffer itself (no copy); the next
         decode of the same shape overwrites it.
         """
-        if generator is None and seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(seed)
+        if generator is not None:
+            seed = None
+        elif seed is not None:
+            seed = check_seed(seed)
+        with self.lock:
+            return self._decode(codes, seed, generator, reuse_output)
+
+    def _decode(self, codes, seed, generator, reuse_output) -> Tensor:
         if self.graphs is not None:  # checks the ids itself, without a sync before the launch
-            return self.graphs(codes, generator, copy_output=not reuse_output, validate=self._validate_structure)
+            return self.graphs(codes, generator, copy_output=not reuse_output, validate=self._validate_structure,
+                               seed=seed)
         codes = [c.to(self.device, non_blocking=True) for c in validate_codes(codes, self.config)]
-        with torch.inference_mode(), injected_noise(self.model, generator) if generator is not None else contextlib.nullcontext():
+        if generator is not None:
+            noise = injected_noise(self.model, generator)
+        elif seed is not None:
+            noise = keyed_noise(self.model, torch.full((codes[0].shape[0],), seed, dtype=torch.int64, device=self.device))
+        else:
+            noise = contextlib.nullcontext()
+        with torch.inference_mode(), noise:
             return self.model.decode(codes)
+
+    def stream_engine(self, max_streams: int = 256, *, lookahead: int | None = None, **options):
+        """A :class:`snac_fast.streaming.StreamEngine` for many concurrent streams on this codec
+        (its own state rows for ``max_streams`` streams; see :mod:`snac_fast.streaming`)."""
+        from snac_fast.streaming import StreamEngine
+
+        options.setdefault("cuda_graphs", self.graphs is not None)
+        return StreamEngine(self.model, self.config, max_streams, device=self.device, dtype=self.dtype,
+                            lookahead=lookahead, lock=self.lock, **options)
+
+    def stream(self, seed: int | None = None, *, lookahead: int | None = None, layout=None):
+        """A :class:`snac_fast.streaming.DecoderStream`: ``push(codes)`` of k >= 1 new frames returns
+        the audio that is now final, ``flush()`` the rest; all of it equals ``decode(codes, seed=seed)``
+        (exact; ``lookahead`` in samples below ``stream().lookahead_samples`` trades exactness for
+        latency). ``layout``: a token layout (:data:`snac_fast.orpheus.ORPHEUS`) for ``push_ids``.
+        Streams share one engine per lookahead (256 slots; more with :meth:`stream_engine`)."""
+        from snac_fast.streaming import DecoderStream
+
+        with self.lock:
+            engine = self._stream_engines.get(lookahead)
+            if engine is None:
+                engine = self._stream_engines[lookahead] = self.stream_engine(lookahead=lookahead)
+        return DecoderStream(engine, seed, layout)
 
     def _validate_structure(self, codes: list[Tensor]) -> None:
         validate_codes(codes, self.config, check_ids=False)

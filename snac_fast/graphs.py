@@ -9,10 +9,11 @@ around them, costs as much as the GPU work. A call here does little besides one 
   mapped address: no copy node), read once the decode has finished (a bad id then raises
   ValueError naming it, and the audio is discarded);
 - shapes seen before skip the structural checks (the cache key is computed once per call);
-- the NoiseBlocks read static noise buffers. Fresh noise (no generator) is one draw for all of them
-  inside the graph, from the default CUDA generator, whose state advances on every replay as on
-  every eager call; with a generator the noise is drawn outside, in the same order as an eager
-  decode, so seeds give the same audio with or without graphs;
+- the NoiseBlocks' noise: fresh noise (no seed, no generator) is one draw for all of them inside
+  the graph, from the default CUDA generator, whose state advances on every replay as on every
+  eager call; a seed is written to a static buffer that the graph's keyed-noise kernels read
+  (:mod:`snac_fast.ops.noise`); with a generator the noise is drawn outside, in the same order as
+  an eager decode. Seeds and generators give the same audio with or without graphs;
 - the output is cloned, unless the caller asks for the static buffer.
 """
 
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.codes import check_code_ids
-from snac_fast.noise import draw, noise_blocks
+from snac_fast.noise import draw, keyed_noise, patched_noise
 from snac_fast.ops._runtime import cuda_index
 
 
@@ -35,8 +36,9 @@ from snac_fast.ops._runtime import cuda_index
 class _Captured:
     graph: torch.cuda.CUDAGraph
     codes: Tensor  # static flat buffer: each level flattened, one after another
-    noise: Tensor  # static noise, all NoiseBlock calls one after another (the graph reads it: keep it alive)
-    noise_views: list[Tensor]  # seeded graphs: its part per NoiseBlock call, in call order, filled per call
+    noise: Tensor | None  # static noise, all NoiseBlock calls one after another (the graph reads it: keep it alive)
+    noise_views: list[Tensor]  # generator graphs: its part per NoiseBlock call, in call order, filled per call
+    seeds: Tensor | None  # keyed graphs: int64 [B], the seed of every row, filled per call
     output: Tensor
     bad_ids: Tensor  # int32 [1] in pinned host memory: the codebook kernel sets it for an out-of-range id
 
@@ -44,9 +46,12 @@ class _Captured:
         self.flag = self.bad_ids.numpy()  # reading it costs no torch dispatch
 
 
+FRESH, KEYED, GENERATOR = "fresh", "keyed", "generator"  # where a graph's noise comes from
+
+
 class GraphedDecode:
-    """Replays ``model.decode`` from CUDA graphs keyed by the codes' shapes and dtypes and by whether
-    the noise comes from a caller's generator.
+    """Replays ``model.decode`` from CUDA graphs keyed by the codes' shapes and dtypes and by where
+    the noise comes from (fresh, keyed by a seed, or a caller's generator).
 
     max_graphs bounds the cache; the least recently used graph (and its memory pool) is dropped.
     """
@@ -73,18 +78,20 @@ class GraphedDecode:
         self._cache.clear()
 
     @staticmethod
-    def key(codes: list[Tensor], seeded: bool = False) -> tuple:
-        return (*[(c.shape, c.dtype) for c in codes], seeded)  # torch.Size is a tuple
+    def key(codes: list[Tensor], noise: str = FRESH) -> tuple:
+        return (*[(c.shape, c.dtype) for c in codes], noise)  # torch.Size is a tuple
 
     def __call__(self, codes: list[Tensor], generator: torch.Generator | None = None, copy_output: bool = True,
-                 validate: Callable[[list[Tensor]], object] | None = None) -> Tensor:
+                 validate: Callable[[list[Tensor]], object] | None = None, seed: int | None = None) -> Tensor:
         """codes: one integer tensor per level, on any device; ``validate(codes)`` runs the
         structural checks before a capture (the shapes and dtypes of a cached graph passed them
-        already: they depend on nothing else); ids are checked here. generator: None draws fresh
-        noise from the default CUDA generator, as upstream does. copy_output=False returns the
-        graph's static output buffer, which the next call of the same shape overwrites."""
+        already: they depend on nothing else); ids are checked here. seed: position-keyed noise
+        (row b keyed by (seed, b)); generator: draws in call order; neither: fresh noise from the
+        default CUDA generator, as upstream does. copy_output=False returns the graph's static
+        output buffer, which the next call of the same shape overwrites."""
+        noise = GENERATOR if generator is not None else KEYED if seed is not None else FRESH
         try:
-            key = self.key(codes, generator is not None)
+            key = self.key(codes, noise)
             entry = self._cache.get(key)
         except (TypeError, AttributeError):  # not a list of tensors: validate says what is wrong
             key = entry = None
@@ -92,8 +99,8 @@ class GraphedDecode:
             if validate is not None:
                 validate(codes)
             if key is None:  # validate accepted what key() could not read
-                key = self.key(codes, generator is not None)
-            entry = self._capture(codes, generator is not None)
+                key = self.key(codes, noise)
+            entry = self._capture(codes, noise)
             self._cache[key] = entry
             while len(self._cache) > self.max_graphs:
                 self._cache.popitem(last=False)
@@ -112,6 +119,8 @@ class GraphedDecode:
             torch.cat([c.reshape(-1).to(static.device, static.dtype) for c in codes], out=static)
         for view in entry.noise_views:  # the same draws, in the same order, as an eager decode
             view.copy_(draw(tuple(view.shape), generator, view))
+        if entry.seeds is not None:
+            entry.seeds.fill_(seed)
         entry.graph.replay()
         output = entry.output.clone() if copy_output else entry.output
         if not on_cpu:  # wait for the decode (the caller would, to use the audio), then read its flag
@@ -121,62 +130,63 @@ class GraphedDecode:
                 check_code_ids(codes, self.codebook_size)
         return output
 
-    def _capture(self, codes: list[Tensor], seeded: bool) -> _Captured:
-        blocks = noise_blocks(self.model)
+    def _capture(self, codes: list[Tensor], noise_kind: str) -> _Captured:
         quantizer = self.model.quantizer
         dtype = functools.reduce(torch.promote_types, [c.dtype for c in codes])
         with torch.inference_mode(False):  # buffers the calls write, in or out of inference mode
             flat = torch.cat([c.reshape(-1).to(self.device, dtype) for c in codes])
             bad_ids = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            seeds = torch.zeros(codes[0].shape[0], dtype=torch.int64, device=self.device) if noise_kind == KEYED else None
         static_codes, offset = [], 0
         for c in codes:
             static_codes.append(flat[offset:offset + c.numel()].view(c.shape))
             offset += c.numel()
         shapes: list[tuple[int, int, int]] = []
+        dtypes: list[torch.dtype] = []
         views: list[Tensor] = []
         calls = 0
 
-        def record(x: Tensor) -> Tensor:  # first pass: learn each NoiseBlock call's shape
+        def record(index: int, x: Tensor) -> Tensor:  # first pass: learn each NoiseBlock call's shape
             shapes.append((x.shape[0], 1, x.shape[2]))
+            dtypes.append(x.dtype)
             return torch.randn(shapes[-1], device=x.device, dtype=x.dtype)
 
-        def replay_buffers(x: Tensor) -> Tensor:
+        def replay_buffers(index: int, x: Tensor) -> Tensor:
             nonlocal calls
             view = views[calls % len(views)]
             calls += 1
             return view
 
+        def noise_feed():
+            return keyed_noise(self.model, seeds) if noise_kind == KEYED else patched_noise(self.model, replay_buffers)
+
+        noise = None
         try:
             quantizer.bad_ids = bad_ids
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.inference_mode(), torch.cuda.stream(stream):  # compile kernels, settle allocations
-                for block in blocks:
-                    block.draw_noise = record
-                out = self.model.decode(static_codes)
-                with torch.inference_mode(False):
-                    noise = torch.randn(sum(b * t for b, _, t in shapes), device=out.device, dtype=out.dtype)
+                if noise_kind != KEYED:
+                    with patched_noise(self.model, record):
+                        self.model.decode(static_codes)
+                    with torch.inference_mode(False):
+                        noise = torch.randn(sum(b * t for b, _, t in shapes), device=self.device, dtype=dtypes[0])
                     offset = 0
                     for b, _, t in shapes:
                         views.append(noise[offset:offset + b * t].view(b, 1, t))
                         offset += b * t
-                del out
-                for block in blocks:
-                    block.draw_noise = replay_buffers
-                for _ in range(self.warmup):
-                    self.model.decode(static_codes)
+                with noise_feed():
+                    for _ in range(self.warmup):
+                        self.model.decode(static_codes)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph):
-                if not seeded:  # one draw for all blocks, advancing the default generator on each replay
+            with torch.inference_mode(), noise_feed(), torch.cuda.graph(graph):
+                if noise_kind == FRESH:  # one draw for all blocks, advancing the default generator on each replay
                     noise.normal_()
                 output = self.model.decode(static_codes)
         finally:
             quantizer.bad_ids = None
-            for block in blocks:
-                if "draw_noise" in vars(block):
-                    del block.draw_noise
         torch.cuda.current_stream().synchronize()
         bad_ids.zero_()  # the warm-up decodes may have flagged the first codes: the call checks them itself
         self.captures += 1
-        return _Captured(graph, flat, noise, views if seeded else [], output, bad_ids)
+        return _Captured(graph, flat, noise, views if noise_kind == GENERATOR else [], seeds, output, bad_ids)

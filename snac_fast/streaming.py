@@ -1,0 +1,586 @@
+"""Exact, stateful, batched streaming decode.
+
+The decoder is cut into stages: the layers before the first DecoderBlock (with the 32/44 kHz local
+attention), each DecoderBlock, and the output layers joined to the last block. A stage keeps, per
+stream, the last ``left + right`` samples of its input (its context: the receptive field of its
+layers, from their kernel sizes, dilations and strides) and, given n new input samples, runs its
+layers on ``[context | new]`` and keeps the ``n * upsample`` outputs whose whole receptive field lay
+inside that buffer. Each stage so lags its input by ``right`` samples, and the audio that comes out
+is exactly what a whole decode gives there: the same layers, the same weights, and NoiseBlock noise
+keyed by absolute position (:mod:`snac_fast.noise`), so ``stream(seed=s)`` equals
+``decode(all_codes, seed=s)``.
+
+Three kinds of step keep every layer's zero padding where upstream has it:
+
+- prefill: a stream's first ``prefill_frames`` frames, each stage's buffer starting at sample 0 (the
+  layers pad the left edge themselves) and long enough to fill the stage's context;
+- step: ``k`` more frames for every stream in the batch (rows = streams at their own positions);
+- flush: the end, each buffer ending at the stream's last sample (the layers pad the right edge).
+
+A stream that ends before its prefill is decoded whole. The local attention of the 32/44 kHz models
+sees whole windows of ``attn_window_size`` latent steps, aligned as in a whole decode: those models
+step in groups of ``window / vq_strides[0]`` frames. Design notes: docs/streaming.md.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import threading
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from snac_fast.noise import check_seed, noise_blocks, patched_noise
+from snac_fast.ops.noise import keyed_normal
+
+PREFILL, STEP, FLUSH = "prefill", "step", "flush"
+
+
+# --- geometry ---------------------------------------------------------------------------------
+
+def _context(layer: nn.Module, reach: int) -> int:
+    """Samples of ``layer``'s input needed on each side when its outputs need ``reach`` samples of
+    context on each side (zero-padded 'same' convs, SNAC's transposed convs, pointwise layers)."""
+    from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
+
+    from snac_fast.modules import FastSnake1d, _Absorbed
+
+    if isinstance(layer, (DecoderBlock, nn.Sequential)):
+        children = layer.block if isinstance(layer, DecoderBlock) else layer
+        for child in reversed(list(children)):
+            reach = _context(child, reach)
+        return reach
+    if isinstance(layer, ResidualUnit):  # upstream's and the fused unit (a subclass)
+        return _context(layer.block, reach)
+    if isinstance(layer, nn.ConvTranspose1d):  # SNAC's k = 2s: output j reads inputs floor(j / s) - 1 .. + 1
+        return -(-reach // layer.stride[0]) + 1
+    if isinstance(layer, nn.Conv1d) and not isinstance(layer, _Absorbed):
+        k, d, p = layer.kernel_size[0], layer.dilation[0], layer.padding[0]
+        if layer.stride[0] != 1 or 2 * p != d * (k - 1):
+            raise ValueError(f"cannot stream through {type(layer).__name__}: needs a stride-1 'same'-padded conv")
+        return reach + p
+    if isinstance(layer, (NoiseBlock, Snake1d, FastSnake1d, _Absorbed, nn.Tanh, nn.Identity)) or is_pointwise_1x1(layer):
+        return reach
+    raise ValueError(f"cannot stream through {type(layer).__name__}")
+
+
+def is_pointwise_1x1(layer: nn.Module) -> bool:
+    return isinstance(layer, nn.Conv1d) and layer.kernel_size[0] == 1 and layer.padding[0] == 0
+
+
+def _upsample(layers: Iterable[nn.Module]) -> int:
+    return math.prod(m.stride[0] for layer in layers for m in layer.modules() if isinstance(m, nn.ConvTranspose1d))
+
+
+@dataclass
+class Stage:
+    """Decoder layers run as one streaming unit. ``layers`` run on the buffer [context | new], then
+    the valid outputs are cropped and ``post`` (the local attention) runs on them. Positions are in
+    the stage's input samples; ``upsample`` output samples follow each input sample."""
+
+    layers: list[nn.Module]
+    post: list[nn.Module]
+    channels: int
+    left: int
+    right: int
+    upsample: int
+    noise: list[tuple[int, int]] = field(default_factory=list)  # (NoiseBlock index, its samples per input sample)
+
+    @property
+    def context(self) -> int:
+        return self.left + self.right
+
+
+def build_stages(model: nn.Module, latent_per_frame: int) -> list[Stage]:
+    """Cut a SNAC decoder (upstream's or after surgery) into stages; see the module docstring."""
+    from snac.attention import LocalMHA
+    from snac.layers import DecoderBlock
+
+    layers = list(model.decoder.model)
+    blocks = [i for i, m in enumerate(layers) if isinstance(m, DecoderBlock)]
+    if not blocks:
+        raise ValueError("cannot stream a decoder without DecoderBlocks")
+    groups = [layers[:blocks[0]]] + [[layers[i]] for i in blocks]
+    groups[-1] += layers[blocks[-1] + 1:]
+    index_of = {id(m): i for i, m in enumerate(noise_blocks(model))}
+    window = model.attn_window_size
+    stages = []
+    for group in groups:
+        post = [m for m in group if isinstance(m, LocalMHA)]
+        if post and group[-1] is not post[-1]:
+            raise ValueError("cannot stream: layers after the local attention in its stage")
+        convs = [m for m in group if not isinstance(m, LocalMHA)]
+        reach = 0
+        for layer in reversed(convs):
+            reach = _context(layer, reach)
+        right = -(-reach // window) * window if post else reach  # the attention takes whole windows
+        channels = next(m for m in convs[0].modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))).in_channels
+        stage = Stage(convs, post, channels, reach, right, _upsample(convs))
+        scale = 1
+        for m in (m for layer in convs for m in layer.modules()):
+            if isinstance(m, nn.ConvTranspose1d):
+                scale *= m.stride[0]
+            elif id(m) in index_of:
+                stage.noise.append((index_of[id(m)], scale))
+        stages.append(stage)
+    return stages
+
+
+@dataclass
+class Geometry:
+    """Where every stage's samples sit. With F frames consumed, stage l's next new input sample is
+    at ``a[l] * F + b[l]`` (input units); the audio made so far ends at ``a[-1] * F + b[-1]``."""
+
+    stages: list[Stage]
+    latent_per_frame: int
+    group: int  # frames per step unit (attention windows)
+    a: list[int]
+    b: list[int]
+    prefill_frames: int
+
+    @classmethod
+    def of(cls, stages: list[Stage], latent_per_frame: int, window: int | None) -> "Geometry":
+        group = 1 if not window else window // math.gcd(window, latent_per_frame)
+        a, b = [latent_per_frame], [0]
+        for s in stages:
+            a.append(a[-1] * s.upsample)
+            b.append((b[-1] - s.right) * s.upsample)
+        prefill = group
+        while not all(a[l] * prefill + b[l] >= s.context and a[l] * prefill + b[l] > s.right
+                      for l, s in enumerate(stages)):
+            prefill += group
+        return cls(stages, latent_per_frame, group, a, b, prefill)
+
+    @property
+    def lookahead_samples(self) -> int:
+        """Audio samples that wait for later frames: the decode's receptive field to the right."""
+        return -self.b[-1]
+
+    def flush_samples(self) -> int:
+        return -self.b[-1]
+
+
+# --- streams and the engine -------------------------------------------------------------------
+
+@dataclass(eq=False)
+class StreamSlot:
+    """One stream's place in a :class:`StreamEngine`: its state row, key and position."""
+
+    slot: int
+    seed: int
+    row: int
+    frames: int = 0  # frames consumed by prefill and steps
+    started: bool = False
+    closed: bool = False
+    pending: list[Tensor] = field(default_factory=list)  # per level, int64 [L_i] on the CPU, not yet decoded
+
+    @property
+    def pending_frames(self) -> int:
+        return self.pending[0].numel() if self.pending else 0
+
+
+class StreamEngine:
+    """Stateful streaming decode for many streams at once (one state row per stream) of a SNAC
+    ``model`` (snac-fast's tree after surgery, or upstream's) with its ``config``, on ``device`` in
+    ``dtype`` (the model's). Build it with :meth:`snac_fast.FastSNAC.stream_engine`.
+
+    :meth:`open` a stream, then :meth:`advance` any set of streams with their new codes (and ends);
+    each call returns every stream's audio that is now final. Rows are batched per kind of step;
+    on CUDA each (kind, batch bucket, frames) shape replays a CUDA graph. Thread-safe: calls are
+    serialized by ``lock`` (the codec's). ``lookahead``: None for exact
+    streams; fewer audio samples of lookahead than :attr:`exact_lookahead_samples` cut every stage's
+    right context in proportion (lower latency, approximate audio; see README).
+    """
+
+    def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32, lookahead: int | None = None, cuda_graphs: bool = False,
+                 max_frames_per_step: int = 8, max_graphs: int = 32, lock=None) -> None:
+        if max_streams < 1:
+            raise ValueError("max_streams must be at least 1")
+        self.model, self.config = model, config
+        self.device, self.dtype = torch.device(device), dtype
+        self.strides = list(config["vq_strides"])
+        stages = build_stages(model, self.strides[0])
+        window = config.get("attn_window_size")
+        exact = Geometry.of(stages, self.strides[0], window)
+        self.exact_lookahead_samples = exact.lookahead_samples
+        if lookahead is not None:
+            if not 0 <= lookahead <= exact.lookahead_samples:
+                raise ValueError(f"lookahead must be 0..{exact.lookahead_samples} samples (exact), got {lookahead}")
+            fraction = lookahead / exact.lookahead_samples
+            for stage in stages:
+                unit = window if stage.post else 1
+                stage.right = int(stage.right * fraction) // unit * unit
+        self.geometry = Geometry.of(stages, self.strides[0], window) if lookahead is not None else exact
+        self.max_streams = max_streams
+        self.max_frames_per_step = max(self.geometry.group, max_frames_per_step // self.geometry.group * self.geometry.group)
+        with torch.inference_mode(False):  # row max_streams: scratch for the padding rows of a bucket
+            self.state = [torch.zeros((max_streams + 1, s.channels, s.context), device=self.device, dtype=self.dtype)
+                          for s in self.geometry.stages]
+        self._free = list(range(max_streams - 1, -1, -1))
+        self._lock = lock or threading.RLock()  # a codec's: its decodes patch the same NoiseBlocks
+        if cuda_graphs and self.device.type != "cuda":
+            raise ValueError("cuda_graphs=True needs a CUDA device")
+        self.cuda_graphs = cuda_graphs
+        self.max_graphs = max_graphs
+        self._graphs: dict[tuple, _StepGraph] = {}
+        self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None  # graphs replay one at a time
+
+    # -- facts ---------------------------------------------------------------------------------
+
+    @property
+    def frames_per_group(self) -> int:
+        """Frames a step takes at a time (1 at 24 kHz; an attention window's worth at 32/44 kHz)."""
+        return self.geometry.group
+
+    @property
+    def prefill_frames(self) -> int:
+        """Frames a stream collects before its first audio."""
+        return self.geometry.prefill_frames
+
+    @property
+    def samples_per_frame(self) -> int:
+        return self.geometry.a[-1]
+
+    @property
+    def lookahead_samples(self) -> int:
+        return self.geometry.lookahead_samples
+
+    @property
+    def lookahead_ms(self) -> float:
+        return 1000.0 * self.lookahead_samples / int(self.config['sampling_rate'])
+
+    @property
+    def lookahead_frames(self) -> float:
+        return self.lookahead_samples / self.samples_per_frame
+
+    @property
+    def state_bytes_per_stream(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.state)
+
+    @property
+    def open_streams(self) -> int:
+        return self.max_streams - len(self._free)
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def open(self, seed: int | None = None, row: int = 0) -> StreamSlot:
+        """A new stream. seed: its noise key (None: a random one; fresh noise like an unseeded
+        decode); its audio equals row ``row`` of ``decode(codes, seed=seed)``."""
+        seed = secrets.randbits(63) if seed is None else check_seed(seed)
+        if not isinstance(row, int) or row < 0:
+            raise ValueError(f"row must be a non-negative int, got {row!r}")
+        with self._lock:
+            if not self._free:
+                raise RuntimeError(f"all {self.max_streams} stream slots are in use: finish or close streams, or "
+                                   "make an engine with a larger max_streams")
+            return StreamSlot(self._free.pop(), seed, row)
+
+    def close(self, stream: StreamSlot) -> None:
+        """Release a stream's slot without decoding what it still holds."""
+        with self._lock:
+            if not stream.closed:
+                stream.closed = True
+                stream.pending = []
+                self._free.append(stream.slot)
+
+    def check_codes(self, codes: Sequence[Tensor]) -> list[Tensor]:
+        """One stream's codes for k >= 1 new frames: per level [L_i] or [1, L_i] integers with
+        L_i = k * vq_strides[0] / vq_strides[i], ids in [0, codebook_size). Returns int64 CPU [L_i]."""
+        from snac_fast.codes import check_code_ids
+
+        n = len(self.strides)
+        if isinstance(codes, Tensor) or not isinstance(codes, (list, tuple)) or not all(isinstance(c, Tensor) for c in codes):
+            raise ValueError(f"codes must be a list of {n} tensors, one per level")
+        if len(codes) != n:
+            raise ValueError(f"this model has {n} code levels (vq_strides {self.strides}), got {len(codes)}")
+        flat = []
+        for i, c in enumerate(codes):
+            if c.dtype.is_floating_point or c.dtype.is_complex or c.dtype == torch.bool:
+                raise ValueError(f"codes level {i} must be an integer tensor, got {c.dtype}")
+            if c.dim() == 2 and c.shape[0] == 1:
+                c = c[0]
+            if c.dim() != 1:
+                raise ValueError(f"codes level {i} must be [L] or [1, L] for one stream, got {tuple(c.shape)}")
+            flat.append(c.detach().to("cpu", torch.int64))
+        frames = flat[0].numel()
+        want = [frames * self.strides[0] // s for s in self.strides]
+        if frames == 0 or [c.numel() for c in flat] != want:
+            raise ValueError(f"code lengths {[c.numel() for c in flat]} do not follow vq_strides {self.strides}: "
+                             f"for {max(frames, 1)} frames expect {[max(frames, 1) * self.strides[0] // s for s in self.strides]}")
+        check_code_ids([c[None] for c in flat], self.config["codebook_size"])
+        return flat
+
+    def advance(self, pushes: Mapping[StreamSlot, Sequence[Tensor]] | None = None,
+                finish: Iterable[StreamSlot] = ()) -> dict[StreamSlot, Tensor]:
+        """Take new codes for some streams (each checked before any kernel runs) and end others
+        (``finish``: decode all they hold, release their slots). Returns, for every stream named,
+        its audio that became final: a 1-D tensor on the engine's device, possibly empty."""
+        pushes = dict(pushes or {})
+        finish = list(dict.fromkeys(finish))
+        checked = {s: self.check_codes(c) for s, c in pushes.items()}
+        with self._lock:
+            for s in list(checked) + finish:
+                if not isinstance(s, StreamSlot) or s.closed:
+                    raise ValueError("that stream is closed (finished or released); open a new one")
+            for s in finish:
+                held = s.pending_frames + sum(c[0].numel() for c in ([checked[s]] if s in checked else []))
+                if held % self.frames_per_group:
+                    raise ValueError(f"a stream of this model must end on a multiple of {self.frames_per_group} frames "
+                                     f"(its attention windows); this one ends with {s.frames + held}")
+            for s, codes in checked.items():
+                s.pending = codes if not s.pending else [torch.cat([p, c]) for p, c in zip(s.pending, codes)]
+            pieces: dict[StreamSlot, list[Tensor]] = {s: [] for s in list(checked) + finish}
+            with torch.inference_mode():
+                self._run_prefills([s for s in pieces if not s.started and s.pending_frames >= self.prefill_frames], pieces)
+                self._run_steps([s for s in pieces if s.started], pieces)
+                self._run_finishes(finish, pieces)
+            return {s: (torch.cat(p) if len(p) != 1 else p[0]) if p else self.empty_audio() for s, p in pieces.items()}
+
+    def empty_audio(self) -> Tensor:
+        return torch.empty(0, device=self.device, dtype=self.dtype)
+
+    # -- scheduling ----------------------------------------------------------------------------
+
+    def _take(self, stream: StreamSlot, frames: int) -> list[Tensor]:
+        ratios = [self.strides[0] // s for s in self.strides]
+        taken = [p[:frames * r] for p, r in zip(stream.pending, ratios)]
+        stream.pending = [p[frames * r:] for p, r in zip(stream.pending, ratios)]
+        return taken
+
+    def _run_prefills(self, streams: list[StreamSlot], pieces) -> None:
+        for chunk in self._chunks(streams):
+            audio = self._run(PREFILL, chunk, [self._take(s, self.prefill_frames) for s in chunk], self.prefill_frames)
+            for s, a in zip(chunk, audio):
+                s.started, s.frames = True, self.prefill_frames
+                pieces[s].append(a)
+
+    def _step_frames(self, pending: int) -> int:
+        """The largest step of a power-of-two number of groups that fits what a stream holds."""
+        groups = min(pending, self.max_frames_per_step) // self.frames_per_group
+        return (1 << (groups.bit_length() - 1)) * self.frames_per_group if groups else 0
+
+    def _run_steps(self, streams: list[StreamSlot], pieces) -> None:
+        while True:
+            by_frames: dict[int, list[StreamSlot]] = {}
+            for s in streams:
+                k = self._step_frames(s.pending_frames)
+                if k:
+                    by_frames.setdefault(k, []).append(s)
+            if not by_frames:
+                return
+            for k, group in sorted(by_frames.items()):
+                for chunk in self._chunks(group):
+                    audio = self._run(STEP, chunk, [self._take(s, k) for s in chunk], k)
+                    for s, a in zip(chunk, audio):
+                        s.frames += k
+                        pieces[s].append(a)
+
+    def _run_finishes(self, streams: list[StreamSlot], pieces) -> None:
+        started = [s for s in streams if s.started]
+        for chunk in self._chunks(started):
+            for s, a in zip(chunk, self._run(FLUSH, chunk, None, 0)):
+                pieces[s].append(a)
+        for s in streams:
+            if not s.started and s.pending_frames:  # shorter than a prefill: decode it whole
+                pieces[s].append(self._decode_whole(s))
+        for s in streams:
+            self.close(s)
+
+    def _chunks(self, streams: list[StreamSlot]) -> Iterable[list[StreamSlot]]:
+        step = self.max_streams
+        return (streams[i:i + step] for i in range(0, len(streams), step))
+
+    def _decode_whole(self, s: StreamSlot) -> Tensor:
+        from snac_fast.noise import keyed_noise
+
+        codes = [p[None].to(self.device) for p in s.pending]
+        seeds = torch.tensor([s.seed], dtype=torch.int64, device=self.device)
+        rows = torch.tensor([s.row], dtype=torch.int64, device=self.device)
+        with keyed_noise(self.model, seeds, rows):
+            return self.model.decode(codes)[0, 0]
+
+    # -- one batched call ----------------------------------------------------------------------
+
+    def _run(self, kind: str, streams: list[StreamSlot], codes: list[list[Tensor]] | None, frames: int) -> list[Tensor]:
+        """Run one kind of step for ``streams`` (each taking ``frames`` frames of ``codes``);
+        returns each stream's new audio (1-D, a copy)."""
+        n = len(streams)
+        bucket = 1 << (n - 1).bit_length() if self.cuda_graphs else n
+        bucket = min(bucket, self.max_streams) if n <= self.max_streams else n
+        keys = torch.zeros((4, bucket), dtype=torch.int64)  # slot, frames, seed, row
+        keys[0].fill_(self.max_streams)
+        keys[0, :n] = torch.tensor([s.slot for s in streams])
+        keys[1, :n] = torch.tensor([s.frames for s in streams])
+        keys[2, :n] = torch.tensor([s.seed for s in streams])
+        keys[3, :n] = torch.tensor([s.row for s in streams])
+        level_codes = []
+        if codes is not None:
+            for i in range(len(self.strides)):
+                level = torch.zeros((bucket, codes[0][i].numel()), dtype=torch.int64)
+                level[:n] = torch.stack([c[i] for c in codes])
+                level_codes.append(level)
+        if self.cuda_graphs:
+            key = (kind, bucket, frames)
+            graph = self._graphs.get(key)
+            if graph is None:
+                if len(self._graphs) >= self.max_graphs:
+                    self._graphs.pop(next(iter(self._graphs)))
+                graph = self._graphs[key] = _StepGraph(self, kind, keys, level_codes, frames)
+            audio = graph(keys, level_codes)
+        else:
+            audio = self._forward(kind, keys.to(self.device), [c.to(self.device) for c in level_codes], frames)
+        return [audio[i, 0].clone() for i in range(n)]
+
+    def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int) -> Tensor:
+        """The step itself, on device tensors only (what a CUDA graph captures). keys: int64
+        [4, B] (state slot, frames consumed, seed, row); codes: per level [B, L_i] (not for flush)."""
+        geo = self.geometry
+        slots, consumed, seeds, rows = keys[0], keys[1], keys[2], keys[3]
+        new = self.model.quantizer.from_codes(codes) if kind != FLUSH else None
+        offsets: dict[int, tuple[int, int]] = {}  # NoiseBlock index -> (samples per frame, start)
+
+        def noise(index: int, x: Tensor) -> Tensor:
+            per_frame, start = offsets[index]
+            return keyed_normal(seeds, rows, consumed, per_frame, start, x.shape[2], index, dtype=x.dtype)
+
+        with patched_noise(self.model, noise):
+            for l, (stage, state) in enumerate(zip(geo.stages, self.state)):
+                a, b, H = geo.a[l], geo.b[l], stage.context
+                n = new.shape[2] if new is not None else 0
+                if kind == PREFILL:  # the buffer starts at sample 0: the layers pad the left edge
+                    buffer, start = new, 0
+                    valid = (0, n - stage.right)
+                else:  # [context | new], from position P - H, with P = a * F + b
+                    buffer = _concat_time(state.index_select(0, slots), new)
+                    start = b - H
+                    valid = (H - stage.right, H + n - stage.right if kind == STEP else H + n)
+                if kind != FLUSH:
+                    state.index_copy_(0, slots, buffer[:, :, buffer.shape[2] - H:])
+                for index, scale in stage.noise:
+                    offsets[index] = (a * scale if kind != PREFILL else 0, start * scale)
+                x = buffer
+                for layer in stage.layers:
+                    x = layer(x)
+                s = stage.upsample
+                x = x[:, :, valid[0] * s:valid[1] * s]
+                for layer in stage.post:
+                    x = layer(x.contiguous())
+                new = x
+        return new
+
+
+def _concat_time(context: Tensor, new: Tensor | None) -> Tensor:
+    """[context | new] along time, in new's memory layout ([B, T, C] memory when new is a crop of
+    such a tensor: the transposed conv after it reads that layout fastest)."""
+    if new is None:
+        return context
+    B, C = context.shape[:2]
+    T = context.shape[2] + new.shape[2]
+    channels_last = new.stride(1) == 1 and C > 1
+    out = torch.empty((B, T, C), device=new.device, dtype=new.dtype).transpose(1, 2) if channels_last \
+        else torch.empty((B, C, T), device=new.device, dtype=new.dtype)
+    out[:, :, :context.shape[2]] = context
+    out[:, :, context.shape[2]:] = new
+    return out
+
+
+class _StepGraph:
+    """One captured step: static keys and codes in, static audio out."""
+
+    def __init__(self, engine: StreamEngine, kind: str, keys: Tensor, codes: list[Tensor], frames: int) -> None:
+        device = engine.device
+        with torch.inference_mode(False):
+            self.host = torch.empty(keys.numel() + sum(c.numel() for c in codes), dtype=torch.int64, pin_memory=True)
+            self.static = torch.empty_like(self.host, device=device)
+        self.keys = self.static[:keys.numel()].view(keys.shape)
+        self.codes, offset = [], keys.numel()
+        for c in codes:
+            self.codes.append(self.static[offset:offset + c.numel()].view(c.shape))
+            offset += c.numel()
+        self._fill(keys, codes)
+        # warm up on a scratch copy of the state: compile kernels without touching any stream's context
+        saved = [t.clone() for t in engine.state]
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream), torch.inference_mode():
+            engine._forward(kind, self.keys, self.codes, frames)
+            engine._forward(kind, self.keys, self.codes, frames)
+        torch.cuda.current_stream(device).wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool):
+            self.output = engine._forward(kind, self.keys, self.codes, frames)
+        for t, s in zip(engine.state, saved):
+            t.copy_(s)
+
+    def _fill(self, keys: Tensor, codes: list[Tensor]) -> None:
+        offset = keys.numel()
+        self.host[:offset] = keys.reshape(-1)
+        for c in codes:
+            self.host[offset:offset + c.numel()] = c.reshape(-1)
+            offset += c.numel()
+        self.static.copy_(self.host, non_blocking=True)
+
+    def __call__(self, keys: Tensor, codes: list[Tensor]) -> Tensor:
+        self._fill(keys, codes)
+        self.graph.replay()
+        return self.output
+
+
+class DecoderStream:
+    """One stream on a :class:`StreamEngine`: ``push(codes)`` returns the audio that became final,
+    ``flush()`` the rest; their concatenation equals ``codec.decode(all_codes, seed=seed)``.
+    With a token ``layout`` (:mod:`snac_fast.orpheus`), :meth:`push_ids` takes raw LM token ids."""
+
+    def __init__(self, engine: StreamEngine, seed: int | None = None, layout=None) -> None:
+        self.engine = engine
+        self.slot = engine.open(seed)
+        self.layout = layout
+        self._framer = layout.framer() if layout is not None else None
+
+    @property
+    def seed(self) -> int:
+        return self.slot.seed
+
+    @property
+    def lookahead_samples(self) -> int:
+        return self.engine.lookahead_samples
+
+    @property
+    def lookahead_ms(self) -> float:
+        return self.engine.lookahead_ms
+
+    @property
+    def lookahead_frames(self) -> float:
+        return self.engine.lookahead_frames
+
+    def push(self, codes: Sequence[Tensor]) -> Tensor:
+        """codes of k >= 1 new frames (per level [L_i] or [1, L_i]) -> new final audio, 1-D."""
+        return self.engine.advance({self.slot: codes})[self.slot]
+
+    def push_ids(self, ids) -> Tensor:
+        """Raw LM token ids (any count; an incomplete frame waits for the next push) -> new audio."""
+        if self._framer is None:
+            raise ValueError("this stream has no token layout: open it with layout=... (snac_fast.orpheus)")
+        codes = self._framer.push(ids)
+        if codes is None:
+            return self.engine.empty_audio()
+        return self.push(codes)
+
+    def flush(self) -> Tensor:
+        """End the stream: the rest of its audio (1-D). The stream is closed afterwards."""
+        if self._framer is not None:
+            self._framer.finish()
+        return self.engine.advance(finish=[self.slot])[self.slot]
+
+    def close(self) -> None:
+        self.engine.close(self.slot)
+
+    def __enter__(self) -> "DecoderStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
