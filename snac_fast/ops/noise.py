@@ -25,7 +25,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["frame_samples", "start", "T", "block"])  # one compiled variant
     def _keyed_normal_kernel(out_ptr, seeds_ptr, rows_ptr, frames_ptr, frame_samples, start, T, block,
                              BLOCK_T: tl.constexpr):
         b = tl.program_id(1)
@@ -36,7 +36,7 @@ if HAS_TRITON:
         c0 = (pos & 0xFFFFFFFF).to(tl.uint32)
         c1 = ((pos >> 32) & 0xFFFFFFFF).to(tl.uint32)
         c2 = (row & 0xFFFFFFFF).to(tl.uint32) + c0 * 0
-        c3 = c0 * 0 + block.to(tl.uint32)
+        c3 = (c0 * 0 + block).to(tl.uint32)
         r0, r1, _, _ = tl.philox(seed, c0, c1, c2, c3)
         normal, _ = tl.pair_uniform_to_normal(tl.uint_to_uniform_float(r0), tl.uint_to_uniform_float(r1))
         tl.store(out_ptr + b.to(tl.int64) * T + t, normal.to(out_ptr.dtype.element_ty), mask=t < T)

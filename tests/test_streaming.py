@@ -1,0 +1,345 @@
+"""Streaming decode: exact against whole decodes, batched streams, token layouts, batchers.
+
+The broad randomized checks run the engine over upstream's own float64 model (the same stage
+geometry; torch ops, fast on the CPU): a stream must equal the whole decode to float64 rounding.
+The fused kernels (Triton's interpreter) are checked end to end in float32 on fewer frames.
+"""
+
+import asyncio
+import random
+import threading
+
+import pytest
+import torch
+
+from helpers import random_codes
+from snac_fast import FastSNAC
+from snac_fast.configs import published_config
+from snac_fast.metrics import snr_db
+from snac_fast.noise import decode_with_keyed_noise
+from snac_fast.ops.noise import keyed_normal, keyed_normal_reference
+from snac_fast.orpheus import ORPHEUS, TokenLayout
+from snac_fast.serving import AsyncStreamBatcher, StreamBatcher
+from snac_fast.streaming import StreamEngine
+from snac_fast.testing import synthetic_model
+
+MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
+_UPSTREAM: dict = {}
+
+
+def upstream64(name):
+    if name not in _UPSTREAM:
+        _UPSTREAM[name] = synthetic_model(name).double()
+    return _UPSTREAM[name]
+
+
+def engine64(name, streams=4, **options):
+    return StreamEngine(upstream64(name), published_config(name), streams, dtype=torch.float64, **options)
+
+
+def frames_of(codes, strides, start, stop, row=0):
+    return [c[row:row + 1, start * strides[0] // s:stop * strides[0] // s] for c, s in zip(codes, strides)]
+
+
+def stream_through(engine, slot, codes, strides, splits):
+    pieces, f = [], 0
+    for k in splits:
+        pieces.append(engine.advance({slot: frames_of(codes, strides, f, f + k)})[slot])
+        f += k
+    pieces.append(engine.advance(finish=[slot])[slot])
+    return torch.cat(pieces)
+
+
+def random_splits(total, group, rng):
+    splits = []
+    while sum(splits) < total:
+        splits.append(min(total - sum(splits), group * rng.randint(1, 5)))
+    return splits
+
+
+# --- keyed noise ------------------------------------------------------------------------------
+
+def test_keyed_noise_kernel_matches_reference_and_is_positional():
+    seeds = torch.tensor([0, 2**62 + 12345, -7], dtype=torch.int64)
+    rows, frames = torch.tensor([0, 1, 5]), torch.tensor([0, 3, -2])
+    got = keyed_normal(seeds, rows, frames, 2048, -100, 3000, 2)
+    want = keyed_normal_reference(seeds, rows, frames, 2048, -100, 3000, 2)
+    assert got.shape == (3, 1, 3000) and (got - want).abs().max().item() < 1e-5
+    later = keyed_normal(seeds, rows, frames + 1, 2048, -100, 3000, 2)
+    assert torch.equal(got[..., 2048:], later[..., :3000 - 2048])  # a function of the absolute position
+    for other in (keyed_normal(seeds, rows, frames, 2048, -100, 3000, 3), keyed_normal(seeds, rows + 1, frames, 2048, -100, 3000, 2),
+                  keyed_normal(seeds + 1, rows, frames, 2048, -100, 3000, 2)):
+        assert (got - other).abs().mean() > 0.5  # block, row and seed each give other noise
+    big = keyed_normal(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 0, 0, 200_000, 0)
+    assert abs(big.mean().item()) < 0.01 and abs(big.std().item() - 1) < 0.01
+    out = torch.full((3, 1, 3000), float("nan"), dtype=torch.float16)
+    keyed_normal(seeds, rows, frames, 2048, -100, 3000, 2, out=out)
+    assert torch.isfinite(out).all() and (out.float() - want).abs().max() < 4e-3
+    with pytest.raises(ValueError, match="int64"):
+        keyed_normal(seeds.int(), rows, frames, 1, 0, 10, 0)
+
+
+def test_seeded_decode_rows_are_keyed_streams():
+    """decode(seed) of a batch: row b has the noise of key (seed, b), so each row equals a B=1 decode with row b."""
+    model = upstream64("snac_24khz")
+    codes = random_codes(published_config("snac_24khz"), 3, batch=2, seed=4)
+    both = decode_with_keyed_noise(model, codes, 9)
+    engine = engine64("snac_24khz")
+    for b in range(2):
+        slot = engine.open(9, row=b)
+        alone = stream_through(engine, slot, [c[b:b + 1] for c in codes], published_config("snac_24khz")["vq_strides"], [3])
+        assert (alone - both[b, 0]).abs().max().item() < 1e-12
+
+
+# --- exact streams ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", MODELS)
+def test_stream_equals_whole_decode_float64(name):
+    rng = random.Random(name)
+    engine = engine64(name)
+    config = published_config(name)
+    g, strides = engine.frames_per_group, config["vq_strides"]
+    assert engine.lookahead_samples > 0 and engine.lookahead_ms == pytest.approx(1000 * engine.lookahead_samples / config["sampling_rate"])
+    for trial in range(2):
+        frames = engine.prefill_frames + g * rng.randint(1, 4)
+        codes = random_codes(config, frames, seed=trial)
+        expected = decode_with_keyed_noise(upstream64(name), codes, trial)[0, 0]
+        got = stream_through(engine, engine.open(trial), codes, strides, random_splits(frames, g, rng))
+        assert got.shape == expected.shape
+        assert (got - expected).abs().max().item() < 1e-12, f"{name} trial {trial}: not the whole decode"
+
+
+def test_many_streams_open_close_and_interleave():
+    name = "snac_24khz"
+    config, strides = published_config(name), published_config(name)["vq_strides"]
+    engine = engine64(name, streams=3)
+    rng = random.Random(1)
+    lengths = [9, 5, 2, 7, 6]  # 2: ends before its prefill (decoded whole)
+    codes = [random_codes(config, n, seed=10 + i) for i, n in enumerate(lengths)]
+    expected = [decode_with_keyed_noise(upstream64(name), c, 100 + i)[0, 0] for i, c in enumerate(codes)]
+    open_, got, position, waiting = {}, {i: [] for i in range(5)}, {}, list(range(5))
+    while waiting or open_:
+        while waiting and engine.open_streams < 3:  # open streams as slots free up
+            i = waiting.pop(0)
+            open_[i] = engine.open(100 + i)
+            position[i] = 0
+        pushes, finish = {}, []
+        for i, slot in list(open_.items()):
+            if position[i] == lengths[i]:
+                finish.append(slot)
+                continue
+            if rng.random() < 0.7:
+                k = min(lengths[i] - position[i], rng.randint(1, 3))
+                pushes[slot] = frames_of(codes[i], strides, position[i], position[i] + k)
+                position[i] += k
+        audio = engine.advance(pushes, finish)
+        for i, slot in list(open_.items()):
+            if slot in audio:
+                got[i].append(audio[slot])
+            if slot in finish:
+                del open_[i]
+    for i in range(5):
+        assert (torch.cat(got[i]) - expected[i]).abs().max().item() < 1e-12, f"stream {i}"
+    assert engine.open_streams == 0
+
+
+@pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz"])
+def test_fast_stream_equals_fast_decode(name):
+    """The fused kernels (interpreter on the CPU), float32: stream vs whole decode, same seed."""
+    fast = FastSNAC.from_pretrained(f"synthetic:{name}", device="cpu", dtype=torch.float32)
+    stream = fast.stream(seed=11)
+    g, strides = stream.engine.frames_per_group, fast.config["vq_strides"]
+    frames = stream.engine.prefill_frames + g
+    codes = random_codes(fast.config, frames, seed=2)
+    expected = fast.decode(codes, seed=11)[0, 0]
+    pieces = [stream.push(frames_of(codes, strides, 0, stream.engine.prefill_frames - g)),
+              stream.push(frames_of(codes, strides, stream.engine.prefill_frames - g, frames)),  # prefill, then a step
+              stream.flush()]
+    assert pieces[0].numel() == 0 and pieces[1].numel() > 0
+    snr = snr_db(expected, torch.cat(pieces))
+    print(f"{name}: stream vs decode {snr:.1f} dB")
+    assert snr >= 100
+
+
+def test_reduced_lookahead_is_shorter_and_close():
+    name = "snac_24khz"
+    config, strides = published_config(name), published_config(name)["vq_strides"]
+    exact = engine64(name)
+    fast = engine64(name, lookahead=exact.lookahead_samples // 2)
+    assert fast.lookahead_samples < exact.lookahead_samples
+    codes = random_codes(config, 12, seed=3)
+    expected = decode_with_keyed_noise(upstream64(name), codes, 1)[0, 0]
+    got = stream_through(fast, fast.open(1), codes, strides, [1] * 12)
+    assert got.shape == expected.shape
+    error = (got - expected).abs().max().item()
+    assert 1e-9 < error and snr_db(expected, got) > 0  # approximate, not exact, and not garbage
+    with pytest.raises(ValueError, match="lookahead"):
+        engine64(name, lookahead=exact.lookahead_samples + 1)
+
+
+def test_stream_input_errors():
+    name = "snac_32khz"
+    engine = engine64(name)
+    config = published_config(name)
+    slot = engine.open(0)
+    good = random_codes(config, 4, seed=0)
+    with pytest.raises(ValueError, match="4 code levels"):
+        engine.advance({slot: good[:3]})
+    with pytest.raises(ValueError, match="do not follow vq_strides"):
+        engine.advance({slot: [good[0], good[1], good[2], good[3][:, :-1]]})
+    bad = [c.clone() for c in good]
+    bad[2][0, 3] = 4096
+    with pytest.raises(ValueError, match="level 2 holds id 4096"):
+        engine.advance({slot: bad})
+    engine.advance({slot: random_codes(config, 2, seed=1)})  # half a group: held
+    with pytest.raises(ValueError, match="multiple of 4 frames"):
+        engine.advance(finish=[slot])
+    engine.close(slot)
+    with pytest.raises(ValueError, match="closed"):
+        engine.advance({slot: good})
+    small = engine64(name, streams=1)
+    small.open()
+    with pytest.raises(RuntimeError, match="all 1 stream slots"):
+        small.open()
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        engine.open(seed=1.5)
+
+
+# --- token layouts ----------------------------------------------------------------------------
+
+def test_orpheus_layout_round_trip_and_errors():
+    config = published_config("snac_24khz")
+    ORPHEUS.check_model(config)
+    with pytest.raises(ValueError, match="does not fit"):
+        ORPHEUS.check_model(published_config("snac_32khz"))
+    codes = random_codes(config, 5, seed=0)
+    ids = ORPHEUS.codes_to_ids(codes)
+    assert ids.shape == (35,) and int(ids[0]) == 128266 + int(codes[0][0, 0])
+    assert int(ids[4]) == 128266 + 4 * 4096 + int(codes[1][0, 1]) and int(ids[6]) == 128266 + 6 * 4096 + int(codes[2][0, 3])
+    back = ORPHEUS.ids_to_codes(ids)
+    assert all(torch.equal(a, b) for a, b in zip(back, codes))
+    wrong = ids.clone()
+    wrong[9] = 128266 + 5 * 4096  # position 9 is slot 2; this id belongs to slot 5
+    with pytest.raises(ValueError, match=r"token 9 \(id 148746\) is not a code of frame slot 2"):
+        ORPHEUS.ids_to_codes(wrong)
+    framer = ORPHEUS.framer()
+    assert framer.push(ids[:3]) is None
+    with pytest.raises(ValueError, match="token 10 "):
+        framer.push(torch.cat([ids[3:10], torch.tensor([5])]))  # caught as it arrives, mid-frame
+    got = framer.push(ids[3:17])
+    assert [c.shape[1] for c in got] == [2, 4, 8] and all(torch.equal(a, b[:, :a.shape[1]]) for a, b in zip(got, codes))
+    with pytest.raises(ValueError, match="ends inside a frame"):
+        framer.finish()
+    custom = TokenLayout(offset=10, levels=(0, 1, 1, 2, 2, 2, 2))
+    assert all(torch.equal(a, b) for a, b in zip(custom.ids_to_codes(custom.codes_to_ids(codes)), codes))
+
+
+def test_stream_accepts_token_ids():
+    config = published_config("snac_24khz")
+    codes = random_codes(config, 6, seed=5)
+    expected = decode_with_keyed_noise(upstream64("snac_24khz"), codes, 4)[0, 0]
+    from snac_fast.streaming import DecoderStream
+
+    stream = DecoderStream(engine64("snac_24khz"), 4, layout=ORPHEUS)
+    ids, pieces, i = ORPHEUS.codes_to_ids(codes), [], 0
+    for n in (3, 11, 1, 9, 18):  # cuts inside frames
+        pieces.append(stream.push_ids(ids[i:i + n]))
+        i += n
+    pieces.append(stream.flush())
+    assert (torch.cat(pieces) - expected).abs().max().item() < 1e-12
+
+
+# --- batchers ---------------------------------------------------------------------------------
+
+def test_thread_batcher_no_cross_talk():
+    name = "snac_24khz"
+    config, strides = published_config(name), published_config(name)["vq_strides"]
+    codes = [random_codes(config, 6 + i, seed=20 + i) for i in range(4)]
+    expected = [decode_with_keyed_noise(upstream64(name), c, 50 + i)[0, 0] for i, c in enumerate(codes)]
+    results = {}
+    with StreamBatcher(engine64(name), max_batch=4, max_wait_ms=20) as batcher:
+        def run(i):
+            sid = batcher.open(50 + i)
+            pieces = [batcher.push(sid, frames_of(codes[i], strides, f, f + 1)) for f in range(6 + i)]
+            results[i] = torch.cat(pieces + [batcher.flush(sid)])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert batcher.batches < sum(6 + i + 1 for i in range(4))  # requests were batched
+        sid = batcher.open(1)
+        with pytest.raises(ValueError, match="do not follow vq_strides"):
+            batcher.push(sid, [codes[0][0][:, :1], codes[0][1][:, :1], codes[0][2][:, :4]])
+    for i in range(4):
+        assert (results[i] - expected[i]).abs().max().item() < 1e-12, f"stream {i}"
+
+
+def test_async_batcher_ordering_and_errors():
+    name = "snac_24khz"
+    config, strides = published_config(name), published_config(name)["vq_strides"]
+    codes = [random_codes(config, 6, seed=30 + i) for i in range(3)]
+    expected = [decode_with_keyed_noise(upstream64(name), c, i)[0, 0] for i, c in enumerate(codes)]
+
+    async def main():
+        batcher = AsyncStreamBatcher(engine64(name), max_batch=8, max_wait_ms=5, layout=ORPHEUS)
+
+        async def one(i):
+            sid = batcher.open(i)
+            ids = ORPHEUS.codes_to_ids(codes[i])
+            # pushes of one stream queued back to back: they must run in order
+            parts = await asyncio.gather(*(batcher.push_ids(sid, ids[j:j + 7]) for j in range(0, ids.numel(), 7)))
+            return torch.cat(list(parts) + [await batcher.flush(sid)])
+
+        outs = await asyncio.gather(*(one(i) for i in range(3)))
+        sid = batcher.open(0)
+        with pytest.raises(ValueError, match="not a code of frame slot"):
+            await batcher.push_ids(sid, torch.tensor([1, 2, 3]))
+        await batcher.__aexit__(None, None, None)
+        return outs
+
+    outs = asyncio.run(main())
+    for i in range(3):
+        assert (outs[i] - expected[i]).abs().max().item() < 1e-12
+
+
+# --- GPU --------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_streams_equal_decode(cuda, name, dtype):
+    """CUDA graphs per (kind, batch bucket, frames); three streams of different lengths, batched."""
+    fast = FastSNAC.from_pretrained(f"synthetic:{name}", device=cuda, dtype=dtype)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        engine = fast.stream_engine(8)
+        assert engine.cuda_graphs
+        g, strides = engine.frames_per_group, fast.config["vq_strides"]
+        lengths = [engine.prefill_frames + g * k for k in (1, 5, 9)]
+        codes = [random_codes(fast.config, n, seed=n) for n in lengths]
+        slots = [engine.open(seed=7 + i) for i in range(3)]
+        got = [[] for _ in lengths]
+        position = [0, 0, 0]
+        rng = random.Random(0)
+        while any(p < n for p, n in zip(position, lengths)):
+            pushes = {}
+            for i, slot in enumerate(slots):
+                if position[i] < lengths[i]:
+                    k = min(lengths[i] - position[i], g * rng.randint(1, 3))
+                    pushes[slot] = frames_of(codes[i], strides, position[i], position[i] + k)
+                    position[i] += k
+            for slot, audio in engine.advance(pushes).items():
+                got[slots.index(slot)].append(audio)
+        for slot, audio in engine.advance(finish=slots).items():
+            got[slots.index(slot)].append(audio)
+        for i in range(3):
+            expected = fast.decode(codes[i], seed=7 + i)[0, 0].float()
+            snr = snr_db(expected, torch.cat(got[i]).float())
+            print(f"{name} {dtype} stream {i}: {snr:.1f} dB vs decode")
+            assert snr >= (100 if dtype == torch.float32 else 50)
+        assert len(engine._graphs) >= 3
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
