@@ -563,11 +563,11 @@ def fake_snac(codebook_size=4096):
 def test_graph_cache_is_bounded_lru_and_checks_cpu_ids(monkeypatch):
     from snac_fast.graphs import _Captured
 
-    def fake_capture(self, codes, seeded):
+    def fake_capture(self, codes, noise):
         self.captures += 1
         flag = torch.zeros(1, dtype=torch.int32)
         return _Captured(_FakeGraph(), torch.zeros(sum(c.numel() for c in codes), dtype=torch.long), torch.zeros(1),
-                         [], torch.zeros(1), flag)
+                         [], None, torch.zeros(1), flag)
 
     monkeypatch.setattr(GraphedDecode, "_capture", fake_capture)
     runner = GraphedDecode(fake_snac(), "cpu", max_graphs=2)
