@@ -204,7 +204,7 @@ def main() -> None:
             row["load"] = asyncio.run(simulated_load(engine, config, S, interval, args.load_seconds, gen))
         results["rows"].append(row)
         print(S, {m: round(row[m]["call_ms"], 3) for m in samples}, row.get("load"), flush=True)
-        del compiled
+        compiled = None  # free its graphs before the next batch size
         gc.collect()
     peak = torch.cuda.max_memory_allocated()
     results["peak_memory_mib"] = peak / 2**20

@@ -278,7 +278,7 @@ def test_thread_batcher_no_cross_talk():
 
 def test_async_batcher_ordering_and_errors():
     name = "snac_24khz"
-    config, strides = published_config(name), published_config(name)["vq_strides"]
+    config = published_config(name)
     codes = [random_codes(config, 6, seed=30 + i) for i in range(3)]
     expected = [decode_with_keyed_noise(upstream64(name), c, i)[0, 0] for i, c in enumerate(codes)]
 
