@@ -159,9 +159,6 @@ class Geometry:
         """Audio samples that wait for later frames: the decode's receptive field to the right."""
         return -self.b[-1]
 
-    def flush_samples(self) -> int:
-        return -self.b[-1]
-
 
 # --- streams and the engine -------------------------------------------------------------------
 
