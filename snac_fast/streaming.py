@@ -30,13 +30,16 @@ import threading
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
 from snac_fast.noise import check_seed, noise_blocks, patched_noise
+from snac_fast.ops.context import context_step
 from snac_fast.ops.noise import keyed_normal
 
 PREFILL, STEP, FLUSH = "prefill", "step", "flush"
+_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
 # --- geometry ---------------------------------------------------------------------------------
@@ -164,19 +167,93 @@ class Geometry:
 
 @dataclass(eq=False)
 class StreamSlot:
-    """One stream's place in a :class:`StreamEngine`: its state row, key and position."""
+    """One stream's place in a :class:`StreamEngine` (its state row ``slot``) and noise key."""
 
+    engine: "StreamEngine" = field(repr=False)
     slot: int
     seed: int
     row: int
-    frames: int = 0  # frames consumed by prefill and steps
     started: bool = False
     closed: bool = False
-    pending: list[Tensor] = field(default_factory=list)  # per level, int64 [L_i] on the CPU, not yet decoded
+
+    @property
+    def frames(self) -> int:
+        """Frames decoded so far (prefill and steps)."""
+        return int(self.engine._consumed[self.slot])
 
     @property
     def pending_frames(self) -> int:
-        return self.pending[0].numel() if self.pending else 0
+        """Frames pushed but not decoded yet."""
+        return self.engine._pending.held(self.slot)
+
+
+class CheckedCodes(list):
+    """One stream's codes after :meth:`StreamEngine.check_codes`: per level an int64 numpy [L_i]."""
+
+    frames: int = 0
+    ids_checked: bool = False
+
+
+class _PendingCodes:
+    """Codes pushed but not decoded yet, for every state slot at once, so that a step gathers the
+    codes of all its streams in one numpy indexing per level (no per-stream tensor work). Level i
+    holds ``ratios[i]`` codes per frame in a buffer [slots, capacity * ratios[i]]; a slot's pending
+    frames are [head, tail) of its row."""
+
+    def __init__(self, slots: int, ratios: list[int], capacity: int = 32) -> None:
+        self.ratios, self.capacity = ratios, capacity
+        self.levels = [np.zeros((slots, capacity * r), np.int64) for r in ratios]
+        self.head = np.zeros(slots, np.int64)
+        self.tail = np.zeros(slots, np.int64)
+
+    def held(self, slot: int) -> int:
+        return int(self.tail[slot] - self.head[slot])
+
+    def _make_room(self, slot: int, frames: int) -> None:
+        """Move the row's pending frames to its start, growing every row if ``frames`` more still do not fit."""
+        head, tail = int(self.head[slot]), int(self.tail[slot])
+        held = tail - head
+        if held + frames > self.capacity:
+            self.capacity = max(2 * self.capacity, held + frames)
+            self.levels = [np.pad(level, ((0, 0), (0, self.capacity * r - level.shape[1])))
+                           for level, r in zip(self.levels, self.ratios)]
+        for level, r in zip(self.levels, self.ratios):
+            level[slot, :held * r] = level[slot, head * r:tail * r].copy()
+        self.head[slot], self.tail[slot] = 0, held
+
+    def put(self, slot: int, codes: CheckedCodes) -> None:
+        frames = codes.frames
+        if self.tail[slot] + frames > self.capacity:
+            self._make_room(slot, frames)
+        tail = int(self.tail[slot])
+        for level, c, r in zip(self.levels, codes, self.ratios):
+            level[slot, tail * r:(tail + frames) * r] = c
+        self.tail[slot] = tail + frames
+
+    def put_rows(self, slots: np.ndarray, codes: list[np.ndarray], frames: int) -> None:
+        """``frames`` new frames for each of ``slots`` (distinct): per level int64 [len(slots), frames * ratio]."""
+        for slot in slots[self.tail[slots] + frames > self.capacity]:
+            self._make_room(int(slot), frames)
+        for level, c, r in zip(self.levels, codes, self.ratios):
+            level[slots[:, None], self.tail[slots, None] * r + np.arange(frames * r)] = c
+        self.tail[slots] += frames
+
+    def take(self, slots: np.ndarray, frames: int) -> list[np.ndarray]:
+        """The next ``frames`` frames of every slot in ``slots``: per level int64 [len(slots), frames * ratio]."""
+        taken = []
+        for level, r in zip(self.levels, self.ratios):
+            columns = self.head[slots, None] * r + np.arange(frames * r)
+            taken.append(level[slots[:, None], columns])
+        self.head[slots] += frames
+        return taken
+
+    def take_all(self, slot: int) -> list[np.ndarray]:
+        head, tail = int(self.head[slot]), int(self.tail[slot])
+        self.head[slot] = tail
+        return [level[slot, head * r:tail * r].copy() for level, r in zip(self.levels, self.ratios)]
+
+    def clear(self, slot: int) -> None:
+        self.head[slot] = self.tail[slot] = 0
 
 
 class StreamEngine:
@@ -200,6 +277,7 @@ class StreamEngine:
         self.model, self.config = model, config
         self.device, self.dtype = torch.device(device), dtype
         self.strides = list(config["vq_strides"])
+        self.codebook_size = int(config["codebook_size"])
         stages = build_stages(model, self.strides[0])
         window = config.get("attn_window_size")
         exact = Geometry.of(stages, self.strides[0], window)
@@ -218,6 +296,12 @@ class StreamEngine:
             self.state = [torch.zeros((max_streams + 1, s.channels, s.context), device=self.device, dtype=self.dtype)
                           for s in self.geometry.stages]
         self._free = list(range(max_streams - 1, -1, -1))
+        self._ratios = [self.strides[0] // s for s in self.strides]
+        self._pending = _PendingCodes(max_streams, self._ratios)
+        # per slot, for the key rows of a step: frames consumed, seed, row
+        self._consumed = np.zeros(max_streams + 1, np.int64)
+        self._seeds = np.zeros(max_streams + 1, np.int64)
+        self._rows = np.zeros(max_streams + 1, np.int64)
         self._lock = lock or threading.RLock()  # a codec's: its decodes patch the same NoiseBlocks
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -262,97 +346,190 @@ class StreamEngine:
     def open_streams(self) -> int:
         return self.max_streams - len(self._free)
 
+    def warmup(self, max_batch: int | None = None, frames: Sequence[int] = ()) -> int:
+        """Capture the CUDA graphs (and compile the kernels) of every step a server will run, so
+        that no stream pays for them later: prefill, one-group step and flush at every batch bucket
+        up to ``max_batch`` (default max_streams), plus steps of the given ``frames`` counts. Runs on
+        the scratch state row; open streams are untouched. Returns the number of graphs captured
+        (0 without CUDA graphs)."""
+        if not self.cuda_graphs:
+            return 0
+        top = min(max_batch or self.max_streams, self.max_streams)
+        buckets = sorted({self._bucket(min(1 << i, top)) for i in range(top.bit_length() + 1)})
+        steps = sorted({self.frames_per_group, *(self._step_frames(int(k)) for k in frames)} - {0})
+        shapes = [(kind, b, k) for b in buckets for kind, k in
+                  [(PREFILL, self.prefill_frames), (FLUSH, 0)] + [(STEP, k) for k in steps]]
+        if len(shapes) > self.max_graphs:
+            raise ValueError(f"warmup needs {len(shapes)} graphs but the engine keeps {self.max_graphs}: "
+                             "raise max_graphs or warm fewer shapes")
+        captured = 0
+        with self._lock, torch.inference_mode():
+            for kind, bucket, k in shapes:
+                if (kind, bucket, k) in self._graphs:
+                    continue
+                keys = np.zeros((4, bucket), np.int64)
+                keys[0] = self.max_streams
+                codes = [] if kind == FLUSH else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
+                self._graphs[(kind, bucket, k)] = _StepGraph(self, kind, keys, codes, k)
+                captured += 1
+        torch.cuda.synchronize(self.device)
+        return captured
+
     # -- streams -------------------------------------------------------------------------------
 
     def open(self, seed: int | None = None, row: int = 0) -> StreamSlot:
         """A new stream. seed: its noise key (None: a random one; fresh noise like an unseeded
         decode); its audio equals row ``row`` of ``decode(codes, seed=seed)``."""
         seed = secrets.randbits(63) if seed is None else check_seed(seed)
-        if not isinstance(row, int) or row < 0:
-            raise ValueError(f"row must be a non-negative int, got {row!r}")
+        if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < 1 << 31:
+            raise ValueError(f"row must be an int in [0, 2**31), got {row!r}")
         with self._lock:
             if not self._free:
                 raise RuntimeError(f"all {self.max_streams} stream slots are in use: finish or close streams, or "
                                    "make an engine with a larger max_streams")
-            return StreamSlot(self._free.pop(), seed, row)
+            slot = self._free.pop()
+            self._pending.clear(slot)
+            self._consumed[slot], self._seeds[slot], self._rows[slot] = 0, seed, row
+            return StreamSlot(self, slot, seed, row)
 
     def close(self, stream: StreamSlot) -> None:
         """Release a stream's slot without decoding what it still holds."""
         with self._lock:
             if not stream.closed:
                 stream.closed = True
-                stream.pending = []
+                self._pending.clear(stream.slot)
                 self._free.append(stream.slot)
 
-    def check_codes(self, codes: Sequence[Tensor]) -> list[Tensor]:
-        """One stream's codes for k >= 1 new frames: per level [L_i] or [1, L_i] integers with
-        L_i = k * vq_strides[0] / vq_strides[i], ids in [0, codebook_size). Returns int64 CPU [L_i]."""
-        from snac_fast.codes import check_code_ids
+    def check_codes(self, codes: Sequence[Tensor]) -> CheckedCodes:
+        """One stream's codes for k >= 1 new frames: per level [L_i] or [1, L_i] integers (any
+        device) with L_i = k * vq_strides[0] / vq_strides[i], ids in [0, codebook_size). Returns
+        them as int64 numpy [L_i] (:class:`CheckedCodes`, which :meth:`advance` takes unchecked)."""
+        checked = self._check_shapes(codes)
+        if not checked.ids_checked:
+            self._check_ids([checked])
+            checked.ids_checked = True
+        return checked
 
+    def _check_shapes(self, codes: Sequence[Tensor]) -> CheckedCodes:
+        if isinstance(codes, CheckedCodes):
+            return codes
         n = len(self.strides)
-        if isinstance(codes, Tensor) or not isinstance(codes, (list, tuple)) or not all(isinstance(c, Tensor) for c in codes):
+        if not isinstance(codes, (list, tuple)) or not all(isinstance(c, Tensor) for c in codes):
             raise ValueError(f"codes must be a list of {n} tensors, one per level")
         if len(codes) != n:
             raise ValueError(f"this model has {n} code levels (vq_strides {self.strides}), got {len(codes)}")
-        flat = []
+        checked = CheckedCodes()
         for i, c in enumerate(codes):
-            if c.dtype.is_floating_point or c.dtype.is_complex or c.dtype == torch.bool:
+            if c.dtype not in _INTEGER_DTYPES:
                 raise ValueError(f"codes level {i} must be an integer tensor, got {c.dtype}")
-            if c.dim() == 2 and c.shape[0] == 1:
-                c = c[0]
-            if c.dim() != 1:
+            a = c.numpy() if c.is_cpu else c.detach().cpu().numpy()
+            if a.ndim == 2 and a.shape[0] == 1:
+                a = a[0]
+            if a.ndim != 1:
                 raise ValueError(f"codes level {i} must be [L] or [1, L] for one stream, got {tuple(c.shape)}")
-            flat.append(c.detach().to("cpu", torch.int64))
-        frames = flat[0].numel()
-        want = [frames * self.strides[0] // s for s in self.strides]
-        if frames == 0 or [c.numel() for c in flat] != want:
-            raise ValueError(f"code lengths {[c.numel() for c in flat]} do not follow vq_strides {self.strides}: "
-                             f"for {max(frames, 1)} frames expect {[max(frames, 1) * self.strides[0] // s for s in self.strides]}")
-        check_code_ids([c[None] for c in flat], self.config["codebook_size"])
-        return flat
+            checked.append(a if a.dtype == np.int64 else a.astype(np.int64))
+        frames = len(checked[0])
+        want = [frames * r for r in self._ratios]
+        if frames == 0 or [len(c) for c in checked] != want:
+            raise ValueError(f"code lengths {[len(c) for c in checked]} do not follow vq_strides {self.strides}: "
+                             f"for {max(frames, 1)} frames expect {[max(frames, 1) * r for r in self._ratios]}")
+        checked.frames = frames
+        return checked
+
+    def _check_ids(self, streams: list[CheckedCodes]) -> None:
+        """Every id of every stream in [0, codebook_size): one numpy pass over all of them."""
+        if not streams:
+            return
+        flat = np.concatenate([c.ravel() for codes in streams for c in codes])
+        if flat.min() >= 0 and flat.max() < self.codebook_size:
+            return
+        for codes in streams:
+            for i, c in enumerate(codes):
+                bad = c[(c < 0) | (c >= self.codebook_size)]
+                if bad.size:
+                    raise ValueError(f"codes level {i} holds id {bad[0]}, outside [0, {self.codebook_size}) "
+                                     "of this model's codebook")
 
     def advance(self, pushes: Mapping[StreamSlot, Sequence[Tensor]] | None = None,
                 finish: Iterable[StreamSlot] = ()) -> dict[StreamSlot, Tensor]:
         """Take new codes for some streams (each checked before any kernel runs) and end others
         (``finish``: decode all they hold, release their slots). Returns, for every stream named,
-        its audio that became final: a 1-D tensor on the engine's device, possibly empty."""
-        pushes = dict(pushes or {})
+        its audio that became final: a 1-D tensor on the engine's device, possibly empty (streams
+        of one call may share an output buffer)."""
+        pushes = pushes or {}
         finish = list(dict.fromkeys(finish))
-        checked = {s: self.check_codes(c) for s, c in pushes.items()}
+        checked = {s: self._check_shapes(c) for s, c in pushes.items()}
+        self._check_ids([c for c in checked.values() if not c.ids_checked])
         with self._lock:
-            for s in list(checked) + finish:
-                if not isinstance(s, StreamSlot) or s.closed:
-                    raise ValueError("that stream is closed (finished or released); open a new one")
+            self._check_streams(list(checked) + finish)
             for s in finish:
-                held = s.pending_frames + sum(c[0].numel() for c in ([checked[s]] if s in checked else []))
+                held = s.pending_frames + (checked[s].frames if s in checked else 0)
                 if held % self.frames_per_group:
                     raise ValueError(f"a stream of this model must end on a multiple of {self.frames_per_group} frames "
                                      f"(its attention windows); this one ends with {s.frames + held}")
             for s, codes in checked.items():
-                s.pending = codes if not s.pending else [torch.cat([p, c]) for p, c in zip(s.pending, codes)]
-            pieces: dict[StreamSlot, list[Tensor]] = {s: [] for s in list(checked) + finish}
-            with torch.inference_mode():
-                self._run_prefills([s for s in pieces if not s.started and s.pending_frames >= self.prefill_frames], pieces)
-                self._run_steps([s for s in pieces if s.started], pieces)
-                self._run_finishes(finish, pieces)
-            return {s: (torch.cat(p) if len(p) != 1 else p[0]) if p else self.empty_audio() for s, p in pieces.items()}
+                self._pending.put(s.slot, codes)
+            return self._decode_pending(list(checked), finish)
+
+    def step(self, streams: Sequence[StreamSlot], codes: Sequence[Tensor]) -> list[Tensor]:
+        """The batched form of :meth:`advance` for servers whose model emits the codes of many
+        streams at once: k >= 1 new frames for each of ``streams`` (distinct, open), codes per level
+        an integer tensor [len(streams), k * vq_strides[0] / vq_strides[i]] (row j: streams[j]),
+        any device. Returns each stream's new final audio (1-D, same order)."""
+        from snac_fast.codes import validate_codes
+
+        streams = list(streams)
+        if not streams:
+            raise ValueError("step needs at least one stream")
+        # [B, L_i] following vq_strides; any number of frames (the engine groups attention windows)
+        checked = validate_codes(codes, {**self.config, "attn_window_size": None}, check_ids=False)
+        if checked[0].shape[0] != len(streams):
+            raise ValueError(f"codes hold {checked[0].shape[0]} rows for {len(streams)} streams")
+        arrays = [np.asarray(c.detach().cpu().numpy(), np.int64) for c in checked]
+        frames = arrays[0].shape[1] // self._ratios[0]
+        self._check_ids([arrays])
+        with self._lock:
+            self._check_streams(streams)
+            if len({id(s) for s in streams}) != len(streams):
+                raise ValueError("step got the same stream twice")
+            self._pending.put_rows(np.fromiter((s.slot for s in streams), np.int64, len(streams)), arrays, frames)
+            audio = self._decode_pending(streams, [])
+        return [audio[s] for s in streams]
+
+    def _check_streams(self, streams: list[StreamSlot]) -> None:
+        for s in streams:
+            if not isinstance(s, StreamSlot) or s.engine is not self or s.closed:
+                raise ValueError("that stream is closed (finished or released) or belongs to another engine; "
+                                 "open a new one")
+
+    def _decode_pending(self, pushed: list[StreamSlot], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
+        """Decode what ``pushed`` streams hold (prefills, steps) and end ``finish``; under the lock."""
+        pieces: dict[StreamSlot, list[Tensor]] = {s: [] for s in pushed + finish}
+        with torch.inference_mode():
+            self._run_prefills([s for s in pieces if not s.started and s.pending_frames >= self.prefill_frames], pieces)
+            self._run_steps([s for s in pieces if s.started], pieces)
+            self._run_finishes(finish, pieces)
+        empty = None
+        out = {}
+        for s, p in pieces.items():
+            if len(p) == 1:
+                out[s] = p[0]
+            elif p:
+                out[s] = torch.cat(p)
+            else:
+                out[s] = empty = self.empty_audio() if empty is None else empty
+        return out
 
     def empty_audio(self) -> Tensor:
         return torch.empty(0, device=self.device, dtype=self.dtype)
 
     # -- scheduling ----------------------------------------------------------------------------
 
-    def _take(self, stream: StreamSlot, frames: int) -> list[Tensor]:
-        ratios = [self.strides[0] // s for s in self.strides]
-        taken = [p[:frames * r] for p, r in zip(stream.pending, ratios)]
-        stream.pending = [p[frames * r:] for p, r in zip(stream.pending, ratios)]
-        return taken
-
     def _run_prefills(self, streams: list[StreamSlot], pieces) -> None:
         for chunk in self._chunks(streams):
-            audio = self._run(PREFILL, chunk, [self._take(s, self.prefill_frames) for s in chunk], self.prefill_frames)
+            audio = self._run(PREFILL, chunk, self.prefill_frames)
             for s, a in zip(chunk, audio):
-                s.started, s.frames = True, self.prefill_frames
+                s.started = True
                 pieces[s].append(a)
 
     def _step_frames(self, pending: int) -> int:
@@ -361,25 +538,24 @@ class StreamEngine:
         return (1 << (groups.bit_length() - 1)) * self.frames_per_group if groups else 0
 
     def _run_steps(self, streams: list[StreamSlot], pieces) -> None:
-        while True:
+        while streams:
             by_frames: dict[int, list[StreamSlot]] = {}
+            held = self._pending.tail - self._pending.head
             for s in streams:
-                k = self._step_frames(s.pending_frames)
+                k = self._step_frames(int(held[s.slot]))
                 if k:
                     by_frames.setdefault(k, []).append(s)
-            if not by_frames:
-                return
             for k, group in sorted(by_frames.items()):
                 for chunk in self._chunks(group):
-                    audio = self._run(STEP, chunk, [self._take(s, k) for s in chunk], k)
-                    for s, a in zip(chunk, audio):
-                        s.frames += k
+                    for s, a in zip(chunk, self._run(STEP, chunk, k)):
                         pieces[s].append(a)
+            held = self._pending.tail - self._pending.head  # streams that pushed more than one step's frames
+            streams = [s for group in by_frames.values() for s in group if held[s.slot] >= self.frames_per_group]
 
     def _run_finishes(self, streams: list[StreamSlot], pieces) -> None:
         started = [s for s in streams if s.started]
         for chunk in self._chunks(started):
-            for s, a in zip(chunk, self._run(FLUSH, chunk, None, 0)):
+            for s, a in zip(chunk, self._run(FLUSH, chunk, 0)):
                 pieces[s].append(a)
         for s in streams:
             if not s.started and s.pending_frames:  # shorter than a prefill: decode it whole
@@ -394,7 +570,7 @@ class StreamEngine:
     def _decode_whole(self, s: StreamSlot) -> Tensor:
         from snac_fast.noise import keyed_noise
 
-        codes = [p[None].to(self.device) for p in s.pending]
+        codes = [torch.from_numpy(c)[None].to(self.device) for c in self._pending.take_all(s.slot)]
         seeds = torch.tensor([s.seed], dtype=torch.int64, device=self.device)
         rows = torch.tensor([s.row], dtype=torch.int64, device=self.device)
         with keyed_noise(self.model, seeds, rows):
@@ -402,35 +578,41 @@ class StreamEngine:
 
     # -- one batched call ----------------------------------------------------------------------
 
-    def _run(self, kind: str, streams: list[StreamSlot], codes: list[list[Tensor]] | None, frames: int) -> list[Tensor]:
-        """Run one kind of step for ``streams`` (each taking ``frames`` frames of ``codes``);
-        returns each stream's new audio (1-D, a copy)."""
+    def _bucket(self, n: int) -> int:
+        """Rows of the batch that runs n streams: the next power of two (at most max_streams) under CUDA graphs."""
+        return min(1 << (n - 1).bit_length(), self.max_streams) if self.cuda_graphs else n
+
+    def _run(self, kind: str, streams: list[StreamSlot], frames: int) -> Sequence[Tensor]:
+        """Run one kind of step for ``streams``, each taking its next ``frames`` pending frames
+        (none for a flush); returns each stream's new audio (1-D views of one new buffer)."""
         n = len(streams)
-        bucket = 1 << (n - 1).bit_length() if self.cuda_graphs else n
-        bucket = min(bucket, self.max_streams) if n <= self.max_streams else n
-        keys = torch.zeros((4, bucket), dtype=torch.int64)  # slot, frames, seed, row
-        keys[0].fill_(self.max_streams)
-        keys[0, :n] = torch.tensor([s.slot for s in streams])
-        keys[1, :n] = torch.tensor([s.frames for s in streams])
-        keys[2, :n] = torch.tensor([s.seed for s in streams])
-        keys[3, :n] = torch.tensor([s.row for s in streams])
-        level_codes = []
-        if codes is not None:
-            for i in range(len(self.strides)):
-                level = torch.zeros((bucket, codes[0][i].numel()), dtype=torch.int64)
-                level[:n] = torch.stack([c[i] for c in codes])
-                level_codes.append(level)
+        bucket = self._bucket(n)
+        slots = np.fromiter((s.slot for s in streams), np.int64, n)
+        keys = np.zeros((4, bucket), np.int64)  # state slot, frames consumed, seed, row; padding rows: the scratch slot
+        keys[0, n:] = self.max_streams
+        keys[0, :n] = slots
+        keys[1, :n] = self._consumed[slots]
+        keys[2, :n] = self._seeds[slots]
+        keys[3, :n] = self._rows[slots]
+        codes = []
+        if kind != FLUSH:
+            for taken in self._pending.take(slots, frames):
+                level = np.zeros((bucket, taken.shape[1]), np.int64)
+                level[:n] = taken
+                codes.append(level)
+            self._consumed[slots] += frames
         if self.cuda_graphs:
             key = (kind, bucket, frames)
             graph = self._graphs.get(key)
             if graph is None:
                 if len(self._graphs) >= self.max_graphs:
                     self._graphs.pop(next(iter(self._graphs)))
-                graph = self._graphs[key] = _StepGraph(self, kind, keys, level_codes, frames)
-            audio = graph(keys, level_codes)
+                graph = self._graphs[key] = _StepGraph(self, kind, keys, codes, frames)
+            audio = graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
         else:
-            audio = self._forward(kind, keys.to(self.device), [c.to(self.device) for c in level_codes], frames)
-        return [audio[i, 0].clone() for i in range(n)]
+            audio = self._forward(kind, torch.from_numpy(keys).to(self.device),
+                                  [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]
+        return audio.unbind(0)
 
     def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int) -> Tensor:
         """The step itself, on device tensors only (what a CUDA graph captures). keys: int64
@@ -451,12 +633,14 @@ class StreamEngine:
                 if kind == PREFILL:  # the buffer starts at sample 0: the layers pad the left edge
                     buffer, start = new, 0
                     valid = (0, n - stage.right)
-                else:  # [context | new], from position P - H, with P = a * F + b
-                    buffer = _concat_time(state.index_select(0, slots), new)
+                    state.index_copy_(0, slots, new[:, :, n - H:])  # a prefill holds at least H samples
+                elif new is None:  # flush, first stage: the context alone, up to the stream's last sample
+                    buffer, start = state.index_select(0, slots), b - H
+                    valid = (H - stage.right, H)
+                else:  # [context | new], from position P - H, with P = a * F + b; the state keeps the last H
+                    buffer = context_step(state, slots, new, channels_last=new.stride(1) == 1 and new.shape[1] > 1)
                     start = b - H
                     valid = (H - stage.right, H + n - stage.right if kind == STEP else H + n)
-                if kind != FLUSH:
-                    state.index_copy_(0, slots, buffer[:, :, buffer.shape[2] - H:])
                 for index, scale in stage.noise:
                     offsets[index] = (a * scale if kind != PREFILL else 0, start * scale)
                 x = buffer
@@ -470,58 +654,44 @@ class StreamEngine:
         return new
 
 
-def _concat_time(context: Tensor, new: Tensor | None) -> Tensor:
-    """[context | new] along time, in new's memory layout ([B, T, C] memory when new is a crop of
-    such a tensor: the transposed conv after it reads that layout fastest)."""
-    if new is None:
-        return context
-    B, C = context.shape[:2]
-    T = context.shape[2] + new.shape[2]
-    channels_last = new.stride(1) == 1 and C > 1
-    out = torch.empty((B, T, C), device=new.device, dtype=new.dtype).transpose(1, 2) if channels_last \
-        else torch.empty((B, C, T), device=new.device, dtype=new.dtype)
-    out[:, :, :context.shape[2]] = context
-    out[:, :, context.shape[2]:] = new
-    return out
-
-
 class _StepGraph:
-    """One captured step: static keys and codes in, static audio out."""
+    """One captured step: static keys and codes in (one pinned host buffer, one copy), static audio out."""
 
-    def __init__(self, engine: StreamEngine, kind: str, keys: Tensor, codes: list[Tensor], frames: int) -> None:
+    def __init__(self, engine: StreamEngine, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int) -> None:
         device = engine.device
+        sizes = [keys.size] + [c.size for c in codes]
         with torch.inference_mode(False):
-            self.host = torch.empty(keys.numel() + sum(c.numel() for c in codes), dtype=torch.int64, pin_memory=True)
+            self.host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
             self.static = torch.empty_like(self.host, device=device)
-        self.keys = self.static[:keys.numel()].view(keys.shape)
-        self.codes, offset = [], keys.numel()
-        for c in codes:
-            self.codes.append(self.static[offset:offset + c.numel()].view(c.shape))
-            offset += c.numel()
+        self.host_views, self.static_views, offset = [], [], 0
+        for size, array in zip(sizes, [keys, *codes]):
+            self.host_views.append(self.host.numpy()[offset:offset + size].reshape(array.shape))
+            self.static_views.append(self.static[offset:offset + size].view(array.shape))
+            offset += size
+        self.copied = torch.cuda.Event()
         self._fill(keys, codes)
         # warm up on a scratch copy of the state: compile kernels without touching any stream's context
         saved = [t.clone() for t in engine.state]
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            engine._forward(kind, self.keys, self.codes, frames)
-            engine._forward(kind, self.keys, self.codes, frames)
+            engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
+            engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool):
-            self.output = engine._forward(kind, self.keys, self.codes, frames)
+            self.output = engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
         for t, s in zip(engine.state, saved):
             t.copy_(s)
 
-    def _fill(self, keys: Tensor, codes: list[Tensor]) -> None:
-        offset = keys.numel()
-        self.host[:offset] = keys.reshape(-1)
-        for c in codes:
-            self.host[offset:offset + c.numel()] = c.reshape(-1)
-            offset += c.numel()
+    def _fill(self, keys: np.ndarray, codes: list[np.ndarray]) -> None:
+        self.copied.synchronize()  # the previous call's copy has left the pinned buffer
+        for view, array in zip(self.host_views, [keys, *codes]):
+            view[...] = array
         self.static.copy_(self.host, non_blocking=True)
+        self.copied.record()
 
-    def __call__(self, keys: Tensor, codes: list[Tensor]) -> Tensor:
+    def __call__(self, keys: np.ndarray, codes: list[np.ndarray]) -> Tensor:
         self._fill(keys, codes)
         self.graph.replay()
         return self.output

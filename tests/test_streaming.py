@@ -109,6 +109,43 @@ def test_stream_equals_whole_decode_float64(name):
         assert (got - expected).abs().max().item() < 1e-12, f"{name} trial {trial}: not the whole decode"
 
 
+@pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz"])
+def test_batched_step_equals_whole_decode_rows(name):
+    """engine.step: every stream's codes in one tensor per level; rows keyed like decode's rows;
+    pushes bigger than a step, pending codes that outgrow the buffer, bad ids refused first."""
+    config = published_config(name)
+    engine = engine64(name, streams=5, max_frames_per_step=2)
+    engine._pending = type(engine._pending)(5, engine._pending.ratios, capacity=3)  # forces moves and growth
+    g, strides = engine.frames_per_group, config["vq_strides"]
+    frames = engine.prefill_frames + 6 * g
+    codes = random_codes(config, frames, batch=3, seed=4)
+    expected = decode_with_keyed_noise(upstream64(name), codes, 11)
+    streams = [engine.open(11, row=b) for b in range(3)]
+    pieces, f = [[] for _ in streams], 0
+    for k in [g, 3 * g, g, frames - 5 * g]:
+        for piece, audio in zip(pieces, engine.step(streams, frames_of_rows(codes, strides, f, f + k))):
+            piece.append(audio)
+        f += k
+    bad = frames_of_rows(codes, strides, 0, g)
+    bad[-1] = bad[-1].clone()
+    bad[-1][2, 0] = config["codebook_size"]
+    with pytest.raises(ValueError, match="outside"):
+        engine.step(streams, bad)
+    with pytest.raises(ValueError, match="rows"):
+        engine.step(streams[:2], frames_of_rows(codes, strides, 0, g))
+    with pytest.raises(ValueError, match="twice"):
+        engine.step([streams[0]] * 3, frames_of_rows(codes, strides, 0, g))
+    ends = engine.advance(finish=streams)
+    for b, s in enumerate(streams):
+        got = torch.cat(pieces[b] + [ends[s]])
+        assert got.shape == expected[b, 0].shape
+        assert (got - expected[b, 0]).abs().max().item() < 1e-12
+
+
+def frames_of_rows(codes, strides, start, stop):
+    return [c[:, start * strides[0] // s:stop * strides[0] // s] for c, s in zip(codes, strides)]
+
+
 def test_many_streams_open_close_and_interleave():
     name = "snac_24khz"
     config, strides = published_config(name), published_config(name)["vq_strides"]
