@@ -70,8 +70,10 @@ class FastSNAC:
             snapshot = Checkpoint.in_memory(source or "in-memory model", self.config, state)
             reference_factory = lambda: build_upstream(snapshot)  # noqa: E731
         self._reference_factory = reference_factory
-        self.report: SurgeryReport = accelerate(model, encoder=accelerate_encoder, fuse=fuse,
-                                                device=self.device, dtype=self.dtype)
+        with torch.inference_mode(False):  # the fused modules' weights are versioned: no inference tensors
+            _own_inference_tensors(model)
+            self.report: SurgeryReport = accelerate(model, encoder=accelerate_encoder, fuse=fuse,
+                                                    device=self.device, dtype=self.dtype)
         self.model = model.eval()
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and fuse
@@ -104,7 +106,8 @@ class FastSNAC:
         Raises :class:`snac_fast.loading.CheckpointError` (a ValueError) saying what to do."""
         checkpoint = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir,
                                         local_files_only=local_files_only, token=token)
-        model = build_upstream(checkpoint)
+        with torch.inference_mode(False):  # servers build models inside inference_mode
+            model = build_upstream(checkpoint)
         return cls(model, device=device, dtype=dtype, accelerate_encoder=accelerate_encoder, fuse=fuse,
                    cuda_graphs=cuda_graphs, max_graphs=max_graphs, config=checkpoint.config, source=checkpoint.source,
                    reference_factory=lambda: build_upstream(checkpoint))
@@ -160,7 +163,7 @@ class FastSNAC:
             seed = None
         elif seed is not None:
             seed = check_seed(seed)
-        with self.lock:
+        with self.lock, device_scope(self.device):
             return self._decode(codes, seed, generator, reuse_output)
 
     def _decode(self, codes, seed, generator, reuse_output) -> Tensor:
@@ -221,7 +224,8 @@ class FastSNAC:
     def encode(self, audio: Tensor) -> list[Tensor]:
         """Audio [B, 1, T] (floating, at :attr:`sampling_rate`) -> codes, one int64 [B, L_i] per level."""
         audio = validate_audio(audio).to(device=self.device, dtype=self.dtype)
-        return self.model.encode(audio)
+        with device_scope(self.device):
+            return self.model.encode(audio)
 
 
 def _config_of(model: nn.Module) -> dict:
@@ -236,3 +240,23 @@ def _config_of(model: nn.Module) -> dict:
         "noise": any(type(m).__name__ == "NoiseBlock" for m in model.decoder.modules()),
         "depthwise": model.decoder.model[0].groups > 1,
     }
+
+
+def _own_inference_tensors(model: nn.Module) -> None:
+    """Replace parameters and buffers made under ``torch.inference_mode`` by normal copies: inference
+    tensors carry no version counter (the fused modules key their weight caches on it) and cannot be
+    used outside inference mode."""
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module.named_parameters(recurse=False)):
+                if p.is_inference():
+                    setattr(module, name, nn.Parameter(p.clone(), requires_grad=p.requires_grad))
+            for name, b in list(module.named_buffers(recurse=False)):
+                if b.is_inference():
+                    module._buffers[name] = b.clone()
+
+
+def device_scope(device: torch.device):
+    """Make ``device`` current for a call (side streams, graphs, kernels), whichever CUDA device the
+    caller has current; a no-op off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -19,10 +19,11 @@ around them, costs as much as the GPU work. A call here does little besides one 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -100,7 +101,8 @@ class GraphedDecode:
                 validate(codes)
             if key is None:  # validate accepted what key() could not read
                 key = self.key(codes, noise)
-            entry = self._capture(codes, noise)
+            with out_of_memory_explained(f"capturing a CUDA graph for codes of shapes {[tuple(c.shape) for c in codes]}"):
+                entry = self._capture(codes, noise)
             self._cache[key] = entry
             while len(self._cache) > self.max_graphs:
                 self._cache.popitem(last=False)
@@ -131,6 +133,10 @@ class GraphedDecode:
         return output
 
     def _capture(self, codes: list[Tensor], noise_kind: str) -> _Captured:
+        with torch.cuda.device(self.device):  # side streams and the graph on the model's device, whichever is current
+            return self._capture_here(codes, noise_kind)
+
+    def _capture_here(self, codes: list[Tensor], noise_kind: str) -> _Captured:
         quantizer = self.model.quantizer
         dtype = functools.reduce(torch.promote_types, [c.dtype for c in codes])
         with torch.inference_mode(False):  # buffers the calls write, in or out of inference mode
@@ -190,3 +196,15 @@ class GraphedDecode:
         bad_ids.zero_()  # the warm-up decodes may have flagged the first codes: the call checks them itself
         self.captures += 1
         return _Captured(graph, flat, noise, views if noise_kind == GENERATOR else [], seeds, output, bad_ids)
+
+
+@contextlib.contextmanager
+def out_of_memory_explained(what: str) -> Iterator[None]:
+    """Turn a GPU out-of-memory error while ``what`` into a RuntimeError saying what to do; the
+    half-made graph is dropped and the codec stays usable."""
+    try:
+        yield
+    except torch.OutOfMemoryError as error:
+        torch.cuda.empty_cache()
+        raise RuntimeError(f"GPU out of memory while {what}: decode smaller batches or shorter codes, keep fewer "
+                           "graphs (max_graphs), or build with cuda_graphs=False. The codec is still usable.") from error

@@ -34,6 +34,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from snac_fast.graphs import out_of_memory_explained
 from snac_fast.noise import check_seed, noise_blocks, patched_noise
 from snac_fast.ops.context import context_step
 from snac_fast.ops.noise import keyed_normal
@@ -362,8 +363,10 @@ class StreamEngine:
         if len(shapes) > self.max_graphs:
             raise ValueError(f"warmup needs {len(shapes)} graphs but the engine keeps {self.max_graphs}: "
                              "raise max_graphs or warm fewer shapes")
+        from snac_fast.api import device_scope
+
         captured = 0
-        with self._lock, torch.inference_mode():
+        with self._lock, torch.inference_mode(), device_scope(self.device):
             for kind, bucket, k in shapes:
                 if (kind, bucket, k) in self._graphs:
                     continue
@@ -504,8 +507,10 @@ class StreamEngine:
 
     def _decode_pending(self, pushed: list[StreamSlot], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
         """Decode what ``pushed`` streams hold (prefills, steps) and end ``finish``; under the lock."""
+        from snac_fast.api import device_scope
+
         pieces: dict[StreamSlot, list[Tensor]] = {s: [] for s in pushed + finish}
-        with torch.inference_mode():
+        with torch.inference_mode(), device_scope(self.device):
             self._run_prefills([s for s in pieces if not s.started and s.pending_frames >= self.prefill_frames], pieces)
             self._run_steps([s for s in pieces if s.started], pieces)
             self._run_finishes(finish, pieces)
@@ -607,7 +612,8 @@ class StreamEngine:
             if graph is None:
                 if len(self._graphs) >= self.max_graphs:
                     self._graphs.pop(next(iter(self._graphs)))
-                graph = self._graphs[key] = _StepGraph(self, kind, keys, codes, frames)
+                with out_of_memory_explained(f"capturing a stream step's CUDA graph ({kind}, {bucket} rows)"):
+                    graph = self._graphs[key] = _StepGraph(self, kind, keys, codes, frames)
             audio = graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
         else:
             audio = self._forward(kind, torch.from_numpy(keys).to(self.device),

@@ -32,6 +32,21 @@ class SurgeryReport:
     def fused_residual_units(self) -> list[str]:
         return self.fused.get("residual_units", [])
 
+    def counts(self) -> dict[str, int]:
+        """How many modules each kind of change touched (the lists stay on the attributes)."""
+        counts = {"decoder snakes": len(self.decoder_snakes), "encoder snakes": len(self.encoder_snakes),
+                  "folded weight norms": len(self.folded_weight_norms)}
+        counts.update({f"fused {kind.replace('_', ' ')}": len(names) for kind, names in self.fused.items()})
+        counts["absorbed into a neighbour's kernel"] = len(self.absorbed)
+        counts["float32 attention"] = len(self.float32_attention)
+        return {k: v for k, v in counts.items() if v}
+
+    def __str__(self) -> str:
+        return "SurgeryReport(" + ", ".join(f"{k}: {v}" for k, v in self.counts().items()) + ")"
+
+    def __repr__(self) -> str:
+        return str(self)
+
 
 def expected_snake_counts(model: nn.Module) -> tuple[int, int]:
     """(decoder, encoder) Snake1d counts that upstream's architecture builds: each DecoderBlock has

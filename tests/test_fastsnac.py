@@ -40,6 +40,9 @@ def test_surgery_counts_types_and_tree(name):
     # absorbed: the input 1x1 conv, the tanh, the 4 block-input snakes, the output snake and the
     # first snake of each of the 12 residual units
     assert len(fast.report.absorbed) == 19
+    summary = str(fast.report)  # counts per kind, not hundreds of names
+    assert summary == repr(fast.report) and len(summary) < 400 and "decoder." not in summary
+    assert "decoder snakes: 29" in summary and "fused residual units: 12" in summary and "absorbed" in summary
     # same tree: every module name survives; Snake1d becomes FastSnake1d, parametrized convs plain
     # convs, fused layers subclasses of the layers they replace (which keep the same children)
     assert set(before) - {n for n in before if ".parametrizations" in n} == set(after)

@@ -1,0 +1,89 @@
+"""Server contexts: building and decoding under inference_mode / no_grad, threads sharing one codec,
+the caller's CUDA stream, GPU out-of-memory during graph capture."""
+
+import threading
+
+import pytest
+import torch
+
+from helpers import random_codes
+from snac_fast import FastSNAC
+from snac_fast.testing import synthetic_model
+
+
+def test_build_and_decode_inside_inference_mode_and_no_grad():
+    codes = random_codes(FastSNAC.from_pretrained("synthetic:snac_24khz", fuse=False).config, 1, seed=3)
+    plain = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+    expected = plain.decode(codes, seed=5)
+    with torch.inference_mode():
+        built = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+        wrapped = FastSNAC(synthetic_model("snac_24khz"), device="cpu")  # an upstream model made in inference mode
+        inside = built.decode(codes, seed=5)
+    assert not any(p.is_inference() for p in built.model.parameters())
+    assert torch.equal(inside, expected)
+    with torch.no_grad():
+        assert torch.equal(wrapped.decode(codes, seed=5), expected)
+    assert torch.equal(built.decode(codes, seed=5), expected)  # and afterwards, outside inference mode
+
+
+def _decode_in_threads(codec, jobs, threads=4):
+    results, errors = {}, []
+
+    def work(i):
+        try:
+            for j, (codes, seed) in enumerate(jobs):
+                if j % threads == i:
+                    results[j] = codec.decode(codes, seed=seed)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    pool = [threading.Thread(target=work, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    assert not errors, errors
+    return [results[j] for j in range(len(jobs))]
+
+
+def test_threads_share_one_codec():
+    """Decodes from several threads at once patch the same NoiseBlocks: each must get its own seed's audio."""
+    codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu", fuse=False)
+    jobs = [(random_codes(codec.config, 1 + j % 3, seed=j), 100 + j) for j in range(8)]
+    expected = [codec.decode(codes, seed=seed) for codes, seed in jobs]
+    for got, want in zip(_decode_in_threads(codec, jobs), expected):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.gpu
+def test_gpu_server_contexts(cuda):
+    """Graphs under inference_mode, threads sharing graph buffers, a caller's side stream."""
+    with torch.inference_mode():
+        codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda)
+    jobs = [(random_codes(codec.config, 4 if j % 2 else 16, batch=1 + j % 3, seed=j), 50 + j) for j in range(12)]
+    expected = [codec.decode(codes, seed=seed).clone() for codes, seed in jobs]
+    for got, want in zip(_decode_in_threads(codec, jobs), expected):
+        assert torch.equal(got, want)
+    side = torch.cuda.Stream(cuda)
+    with torch.cuda.stream(side):
+        codes, seed = jobs[0]
+        got = codec.decode(codes, seed=seed)
+        side.synchronize()
+    assert torch.equal(got, expected[0])
+
+
+@pytest.mark.gpu
+def test_gpu_out_of_memory_during_capture_is_clear_and_recoverable(cuda, monkeypatch):
+    codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda)
+    codes = random_codes(codec.config, 4, seed=1)
+    expected = codec.decode(codes, seed=2).clone()
+    codec.graphs.clear()
+
+    def no_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(torch.cuda, "graph", no_memory)
+    with pytest.raises(RuntimeError, match="out of memory.*CUDA graph"):
+        codec.decode(codes, seed=2)
+    monkeypatch.undo()
+    assert torch.equal(codec.decode(codes, seed=2), expected)
