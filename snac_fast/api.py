@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -180,6 +180,14 @@ class FastSNAC:
         with torch.inference_mode(), noise:
             return self.model.decode(codes)
 
+    def warmup(self, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,), streams: int = 0) -> dict[str, float]:
+        """Compile (concurrently) and capture everything decodes of these (batch, coarse frames)
+        shapes need, and with ``streams`` > 0 the stream engine's steps; kernels persist in Triton's
+        cache (``TRITON_CACHE_DIR``). Returns seconds per phase. See :mod:`snac_fast.warmup`."""
+        from snac_fast.warmup import warmup
+
+        return warmup(self, batch_sizes, frames, streams)
+
     def stream_engine(self, max_streams: int = 256, *, lookahead: int | None = None, **options):
         """A :class:`snac_fast.streaming.StreamEngine` for many concurrent streams on this codec
         (its own state rows for ``max_streams`` streams; see :mod:`snac_fast.streaming`)."""
@@ -197,11 +205,15 @@ class FastSNAC:
         Streams share one engine per lookahead (256 slots; more with :meth:`stream_engine`)."""
         from snac_fast.streaming import DecoderStream
 
+        return DecoderStream(self.shared_stream_engine(lookahead), seed, layout)
+
+    def shared_stream_engine(self, lookahead: int | None = None):
+        """The engine (256 stream slots) that :meth:`stream` uses for this ``lookahead``."""
         with self.lock:
             engine = self._stream_engines.get(lookahead)
             if engine is None:
                 engine = self._stream_engines[lookahead] = self.stream_engine(lookahead=lookahead)
-        return DecoderStream(engine, seed, layout)
+            return engine
 
     def _validate_structure(self, codes: list[Tensor]) -> None:
         validate_codes(codes, self.config, check_ids=False)

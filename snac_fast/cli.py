@@ -1,4 +1,5 @@
-"""``snac-fast`` command line: decode and encode token files, check fidelity, profile a decode."""
+"""``snac-fast`` command line: decode and encode token files, check fidelity, profile a decode, warm
+the kernel cache."""
 
 from __future__ import annotations
 
@@ -70,7 +71,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="dtype of the original model (default: the fast model's)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--plot", type=Path, help="write a bar chart PNG (needs matplotlib: pip install snac-fast[plot])")
+
+    p = sub.add_parser("warmup", help="compile and cache the kernels a server needs", epilog=EPILOG, formatter_class=fmt,
+                       description="Compile every Triton kernel that decodes of the given batch sizes and frame counts "
+                                   "(and, with --streams, the stream engine's steps) launch, concurrently, into Triton's "
+                                   "persistent cache (TRITON_CACHE_DIR, default ~/.triton/cache): run it in a container "
+                                   "build, ship the cache, and a new process decodes without compiling. Needs a GPU.")
+    _add_model_args(p)
+    p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
+    p.add_argument("--frames", default="4", help="comma-separated coarse frame counts per decode (default 4)")
+    p.add_argument("--streams", type=int, default=0, help="also warm the stream engine for up to N streams")
     return parser
+
+
+def _int_list(text: str, name: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{name} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{name} must list integers >= 1, got {text!r}")
+    return values
 
 
 def _load_model(args: argparse.Namespace, file_model: str | None):
@@ -177,7 +198,23 @@ def cmd_profile(args: argparse.Namespace) -> None:
             raise UsageError(f"--plot needs matplotlib (pip install 'snac-fast[plot]'): {e}") from e
 
 
-COMMANDS = {"decode": cmd_decode, "encode": cmd_encode, "fidelity": cmd_fidelity, "profile": cmd_profile}
+def cmd_warmup(args: argparse.Namespace) -> None:
+    import os
+
+    batch, frames = _int_list(args.batch, "--batch"), _int_list(args.frames, "--frames")
+    if args.streams < 0:
+        raise UsageError("--streams must be >= 0")
+    model = _load_model(args, None)
+    if model.device.type != "cuda":
+        raise UsageError("warmup compiles GPU kernels: run it on a machine with CUDA (or pass --device cuda)")
+    times = model.warmup(batch, frames, streams=args.streams)
+    cache = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    print(f"warm: {model.source} on {model.device}, batch {batch} x frames {frames}"
+          + (f", {args.streams} streams" if args.streams else "") + "; "
+          + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in times.items()) + f"; kernels cached in {cache}")
+
+
+COMMANDS = {"decode": cmd_decode, "encode": cmd_encode, "fidelity": cmd_fidelity, "profile": cmd_profile, "warmup": cmd_warmup}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,102 @@
+"""Cold start of a fresh process: import, load, first decode (24 kHz streaming chunk, B=1, 4 frames),
+second decode, each in a new Python process, with an empty and with a warm Triton cache, with and
+without the concurrent kernel warm-up (:mod:`snac_fast.warmup`); then the ``snac-fast decode`` CLI's
+whole wall clock on a warm cache.
+
+    python scripts/bench_cold_start.py --out benchmarks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import environment, markdown_table, write_results  # noqa: E402
+
+CHILD = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+from snac_fast import FastSNAC
+t_import = time.perf_counter() - t0
+t = time.perf_counter()
+codec = FastSNAC.from_pretrained(sys.argv[1], device="cuda")
+torch.cuda.synchronize()
+t_load = time.perf_counter() - t
+s = codec.config["vq_strides"]
+codes = [torch.randint(0, 4096, (1, 4 * s[0] // x)) for x in s]
+t = time.perf_counter()
+phases = codec.warmup([1], [4]) if sys.argv[2] == "warmup" else {}
+codec.decode(codes, seed=1)
+torch.cuda.synchronize()
+t_first = time.perf_counter() - t
+t = time.perf_counter()
+codec.decode(codes, seed=1)
+torch.cuda.synchronize()
+t_second = time.perf_counter() - t
+print(json.dumps({"import_s": t_import, "load_s": t_load, "first_decode_s": t_first, "second_decode_s": t_second,
+                  "to_first_audio_s": time.perf_counter() - t0 - t_second, **phases}))
+"""
+
+
+def child(model: str, mode: str, cache: str) -> dict:
+    env = {**os.environ, "TRITON_CACHE_DIR": cache}
+    t = time.perf_counter()
+    out = subprocess.run([sys.executable, "-c", CHILD, model, mode], env=env, capture_output=True, text=True)
+    if out.returncode:
+        raise RuntimeError(out.stderr[-3000:])
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    row["process_s"] = time.perf_counter() - t
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="synthetic:snac_24khz")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    rows = []
+    for mode in ("plain", "warmup"):
+        for r in range(args.repeats):
+            with tempfile.TemporaryDirectory() as cache:
+                empty = child(args.model, mode, cache)
+                warm = child(args.model, mode, cache)
+            rows += [{"mode": mode, "cache": "empty", **empty}, {"mode": mode, "cache": "warm", **warm}]
+            print(rows[-2], rows[-1], flush=True)
+    with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as tmp:
+        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        subprocess.run([sys.executable, "-m", "snac_fast.cli", "warmup", "--model", args.model], env=env, check=True)
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "snac_fast.cli", "decode", "samples/snac_24khz.pt", f"{tmp}/out.wav",
+                        "--model", args.model], env=env, check=True)
+        cli = time.perf_counter() - t
+    print("cli decode, warm cache:", cli)
+    results = {"environment": environment(), "model": args.model, "rows": rows, "cli_decode_warm_cache_s": cli}
+    keys = ["import_s", "load_s", "first_decode_s", "to_first_audio_s", "process_s"]
+    md = [f"# Cold start, {args.model}: {results['environment']['device']}, {results['environment']['date']}\n",
+          "Fresh process each row; first decode = 24 kHz streaming chunk (B=1, 4 frames) with sync, including "
+          "kernel compilation (empty cache) or loading (warm cache), CUDA graph capture and warm-up decodes. "
+          "mode warmup: `codec.warmup([1], [4])` (concurrent compilation) before the first decode.\n",
+          markdown_table(["mode", "Triton cache"] + [k[:-2] + " s" for k in keys],
+                         [[r["mode"], r["cache"]] + [f"{r[k]:.2f}" for k in keys] for r in rows]),
+          f"\n`snac-fast decode samples/snac_24khz.pt out.wav --model {args.model}` after `snac-fast warmup`: "
+          f"{cli:.2f} s of wall clock in total.\n"]
+    print("\n".join(md))
+    if args.out:
+        import torch
+
+        name = torch.cuda.get_device_name(0).lower()
+        tag = "h100" if "h100" in name else "h200" if "h200" in name else "gpu"
+        write_results(Path(args.out), f"cold_start_{tag}", results, "\n".join(md))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""Cold start: compile every Triton kernel a server will launch before the first request.
+
+A fresh process compiles each kernel variant the first time it is launched, one after another
+(tens of variants for a decode). :func:`compile_kernels` runs the decodes of the given shapes once
+with every Triton launch turned into a compile-only warm-up, under Triton's
+``AsyncCompileMode`` with a thread pool, so the variants compile concurrently; the compiled
+kernels land in Triton's persistent cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
+which a container build can bake. :func:`warmup` then runs real decodes of those shapes (CUDA
+graph captures, cuDNN/cuBLAS start-up) and, if asked, every stream-engine step shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Iterator, Sequence
+
+import torch
+
+
+@contextlib.contextmanager
+def _compile_only(workers: int) -> Iterator[None]:
+    """Inside: Triton launches compile (concurrently) and return without running."""
+    from triton.runtime._async_compile import AsyncCompileMode
+    from triton.runtime.jit import JITFunction
+
+    launch = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+
+    with ThreadPoolExecutor(max_workers=workers) as pool, AsyncCompileMode(pool):
+        JITFunction.run = compile_only
+        try:
+            yield
+        finally:
+            JITFunction.run = launch
+
+
+def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | None = None) -> float:
+    """Compile, concurrently, the Triton kernels that decodes of ``shapes`` ((batch, coarse frames)
+    pairs) launch on ``codec``'s GPU, without running them. Returns the seconds it took. A no-op
+    off CUDA."""
+    if codec.device.type != "cuda":
+        return 0.0
+    from snac_fast.api import device_scope
+
+    start = time.perf_counter()
+    workers = workers or min(16, os.cpu_count() or 1)
+    with torch.inference_mode(), device_scope(codec.device), _compile_only(workers):
+        for batch, frames in shapes:
+            codec.model.decode(_zero_codes(codec, batch, frames))  # eager: kernels see the real shapes
+    return time.perf_counter() - start
+
+
+def warmup(codec, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,), streams: int = 0,
+           workers: int | None = None) -> dict[str, float]:
+    """Get ``codec`` ready to serve: compile the kernels of every (batch, frames) decode concurrently,
+    then decode each shape once (CUDA graphs captured) and, with ``streams`` > 0, capture the steps of
+    the engine :meth:`FastSNAC.stream` uses for up to that many concurrent streams (at most 256). Returns seconds per phase."""
+    times = {"compile_s": compile_kernels(codec, [(b, f) for b in batch_sizes for f in frames], workers)}
+    start = time.perf_counter()
+    for b in batch_sizes:
+        for f in frames:
+            codec.decode(_zero_codes(codec, b, f), seed=0)
+    if codec.device.type == "cuda":
+        torch.cuda.synchronize(codec.device)
+    times["decode_s"] = time.perf_counter() - start
+    if streams:
+        start = time.perf_counter()
+        codec.shared_stream_engine().warmup(max_batch=streams)
+        times["stream_s"] = time.perf_counter() - start
+    return times
+
+
+def _zero_codes(codec, batch: int, frames: int) -> list[torch.Tensor]:
+    strides = codec.config["vq_strides"]
+    if batch < 1 or frames < 1:
+        raise ValueError(f"warm-up shapes need batch >= 1 and frames >= 1, got batch {batch}, frames {frames}")
+    window = codec.config.get("attn_window_size")
+    if window:  # whole attention windows, as decode requires
+        per = window // strides[0]
+        frames = -(-frames // per) * per
+    return [torch.zeros((batch, frames * strides[0] // s), dtype=torch.int64, device=codec.device) for s in strides]
