@@ -142,7 +142,11 @@ class GraphedDecode:
         with torch.inference_mode(False):  # buffers the calls write, in or out of inference mode
             flat = torch.cat([c.reshape(-1).to(self.device, dtype) for c in codes])
             bad_ids = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            seeds = torch.zeros(codes[0].shape[0], dtype=torch.int64, device=self.device) if noise_kind == KEYED else None
+            # keyed: (seeds, rows, zeros) in one buffer; the graph reads all three, the seeds view keeps them alive
+            keys = torch.zeros((3, codes[0].shape[0]), dtype=torch.int64, device=self.device) if noise_kind == KEYED else None
+            if keys is not None:
+                keys[1] = torch.arange(codes[0].shape[0], device=self.device)
+        seeds = keys[0] if keys is not None else None
         static_codes, offset = [], 0
         for c in codes:
             static_codes.append(flat[offset:offset + c.numel()].view(c.shape))
@@ -164,7 +168,7 @@ class GraphedDecode:
             return view
 
         def noise_feed():
-            return keyed_noise(self.model, seeds) if noise_kind == KEYED else patched_noise(self.model, replay_buffers)
+            return keyed_noise(self.model, *keys) if noise_kind == KEYED else patched_noise(self.model, replay_buffers)
 
         noise = None
         try:
