@@ -1,7 +1,10 @@
 """Cold start of a fresh process: import, load, first decode (24 kHz streaming chunk, B=1, 4 frames),
 second decode, each in a new Python process, with an empty and with a warm Triton cache, with and
 without the concurrent kernel warm-up (:mod:`snac_fast.warmup`); then the ``snac-fast decode`` CLI's
-whole wall clock on a warm cache.
+whole wall clock on a warm cache. The first decode imports the parts of torch that ``torch.library``
+needs; where site-packages hold no compiled bytecode (as on the project's GPU machine), set
+``PYTHONPYCACHEPREFIX`` to a writable folder so that only the first process compiles it, as after
+a normal ``pip install``.
 
     python scripts/bench_cold_start.py --out benchmarks
 """
@@ -73,13 +76,16 @@ def main() -> None:
             print(rows[-2], rows[-1], flush=True)
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as tmp:
         env = {**os.environ, "TRITON_CACHE_DIR": cache}
-        subprocess.run([sys.executable, "-m", "snac_fast.cli", "warmup", "--model", args.model], env=env, check=True)
+        # the sample holds 18 frames: warm the shapes you will serve
+        subprocess.run([sys.executable, "-m", "snac_fast.cli", "warmup", "--model", args.model, "--frames", "4,18"],
+                       env=env, check=True)
         t = time.perf_counter()
         subprocess.run([sys.executable, "-m", "snac_fast.cli", "decode", "samples/snac_24khz.pt", f"{tmp}/out.wav",
                         "--model", args.model], env=env, check=True)
         cli = time.perf_counter() - t
     print("cli decode, warm cache:", cli)
-    results = {"environment": environment(), "model": args.model, "rows": rows, "cli_decode_warm_cache_s": cli}
+    results = {"environment": environment(), "model": args.model, "rows": rows, "cli_decode_warm_cache_s": cli,
+               "pythonpycacheprefix": os.environ.get("PYTHONPYCACHEPREFIX")}
     keys = ["import_s", "load_s", "first_decode_s", "to_first_audio_s", "process_s"]
     md = [f"# Cold start, {args.model}: {results['environment']['device']}, {results['environment']['date']}\n",
           "Fresh process each row; first decode = 24 kHz streaming chunk (B=1, 4 frames) with sync, including "
@@ -88,7 +94,8 @@ def main() -> None:
           markdown_table(["mode", "Triton cache"] + [k[:-2] + " s" for k in keys],
                          [[r["mode"], r["cache"]] + [f"{r[k]:.2f}" for k in keys] for r in rows]),
           f"\n`snac-fast decode samples/snac_24khz.pt out.wav --model {args.model}` after `snac-fast warmup`: "
-          f"{cli:.2f} s of wall clock in total.\n"]
+          f"{cli:.2f} s of wall clock in total (after `snac-fast warmup --frames 4,18`). "
+          f"PYTHONPYCACHEPREFIX: {os.environ.get('PYTHONPYCACHEPREFIX') or 'unset'}.\n"]
     print("\n".join(md))
     if args.out:
         import torch

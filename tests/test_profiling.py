@@ -12,7 +12,7 @@ from snac_fast.profiling import _timed_modules
 @pytest.fixture(scope="module")
 def fast_and_report():
     fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
-    return fast, fast.profile(random_codes(fast.config, 2), runs=2, warmup=1)
+    return fast, fast.profile(random_codes(fast.config, 1), runs=1, warmup=1)
 
 
 def test_every_layer_once(fast_and_report):
@@ -46,7 +46,7 @@ def test_times_are_sane(fast_and_report):
         children = [c for c in report.layers if c.depth == r.depth + 1 and c.name.startswith(r.name + ".")]
         if children and r.fast_ms is not None and all(c.fast_ms is not None for c in children):
             assert sum(c.fast_ms for c in children) <= r.fast_ms * 1.05 + 0.5, r.name
-    assert by_name["decoder.model.8"].shape == [1, 1, 4096]
+    assert by_name["decoder.model.8"].shape == [1, 1, 2048]  # one frame
     assert 0.3 * report.fast_untimed_ms <= report.fast_timed_total_ms <= 3 * report.fast_untimed_ms
 
 

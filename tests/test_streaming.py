@@ -117,12 +117,12 @@ def test_batched_step_equals_whole_decode_rows(name):
     engine = engine64(name, streams=5, max_frames_per_step=2)
     engine._pending = type(engine._pending)(5, engine._pending.ratios, capacity=3)  # forces moves and growth
     g, strides = engine.frames_per_group, config["vq_strides"]
-    frames = engine.prefill_frames + 6 * g
+    frames = engine.prefill_frames + 3 * g
     codes = random_codes(config, frames, batch=3, seed=4)
     expected = decode_with_keyed_noise(upstream64(name), codes, 11)
     streams = [engine.open(11, row=b) for b in range(3)]
     pieces, f = [[] for _ in streams], 0
-    for k in [g, 3 * g, g, frames - 5 * g]:
+    for k in [g, frames - 2 * g, g]:  # the middle push: prefill and steps in one call, past the buffer's capacity
         for piece, audio in zip(pieces, engine.step(streams, frames_of_rows(codes, strides, f, f + k))):
             piece.append(audio)
         f += k
