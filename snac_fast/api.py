@@ -70,7 +70,8 @@ class FastSNAC:
             snapshot = Checkpoint.in_memory(source or "in-memory model", self.config, state)
             reference_factory = lambda: build_upstream(snapshot)  # noqa: E731
         self._reference_factory = reference_factory
-        with torch.inference_mode(False):  # the fused modules' weights are versioned: no inference tensors
+        # the fused modules' weights are versioned (no inference tensors); kernels run on the model's device
+        with torch.inference_mode(False), device_scope(self.device):
             _own_inference_tensors(model)
             self.report: SurgeryReport = accelerate(model, encoder=accelerate_encoder, fuse=fuse,
                                                     device=self.device, dtype=self.dtype)

@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import mmap
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -41,7 +44,7 @@ class _Captured:
     noise_views: list[Tensor]  # generator graphs: its part per NoiseBlock call, in call order, filled per call
     seeds: Tensor | None  # keyed graphs: int64 [B], the seed of every row, filled per call
     output: Tensor
-    bad_ids: Tensor  # int32 [1] in pinned host memory: the codebook kernel sets it for an out-of-range id
+    bad_ids: Tensor  # int32 [1] in mapped host memory (mapped_flag): the codebook kernel sets it for an out-of-range id
 
     def __post_init__(self) -> None:
         self.flag = self.bad_ids.numpy()  # reading it costs no torch dispatch
@@ -141,7 +144,7 @@ class GraphedDecode:
         dtype = functools.reduce(torch.promote_types, [c.dtype for c in codes])
         with torch.inference_mode(False):  # buffers the calls write, in or out of inference mode
             flat = torch.cat([c.reshape(-1).to(self.device, dtype) for c in codes])
-            bad_ids = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            bad_ids = mapped_flag()
             # keyed: (seeds, rows, zeros) in one buffer; the graph reads all three, the seeds view keeps them alive
             keys = torch.zeros((3, codes[0].shape[0]), dtype=torch.int64, device=self.device) if noise_kind == KEYED else None
             if keys is not None:
@@ -190,7 +193,8 @@ class GraphedDecode:
                         self.model.decode(static_codes)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), noise_feed(), torch.cuda.graph(graph):
+            # a capture stream of this device: torch.cuda.graph's default one belongs to the device of the first capture
+            with torch.inference_mode(), noise_feed(), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
                 if noise_kind == FRESH:  # one draw for all blocks, advancing the default generator on each replay
                     noise.normal_()
                 output = self.model.decode(static_codes)
@@ -212,3 +216,22 @@ def out_of_memory_explained(what: str) -> Iterator[None]:
         torch.cuda.empty_cache()
         raise RuntimeError(f"GPU out of memory while {what}: decode smaller batches or shorter codes, keep fewer "
                            "graphs (max_graphs), or build with cuda_graphs=False. The codec is still usable.") from error
+
+
+def mapped_flag() -> Tensor:
+    """int32 [1] (zero) in page-locked host memory that the GPU kernels of every device in the process
+    can write through its address (registered portable and mapped). PyTorch's pinned tensors are
+    pinned for the context that allocated them only, so a model on cuda:1 could not use one made
+    while cuda:0 was current."""
+    page = mmap.mmap(-1, mmap.PAGESIZE)  # a page of its own: registrations never overlap
+    flag = torch.from_numpy(np.frombuffer(page, dtype=np.int32, count=1))
+    address = flag.data_ptr()
+    error = int(torch.cuda.cudart().cudaHostRegister(address, mmap.PAGESIZE, 3))  # portable | mapped
+    if error:
+        raise RuntimeError(f"cannot page-lock the bad-id flag (cudaHostRegister error {error})")
+    weakref.finalize(flag, _unregister, address, page)
+    return flag
+
+
+def _unregister(address: int, page: mmap.mmap) -> None:  # page: kept mapped until unregistered
+    torch.cuda.cudart().cudaHostUnregister(address)

@@ -685,7 +685,7 @@ class _StepGraph:
             engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool):
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool, stream=torch.cuda.Stream(device)):
             self.output = engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
         for t, s in zip(engine.state, saved):
             t.copy_(s)

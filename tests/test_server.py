@@ -8,6 +8,7 @@ import torch
 
 from helpers import random_codes
 from snac_fast import FastSNAC
+from snac_fast.metrics import snr_db
 from snac_fast.testing import synthetic_model
 
 
@@ -87,3 +88,25 @@ def test_gpu_out_of_memory_during_capture_is_clear_and_recoverable(cuda, monkeyp
         codec.decode(codes, seed=2)
     monkeypatch.undo()
     assert torch.equal(codec.decode(codes, seed=2), expected)
+
+
+@pytest.mark.gpu
+def test_gpu_models_on_two_devices():
+    """A model on cuda:1 while cuda:0 is current, next to one on cuda:0, in one process."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (the nvidia-h200-x2 device kind)")
+    torch.cuda.set_device(0)
+    first = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda:0")
+    second = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda:1")
+    codes = random_codes(first.config, 6, batch=2, seed=8)
+    on_first, on_second = first.decode(codes, seed=4), second.decode(codes, seed=4)
+    assert torch.cuda.current_device() == 0 and on_second.device == torch.device("cuda:1")
+    assert torch.equal(on_first.cpu(), on_second.cpu())  # same GPUs, same kernels, same noise
+    stream = second.stream(seed=4)
+    strides = second.config["vq_strides"]
+    pieces = [stream.push([c[:1, f * strides[0] // s:(f + 1) * strides[0] // s] for c, s in zip(codes, strides)])
+              for f in range(6)] + [stream.flush()]
+    assert torch.cat(pieces).device == torch.device("cuda:1")
+    assert snr_db(on_second[0, 0].float(), torch.cat(pieces).float()) >= 50  # fp16 rounding apart
+    with torch.cuda.device(1):
+        assert torch.equal(first.decode(codes, seed=4).cpu(), on_first.cpu())
