@@ -14,6 +14,7 @@ from snac_fast.codes import validate_audio, validate_codes
 from snac_fast.graphs import GraphedDecode
 from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
 from snac_fast.noise import check_seed, injected_noise, keyed_noise
+from snac_fast.ops._runtime import device_scope
 from snac_fast.surgery import SurgeryReport, accelerate
 
 DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -267,9 +268,3 @@ def _own_inference_tensors(model: nn.Module) -> None:
             for name, b in list(module.named_buffers(recurse=False)):
                 if b.is_inference():
                     module._buffers[name] = b.clone()
-
-
-def device_scope(device: torch.device):
-    """Make ``device`` current for a call (side streams, graphs, kernels), whichever CUDA device the
-    caller has current; a no-op off CUDA."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from snac_fast.codes import check_code_ids
 from snac_fast.noise import draw, keyed_noise, patched_noise
-from snac_fast.ops._runtime import cuda_index
+from snac_fast.ops._runtime import cuda_index, device_scope
 
 
 @dataclass
@@ -136,7 +136,7 @@ class GraphedDecode:
         return output
 
     def _capture(self, codes: list[Tensor], noise_kind: str) -> _Captured:
-        with torch.cuda.device(self.device):  # side streams and the graph on the model's device, whichever is current
+        with device_scope(self.device):  # side streams and the graph on the model's device, whichever is current
             return self._capture_here(codes, noise_kind)
 
     def _capture_here(self, codes: list[Tensor], noise_kind: str) -> _Captured:
@@ -145,7 +145,7 @@ class GraphedDecode:
         with torch.inference_mode(False):  # buffers the calls write, in or out of inference mode
             flat = torch.cat([c.reshape(-1).to(self.device, dtype) for c in codes])
             bad_ids = mapped_flag()
-            # keyed: (seeds, rows, zeros) in one buffer; the graph reads all three, the seeds view keeps them alive
+            # keyed: (seeds, rows, frame offsets = 0) in one buffer; the graph reads all three, the seeds view keeps them alive
             keys = torch.zeros((3, codes[0].shape[0]), dtype=torch.int64, device=self.device) if noise_kind == KEYED else None
             if keys is not None:
                 keys[1] = torch.arange(codes[0].shape[0], device=self.device)

@@ -87,13 +87,14 @@ def seeded_noise(model: nn.Module, seed: int, device: torch.device | str = "cpu"
 
 
 @contextlib.contextmanager
-def keyed_noise(model: nn.Module, seeds: Tensor, rows: Tensor | None = None, zeros: Tensor | None = None) -> Iterator[None]:
+def keyed_noise(model: nn.Module, seeds: Tensor, rows: Tensor | None = None, frames: Tensor | None = None) -> Iterator[None]:
     """NoiseBlock i of ``model`` gets :func:`keyed_normal` noise for row b from key (seeds[b],
     rows[b] (default b), i) at positions 0..T-1: what ``decode(codes, seed=s)`` feeds with seeds
-    all s. seeds, rows, zeros (int64 zeros, the frame offsets): [B] on the model's device. Under
-    CUDA graphs all three must be static buffers that outlive the graph (the defaults are made here)."""
+    all s. seeds, rows, frames (the frame offsets, default zeros): int64 [B] on the model's device.
+    Under CUDA graphs all three must be static buffers that outlive the graph (the defaults are
+    made here)."""
     rows = torch.arange(seeds.shape[0], device=seeds.device) if rows is None else rows
-    frames = torch.zeros_like(seeds) if zeros is None else zeros
+    frames = torch.zeros_like(seeds) if frames is None else frames
 
     def source(index: int, x: Tensor) -> Tensor:
         return keyed_normal(seeds, rows, frames, 0, 0, x.shape[2], index, dtype=x.dtype)

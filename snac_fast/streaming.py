@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from snac_fast.graphs import out_of_memory_explained
 from snac_fast.noise import check_seed, noise_blocks, patched_noise
+from snac_fast.ops._runtime import device_scope
 from snac_fast.ops.context import context_step
 from snac_fast.ops.noise import keyed_normal
 
@@ -363,8 +364,6 @@ class StreamEngine:
         if len(shapes) > self.max_graphs:
             raise ValueError(f"warmup needs {len(shapes)} graphs but the engine keeps {self.max_graphs}: "
                              "raise max_graphs or warm fewer shapes")
-        from snac_fast.api import device_scope
-
         captured = 0
         with self._lock, torch.inference_mode(), device_scope(self.device):
             for kind, bucket, k in shapes:
@@ -507,8 +506,6 @@ class StreamEngine:
 
     def _decode_pending(self, pushed: list[StreamSlot], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
         """Decode what ``pushed`` streams hold (prefills, steps) and end ``finish``; under the lock."""
-        from snac_fast.api import device_scope
-
         pieces: dict[StreamSlot, list[Tensor]] = {s: [] for s in pushed + finish}
         with torch.inference_mode(), device_scope(self.device):
             self._run_prefills([s for s in pieces if not s.started and s.pending_frames >= self.prefill_frames], pieces)

@@ -13,23 +13,29 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator, Sequence
 
 import torch
 
+from snac_fast.ops._runtime import device_scope
+
 
 @contextlib.contextmanager
 def _compile_only(workers: int) -> Iterator[None]:
-    """Inside: Triton launches compile (concurrently) and return without running."""
+    """Inside: this thread's Triton launches compile (concurrently) and return without running.
+    The patch is process-wide, so launches from other threads (a server already decoding) pass
+    through unchanged."""
     from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime.jit import JITFunction
 
     launch = JITFunction.run
+    owner = threading.get_ident()
 
     def compile_only(self, *args, grid, warmup, **kwargs):
-        return launch(self, *args, grid=grid, warmup=True, **kwargs)
+        return launch(self, *args, grid=grid, warmup=warmup or threading.get_ident() == owner, **kwargs)
 
     with ThreadPoolExecutor(max_workers=workers) as pool, AsyncCompileMode(pool):
         JITFunction.run = compile_only
@@ -45,8 +51,6 @@ def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | Non
     off CUDA."""
     if codec.device.type != "cuda":
         return 0.0
-    from snac_fast.api import device_scope
-
     start = time.perf_counter()
     workers = workers or min(16, os.cpu_count() or 1)
     with torch.inference_mode(), device_scope(codec.device), _compile_only(workers):

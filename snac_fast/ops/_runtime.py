@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -52,6 +53,12 @@ def dependent_launch(device: torch.device, programs: int) -> bool:
         return False
     index = cuda_index(device)
     return programs <= 8 * _wave_programs(index) and _capability(index) >= (9, 0)
+
+
+def device_scope(device: torch.device):
+    """Make ``device`` current for a call (side streams, graphs, kernels), whichever CUDA device the
+    caller has current; a no-op off CUDA."""
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def cuda_index(device: torch.device) -> int:
