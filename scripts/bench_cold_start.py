@@ -1,12 +1,12 @@
 """Cold start of a fresh process: import, load, first decode (24 kHz streaming chunk, B=1, 4 frames),
 second decode, each in a new Python process, with an empty and with a warm Triton cache, with and
 without the concurrent kernel warm-up (:mod:`snac_fast.warmup`); then the ``snac-fast decode`` CLI's
-whole wall clock on a warm cache. The first decode imports the parts of torch that ``torch.library``
-needs; where site-packages hold no compiled bytecode (as on the project's GPU machine), set
-``PYTHONPYCACHEPREFIX`` to a writable folder so that only the first process compiles it, as after
-a normal ``pip install``.
+whole wall clock on a warm cache. Where site-packages hold no compiled bytecode and
+``PYTHONDONTWRITEBYTECODE`` is set (as on the project's GPU machine: ``import torch`` then takes
+6.5 s instead of 2.4 s in every process), unset it and set ``PYTHONPYCACHEPREFIX`` to a writable
+folder, so that only the first process compiles the bytecode, as after a normal ``pip install``:
 
-    python scripts/bench_cold_start.py --out benchmarks
+    env -u PYTHONDONTWRITEBYTECODE PYTHONPYCACHEPREFIX=/tmp/pyc python scripts/bench_cold_start.py --out benchmarks
 """
 
 from __future__ import annotations
@@ -35,11 +35,14 @@ torch.cuda.synchronize()
 t_load = time.perf_counter() - t
 s = codec.config["vq_strides"]
 codes = [torch.randint(0, 4096, (1, 4 * s[0] // x)) for x in s]
+loaded = len(sys.modules)
 t = time.perf_counter()
 phases = codec.warmup([1], [4]) if sys.argv[2] == "warmup" else {}
 codec.decode(codes, seed=1)
 torch.cuda.synchronize()
 t_first = time.perf_counter() - t
+phases["modules_imported_by_first_decode"] = len(sys.modules) - loaded
+phases["dynamo_imported"] = "torch._dynamo" in sys.modules
 t = time.perf_counter()
 codec.decode(codes, seed=1)
 torch.cuda.synchronize()
@@ -66,6 +69,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import torch"], check=True)
+    torch_import_s = time.perf_counter() - t  # the floor of any process that uses torch, for scale
     rows = []
     for mode in ("plain", "warmup"):
         for r in range(args.repeats):
@@ -85,17 +91,21 @@ def main() -> None:
         cli = time.perf_counter() - t
     print("cli decode, warm cache:", cli)
     results = {"environment": environment(), "model": args.model, "rows": rows, "cli_decode_warm_cache_s": cli,
+               "threads": os.cpu_count(),
+               "python_import_torch_process_s": torch_import_s, "dont_write_bytecode": sys.flags.dont_write_bytecode,
                "pythonpycacheprefix": os.environ.get("PYTHONPYCACHEPREFIX")}
     keys = ["import_s", "load_s", "first_decode_s", "to_first_audio_s", "process_s"]
     md = [f"# Cold start, {args.model}: {results['environment']['device']}, {results['environment']['date']}\n",
           "Fresh process each row; first decode = 24 kHz streaming chunk (B=1, 4 frames) with sync, including "
           "kernel compilation (empty cache) or loading (warm cache), CUDA graph capture and warm-up decodes. "
           "mode warmup: `codec.warmup([1], [4])` (concurrent compilation) before the first decode.\n",
-          markdown_table(["mode", "Triton cache"] + [k[:-2] + " s" for k in keys],
-                         [[r["mode"], r["cache"]] + [f"{r[k]:.2f}" for k in keys] for r in rows]),
+          markdown_table(["mode", "Triton cache"] + [k[:-2] + " s" for k in keys] + ["modules imported by first decode"],
+                         [[r["mode"], r["cache"]] + [f"{r[k]:.2f}" for k in keys] + [r["modules_imported_by_first_decode"]]
+                          for r in rows]),
           f"\n`snac-fast decode samples/snac_24khz.pt out.wav --model {args.model}` after `snac-fast warmup`: "
           f"{cli:.2f} s of wall clock in total (after `snac-fast warmup --frames 4,18`). "
-          f"PYTHONPYCACHEPREFIX: {os.environ.get('PYTHONPYCACHEPREFIX') or 'unset'}.\n"]
+          f"PYTHONPYCACHEPREFIX: {os.environ.get('PYTHONPYCACHEPREFIX') or 'unset'}. "
+          f"For scale, `python -c 'import torch'` alone: {torch_import_s:.2f} s.\n"]
     print("\n".join(md))
     if args.out:
         import torch

@@ -94,11 +94,12 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
-def _load_model(args: argparse.Namespace, file_model: str | None):
+def _load_model(args: argparse.Namespace, file_model: str | None, **options):
     from snac_fast.api import FastSNAC
 
     name = args.model or file_model or DEFAULT_MODEL
-    return FastSNAC.from_pretrained(name, device=args.device, dtype=args.dtype, local_files_only=args.local_files_only)
+    return FastSNAC.from_pretrained(name, device=args.device, dtype=args.dtype, local_files_only=args.local_files_only,
+                                    **options)
 
 
 class _Stages:
@@ -125,13 +126,16 @@ def cmd_decode(args: argparse.Namespace) -> None:
     import soundfile
 
     from snac_fast.codes import load_tokens
+    from snac_fast.warmup import compile_kernels
 
     codes, file_model = load_tokens(args.tokens)
     if codes[0].dim() == 2 and codes[0].shape[0] != 1:
         raise UsageError(f"{args.tokens} holds a batch of {codes[0].shape[0]}; the CLI writes one WAV, decode batches from Python")
     with _Stages(["loading model", "decoding", "writing"]) as stages:
-        model = _load_model(args, file_model)
+        # one decode: a CUDA graph's capture would cost more than it saves; the kernels still compile concurrently
+        model = _load_model(args, file_model, cuda_graphs=False)
         stages.next()
+        compile_kernels(model, [(1, codes[0].shape[-1])])
         audio = model.decode(codes, seed=args.seed)
         stages.next()
         samples = audio[0, 0].float().cpu().numpy()

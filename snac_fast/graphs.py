@@ -34,6 +34,7 @@ from torch import Tensor, nn
 from snac_fast.codes import check_code_ids
 from snac_fast.noise import draw, keyed_noise, patched_noise
 from snac_fast.ops._runtime import cuda_index, device_scope
+from snac_fast.compiling import compiling_concurrently
 
 
 @dataclass
@@ -179,9 +180,10 @@ class GraphedDecode:
             stream = torch.cuda.Stream()
             stream.wait_stream(torch.cuda.current_stream())
             with torch.inference_mode(), torch.cuda.stream(stream):  # compile kernels, settle allocations
+                # a shapes-only pass: kernels compile concurrently instead of one by one at first launch
+                with compiling_concurrently(), patched_noise(self.model, record) if noise_kind != KEYED else noise_feed():
+                    self.model.decode(static_codes)
                 if noise_kind != KEYED:
-                    with patched_noise(self.model, record):
-                        self.model.decode(static_codes)
                     with torch.inference_mode(False):
                         noise = torch.randn(sum(b * t for b, _, t in shapes), device=self.device, dtype=dtypes[0])
                     offset = 0

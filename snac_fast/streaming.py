@@ -39,6 +39,7 @@ from snac_fast.noise import check_seed, noise_blocks, patched_noise
 from snac_fast.ops._runtime import device_scope
 from snac_fast.ops.context import context_step
 from snac_fast.ops.noise import keyed_normal
+from snac_fast.compiling import compiling_concurrently
 
 PREFILL, STEP, FLUSH = "prefill", "step", "flush"
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
@@ -678,8 +679,10 @@ class _StepGraph:
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream), torch.inference_mode():
-            engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
-            engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
+            with compiling_concurrently():  # a shapes-only pass: the kernels compile concurrently
+                engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
+            for _ in range(2):
+                engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool, stream=torch.cuda.Stream(device)):

@@ -20,13 +20,15 @@ SYNTHETIC_PREFIX = "synthetic:"
 ALPHA_RANGE = (0.2, 5.0)  # Snake alphas drawn log-uniformly: trained models' alphas are not all 1
 
 
-def synthetic_model(model: str = "snac_24khz", seed: int = 0):
+def synthetic_model(model: str = "snac_24khz", seed: int = 0, **overrides):
     """An upstream ``snac.SNAC`` (float32, CPU, eval) with seeded weights; ``model`` is a published
-    name ("snac_24khz", "snac_32khz", "snac_44khz", or the hub id)."""
+    name ("snac_24khz", "snac_32khz", "snac_44khz", or the hub id). ``overrides`` change config
+    entries, e.g. ``decoder_dim=256, encoder_dim=16`` for a narrow model of the same structure
+    (strides, attention windows, receptive field) that tests run faster."""
     import snac
     from snac.layers import Snake1d
 
-    config = published_config(model)
+    config = {**published_config(model), **overrides}
     with torch.random.fork_rng(devices=[]):  # leave the caller's global RNG untouched
         torch.manual_seed(seed)
         net = snac.SNAC(**config)
@@ -39,12 +41,13 @@ def synthetic_model(model: str = "snac_24khz", seed: int = 0):
     return net.eval()
 
 
-def make_checkpoint(folder: str | Path, model: str = "snac_24khz", seed: int = 0) -> Path:
-    """Write config.json + pytorch_model.bin for a seeded synthetic model into ``folder``."""
+def make_checkpoint(folder: str | Path, model: str = "snac_24khz", seed: int = 0, **overrides) -> Path:
+    """Write config.json + pytorch_model.bin for a seeded synthetic model (``overrides`` as in
+    :func:`synthetic_model`) into ``folder``."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    net = synthetic_model(model, seed)
-    (folder / "config.json").write_text(json.dumps(published_config(model), indent=2) + "\n")
+    net = synthetic_model(model, seed, **overrides)
+    (folder / "config.json").write_text(json.dumps({**published_config(model), **overrides}, indent=2) + "\n")
     torch.save(net.state_dict(), folder / "pytorch_model.bin")
     return folder
 

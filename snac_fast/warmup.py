@@ -1,48 +1,22 @@
 """Cold start: compile every Triton kernel a server will launch before the first request.
 
-A fresh process compiles each kernel variant the first time it is launched, one after another
-(tens of variants for a decode). :func:`compile_kernels` runs the decodes of the given shapes once
-with every Triton launch turned into a compile-only warm-up, under Triton's
-``AsyncCompileMode`` with a thread pool, so the variants compile concurrently; the compiled
-kernels land in Triton's persistent cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``),
-which a container build can bake. :func:`warmup` then runs real decodes of those shapes (CUDA
-graph captures, cuDNN/cuBLAS start-up) and, if asked, every stream-engine step shape.
+:func:`compile_kernels` runs the decodes of the given shapes once under
+:func:`snac_fast.compiling.compiling_concurrently`, so their kernel variants compile concurrently
+(in worker processes) instead of one by one at their first launch; the compiled kernels land in
+Triton's persistent cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), which a container
+build can bake. :func:`warmup` then runs real decodes of those shapes (CUDA graph captures,
+cuDNN/cuBLAS start-up) and, if asked, every stream-engine step shape.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import Iterator, Sequence
+from typing import Sequence
 
 import torch
 
+from snac_fast.compiling import compiling_concurrently
 from snac_fast.ops._runtime import device_scope
-
-
-@contextlib.contextmanager
-def _compile_only(workers: int) -> Iterator[None]:
-    """Inside: this thread's Triton launches compile (concurrently) and return without running.
-    The patch is process-wide, so launches from other threads (a server already decoding) pass
-    through unchanged."""
-    from triton.runtime._async_compile import AsyncCompileMode
-    from triton.runtime.jit import JITFunction
-
-    launch = JITFunction.run
-    owner = threading.get_ident()
-
-    def compile_only(self, *args, grid, warmup, **kwargs):
-        return launch(self, *args, grid=grid, warmup=warmup or threading.get_ident() == owner, **kwargs)
-
-    with ThreadPoolExecutor(max_workers=workers) as pool, AsyncCompileMode(pool):
-        JITFunction.run = compile_only
-        try:
-            yield
-        finally:
-            JITFunction.run = launch
 
 
 def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | None = None) -> float:
@@ -52,8 +26,7 @@ def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | Non
     if codec.device.type != "cuda":
         return 0.0
     start = time.perf_counter()
-    workers = workers or min(16, os.cpu_count() or 1)
-    with torch.inference_mode(), device_scope(codec.device), _compile_only(workers):
+    with torch.inference_mode(), device_scope(codec.device), compiling_concurrently(workers):
         for batch, frames in shapes:
             codec.model.decode(_zero_codes(codec, batch, frames))  # eager: kernels see the real shapes
     return time.perf_counter() - start

@@ -6,11 +6,14 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: a core per worker (two threads each oversubscribe the CPU)
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: "heavy" not in item.keywords)  # stable; pytest -n then spreads them first
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")

@@ -136,6 +136,7 @@ def test_fidelity_command_exits_1_on_failure(short_tokens, monkeypatch, capsys):
     assert "FAIL" in capsys.readouterr().out
 
 
+@pytest.mark.heavy
 def test_profile_command(short_tokens, tmp_path):
     import json
 

@@ -5,7 +5,7 @@ import torch
 from snac.layers import NoiseBlock, Snake1d
 from torch.nn.utils import parametrize
 
-from helpers import random_codes
+from helpers import NARROW, random_codes
 from snac_fast import FastSNAC, FastSnake1d, accelerate
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
@@ -59,9 +59,11 @@ def test_surgery_counts_types_and_tree(name):
         "Conv1d", "DepthwisePointwiseConv1d", "AbsorbedConv1d", "FusedConvTranspose1d", "OutputConvTanh"}
 
 
-@pytest.mark.parametrize("name", MODELS)
-def test_decode_matches_upstream_with_same_noise(name):
-    fast = FastSNAC.from_pretrained(f"synthetic:{name}", device="cpu", dtype=torch.float32)
+@pytest.mark.parametrize("name, narrow", [("snac_24khz", False), ("snac_32khz", True), ("snac_44khz", True)])
+def test_decode_matches_upstream_with_same_noise(name, narrow):
+    """The 32/44 kHz networks (identical but for the sampling rate) run narrow (helpers.NARROW):
+    test_reference decodes them at full width against upstream's waveforms."""
+    fast = FastSNAC(synthetic_model(name, **NARROW if narrow else {}), device="cpu", dtype=torch.float32)
     ref = fast.reference_model()
     codes = random_codes(fast.config, coarse_frames(fast.config), batch=2, seed=1)
     out = fast.decode(codes, generator=torch.Generator().manual_seed(5))
@@ -96,7 +98,7 @@ def test_accelerate_options():
 
 
 def test_seed_makes_noise_reproducible():
-    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+    fast = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")
     codes = random_codes(fast.config, 2, seed=4)
     a, b = fast.decode(codes, seed=1), fast.decode(codes, seed=1)
     assert torch.equal(a, b)
@@ -106,7 +108,7 @@ def test_seed_makes_noise_reproducible():
 
 
 def test_decode_accepts_codes_on_any_device_and_int32():
-    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+    fast = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")
     codes = random_codes(fast.config, 2, seed=6)
     a = fast.decode(codes, seed=0)
     b = fast.decode([c.to(torch.int32) for c in codes], seed=0)
@@ -212,7 +214,7 @@ def test_whole_decode_compiles_as_one_graph():
     weights packed at surgery, never packing or caching inside the graph (a tensor cached there
     lives in the graph's memory: under reduce-overhead the next replay overwrote it)."""
     torch._dynamo.reset()
-    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu", dtype=torch.float32)
+    fast = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", dtype=torch.float32)
     packed = _packed_weights(fast)
     assert len(packed) == 4 and all(p is not None for p in packed)
     _fixed_noise(fast)
@@ -244,10 +246,10 @@ def test_half_precision_attention_runs_in_float32():
     """Upstream's 32/44 kHz attention fails in half precision (float32 rotary scale promotes q, k);
     snac-fast keeps that one module in float32."""
     codes = random_codes(published_config("snac_32khz"), 4, seed=2)
-    plain = synthetic_model("snac_32khz").to(torch.bfloat16)
+    plain = synthetic_model("snac_32khz", **NARROW).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="same dtype"):
         decode_with_noise(plain, codes, 0, torch.device("cpu"))
-    fast = FastSNAC(synthetic_model("snac_32khz"), device="cpu", dtype=torch.bfloat16)
+    fast = FastSNAC(synthetic_model("snac_32khz", **NARROW), device="cpu", dtype=torch.bfloat16)
     assert fast.report.float32_attention == ["encoder.block.5", "decoder.model.2"]
     out = fast.decode(codes, seed=0)
     assert out.dtype == torch.bfloat16

@@ -50,6 +50,7 @@ def test_synthetic_checkpoint_and_upstream_unchanged(name):
     assert_matches(expected, decode_with_noise(model, codes, entry["noise_seed"], CPU), f"upstream snac {name}")
 
 
+@pytest.mark.heavy
 @pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz", "snac_44khz"])
 def test_fast_decode_reproduces_reference(name):
     expected, codes, entry = reference(name)

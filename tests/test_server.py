@@ -1,24 +1,30 @@
 """Server contexts: building and decoding under inference_mode / no_grad, threads sharing one codec,
 the caller's CUDA stream, GPU out-of-memory during graph capture."""
 
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
 import torch
 
-from helpers import random_codes
+from helpers import NARROW, random_codes
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
-from snac_fast.testing import synthetic_model
+from snac_fast.configs import published_config
+from snac_fast.testing import make_checkpoint, synthetic_model
 
 
-def test_build_and_decode_inside_inference_mode_and_no_grad():
-    codes = random_codes(FastSNAC.from_pretrained("synthetic:snac_24khz", fuse=False).config, 1, seed=3)
-    plain = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
+def test_build_and_decode_inside_inference_mode_and_no_grad(tmp_path):
+    folder = make_checkpoint(tmp_path, "snac_24khz", **NARROW)  # loading, surgery and decode; widths do not matter
+    codes = random_codes(published_config("snac_24khz"), 1, seed=3)
+    plain = FastSNAC.from_pretrained(str(folder), device="cpu")
     expected = plain.decode(codes, seed=5)
     with torch.inference_mode():
-        built = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu")
-        wrapped = FastSNAC(synthetic_model("snac_24khz"), device="cpu")  # an upstream model made in inference mode
+        built = FastSNAC.from_pretrained(str(folder), device="cpu")
+        wrapped = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")  # an upstream model made in inference mode
         inside = built.decode(codes, seed=5)
     assert not any(p.is_inference() for p in built.model.parameters())
     assert torch.equal(inside, expected)
@@ -49,11 +55,61 @@ def _decode_in_threads(codec, jobs, threads=4):
 
 def test_threads_share_one_codec():
     """Decodes from several threads at once patch the same NoiseBlocks: each must get its own seed's audio."""
-    codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu", fuse=False)
+    codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", fuse=False)
     jobs = [(random_codes(codec.config, 1 + j % 3, seed=j), 100 + j) for j in range(8)]
     expected = [codec.decode(codes, seed=seed) for codes, seed in jobs]
     for got, want in zip(_decode_in_threads(codec, jobs), expected):
         assert torch.equal(got, want)
+
+
+def test_inference_keeps_torch_compiler_stack_unloaded():
+    """A fresh process's decode calls the kernels directly, not through their torch.library ops: a
+    registered op's first call imports torch._dynamo (850 modules, seconds of a cold start)."""
+    script = textwrap.dedent("""
+        import sys, torch
+        from helpers import NARROW, random_codes
+        from snac_fast import FastSNAC
+        from snac_fast.testing import synthetic_model
+        codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")
+        codec.decode(random_codes(codec.config, 1), seed=0)
+        print("dynamo" if "torch._dynamo" in sys.modules else "clean")
+    """)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split()[-1] == "clean"
+
+
+def test_compile_only_launches_stay_in_the_entering_thread(monkeypatch):
+    """compiling_concurrently() turns launches into compile-only warm-ups for its own thread only,
+    while other threads (a server decoding) launch as usual; overlapping blocks in two threads put
+    Triton's launch back as it was."""
+    from triton.runtime.jit import JITFunction
+
+    import snac_fast.compiling as compiling
+
+    seen = []
+    monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kw: seen.append((self, warmup)))
+    original = JITFunction.run
+    monkeypatch.setattr(compiling, "TRITON_INTERPRET", False)  # the patch logic, without a GPU
+    inside, leave = threading.Barrier(3), threading.Event()
+
+    def compile_pass(name):
+        with compiling.compiling_concurrently(workers=1):
+            JITFunction.run(name, grid=(1,), warmup=False)
+            inside.wait()
+            leave.wait()
+
+    threads = [threading.Thread(target=compile_pass, args=(n,)) for n in ("a", "b")]
+    for t in threads:
+        t.start()
+    inside.wait()  # both blocks are open
+    JITFunction.run("server", grid=(1,), warmup=False)
+    leave.set()
+    for t in threads:
+        t.join()
+    assert sorted(seen) == [("a", True), ("b", True), ("server", False)]
+    assert JITFunction.run is original
 
 
 @pytest.mark.gpu

@@ -55,6 +55,17 @@ def dependent_launch(device: torch.device, programs: int) -> bool:
     return programs <= 8 * _wave_programs(index) and _capability(index) >= (9, 0)
 
 
+def through_op(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call must go through its registered ``torch.library`` op rather than the op's body:
+    when torch.compile or export traces it, or autograd records it. Plain inference calls the body
+    directly: an op's first call imports torch._dynamo and what it pulls in (sympy, distributed:
+    about 850 modules, 1-5 s of a fresh process's first decode), and each call pays the
+    dispatcher's ~15 us."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def device_scope(device: torch.device):
     """Make ``device`` current for a call (side streams, graphs, kernels), whichever CUDA device the
     caller has current; a no-op off CUDA."""

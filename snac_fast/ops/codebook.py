@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, wave_programs
+from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
+                                    wave_programs)
 from snac_fast.ops.conv import check_same_device
 from snac_fast.ops.snake import KERNEL_DTYPES
 
@@ -160,4 +161,6 @@ def codes_to_latent(codes: list[Tensor], codebooks: list[Tensor], weights: list[
         raise ValueError(f"bad_ids must be on {codes[0].device} (or pinned host memory for CUDA codes)")
     check_same_device(codes[0].device, *codes, *codebooks, *weights, *biases)
     args = (list(codes), list(codebooks), list(weights), list(biases), [int(s) for s in strides], dtype or codebooks[0].dtype)
+    if not through_op(*codebooks, *weights, *biases):
+        return _codes_to_latent(*args, bad_ids)
     return _codes_to_latent_op(*args) if bad_ids is None else _codes_to_latent_flagged_op(*args, bad_ids)

@@ -32,7 +32,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, wave_programs
+from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
+                                    wave_programs)
 from snac_fast.ops.snake import KERNEL_DTYPES, snake_reference
 
 if HAS_TRITON:
@@ -608,14 +609,17 @@ def _kernel_applies(x: Tensor) -> bool:
     return x.dtype in KERNEL_DTYPES and runs_triton(x)
 
 
-# --- torch.library ops (visible to torch.compile) and the public functions --------------------
+# --- torch.library ops (what torch.compile sees; plain inference calls their bodies) and the public functions ---
 
-@torch.library.custom_op("snac_fast::depthwise_conv_snake", mutates_args=())
-def _depthwise_conv_snake_op(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int,
-                             alpha: Tensor | None) -> Tensor:
+def _depthwise_conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None, dilation: int,
+                          alpha: Tensor | None) -> Tensor:
     if _kernel_applies(x):
         return _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha)
     return depthwise_conv_snake_reference(x, weight, bias, dilation, alpha).contiguous()
+
+
+_depthwise_conv_snake_op = torch.library.custom_op("snac_fast::depthwise_conv_snake", _depthwise_conv_snake,
+                                                   mutates_args=())
 
 
 @_depthwise_conv_snake_op.register_fake
@@ -623,8 +627,7 @@ def _(x, weight, bias, dilation, alpha):
     return x.new_empty(x.shape)
 
 
-@torch.library.custom_op("snac_fast::pointwise_conv", mutates_args=("out", "pair_out"))
-def _pointwise_conv_op(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
+def _pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
                        scale: Tensor | None, input_bias: Tensor | None, alpha_out: Tensor | None, out: Tensor,
                        pair_alpha: Tensor | None, pair_out: Tensor | None, out_channels_last: bool) -> None:
     """out (and pair_out): contiguous [B, C_out, T], or contiguous [B, T, C_out] when
@@ -650,18 +653,23 @@ def _pointwise_conv_op(h: Tensor, weight: Tensor, bias: Tensor | None, residual:
         dest.copy_(value.transpose(1, 2) if out_channels_last else value)
 
 
+_pointwise_conv_op = torch.library.custom_op("snac_fast::pointwise_conv", _pointwise_conv, mutates_args=("out", "pair_out"))
+
+
 @_pointwise_conv_op.register_fake
 def _(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out, out_channels_last):
     return None
 
 
-@torch.library.custom_op("snac_fast::conv_tanh", mutates_args=())
-def _conv_tanh_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _conv_tanh(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     if _kernel_applies(x):
         if takes_tap_gemm(x, weight):
             return _conv_tanh_by_taps(x, weight, bias)
         return _conv_tanh_triton(x, weight, bias)
     return conv_tanh_reference(x, weight, bias).contiguous()
+
+
+_conv_tanh_op = torch.library.custom_op("snac_fast::conv_tanh", _conv_tanh, mutates_args=())
 
 
 @_conv_tanh_op.register_fake
@@ -702,7 +710,8 @@ def depthwise_conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
     if dilation < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation}")
     check_same_device(x.device, weight, bias, alpha)
-    return _depthwise_conv_snake_op(x, weight, bias, int(dilation), alpha)
+    run = _depthwise_conv_snake_op if through_op(x, weight, bias, alpha) else _depthwise_conv_snake
+    return run(x, weight, bias, int(dilation), alpha)
 
 
 def _check_pointwise(h, weight, bias, residual, scale, input_bias, **alphas: Tensor | None) -> None:
@@ -754,8 +763,9 @@ def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residu
     _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha_out=alpha_out)
     out = _output_buffer(out, h, weight.shape[0], "out", channels_last)
     # the op takes the [B, T, C_out] tensor itself: mutated arguments stay plain contiguous tensors
-    _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, alpha_out, out.transpose(1, 2) if channels_last else out,
-                       None, None, channels_last)
+    run = _pointwise_conv_op if through_op(h, weight, bias, residual, scale, input_bias, alpha_out) else _pointwise_conv
+    run(h, weight, bias, residual, scale, input_bias, alpha_out, out.transpose(1, 2) if channels_last else out,
+        None, None, channels_last)
     return out
 
 
@@ -768,7 +778,8 @@ def pointwise_conv_pair(h: Tensor, weight: Tensor, bias: Tensor | None = None, r
     _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha=alpha)
     out = _output_buffer(out, h, weight.shape[0], "out")
     snake_out = _output_buffer(snake_out, h, weight.shape[0], "snake_out")
-    _pointwise_conv_op(h, weight, bias, residual, scale, input_bias, None, out, alpha, snake_out, False)
+    run = _pointwise_conv_op if through_op(h, weight, bias, residual, scale, input_bias, alpha) else _pointwise_conv
+    run(h, weight, bias, residual, scale, input_bias, None, out, alpha, snake_out, False)
     return out, snake_out
 
 
@@ -784,4 +795,4 @@ def conv_tanh(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         raise ValueError(f"weight must be [C_out, {x.shape[1]}, K] with K odd, got {tuple(weight.shape)}")
     _check_per_channel(weight.shape[0], bias=bias)
     check_same_device(x.device, weight, bias)
-    return _conv_tanh_op(x, weight, bias)
+    return (_conv_tanh_op if through_op(x, weight, bias) else _conv_tanh)(x, weight, bias)

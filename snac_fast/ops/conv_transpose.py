@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, wave_programs
+from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
+                                    wave_programs)
 from snac_fast.ops.conv import _block_k, _compute_dtype, _maybe_snake, check_floating, check_same_device, is_channels_last
 from snac_fast.ops.snake import KERNEL_DTYPES
 
@@ -254,12 +255,14 @@ def _conv_transpose_triton(x, packed, bias, stride, alpha_in, config=None):
     return out
 
 
-@torch.library.custom_op("snac_fast::conv_transpose", mutates_args=())
-def _conv_transpose_op(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, stride: int,
-                       alpha_in: Tensor | None) -> Tensor:
+def _conv_transpose(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, stride: int,
+                    alpha_in: Tensor | None) -> Tensor:
     if x.dtype in KERNEL_DTYPES and runs_triton(x):
         return _conv_transpose_triton(x, packed, bias, stride, alpha_in)
     return conv_transpose_reference(x, weight, bias, stride, alpha_in).contiguous()
+
+
+_conv_transpose_op = torch.library.custom_op("snac_fast::conv_transpose", _conv_transpose, mutates_args=())
 
 
 @_conv_transpose_op.register_fake
@@ -287,4 +290,5 @@ def conv_transpose(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int, 
     if packed is None:
         packed = pack_phase_weight(weight.to(x.dtype), stride)
     check_same_device(x.device, weight, packed, bias, alpha_in)
-    return _conv_transpose_op(x, weight, packed, bias, int(stride), alpha_in)
+    run = _conv_transpose_op if through_op(x, weight, bias, alpha_in) else _conv_transpose
+    return run(x, weight, packed, bias, int(stride), alpha_in)

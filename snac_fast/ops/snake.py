@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, launch_flags, runs_triton
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, launch_flags, runs_triton, through_op
 
 EPS = 1e-9  # upstream's guard in 1 / (alpha + 1e-9)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -303,7 +303,6 @@ def snake(x: Tensor, alpha: Tensor) -> Tensor:
         Triton's interpreter when TRITON_INTERPRET=1, else :func:`snake_reference`.
     """
     check_snake_args(x, alpha)
-    needs_graph = torch.is_grad_enabled() and (x.requires_grad or alpha.requires_grad)
-    if needs_graph or torch.compiler.is_compiling():
+    if through_op(x, alpha):
         return _snake_op(x, alpha)  # the registered op: autograd, torch.compile and export see it
-    return _forward(x, alpha)  # inference: skip the dispatcher's ~15 us per call
+    return _forward(x, alpha)
