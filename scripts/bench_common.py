@@ -6,6 +6,7 @@ import datetime
 import json
 import platform
 import statistics
+import time
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -68,3 +69,17 @@ def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> s
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+def timed_call(fn: Callable[..., object], *args) -> tuple[float, float]:
+    """(wall ms with a synchronize, GPU ms between CUDA events recorded around the call) of ``fn(*args)``
+    under inference mode."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    start.record()
+    with torch.inference_mode():
+        fn(*args)
+    end.record()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3, start.elapsed_time(end)

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, markdown_table, write_results  # noqa: E402
+from bench_common import environment, markdown_table, timed_call, write_results  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
@@ -94,19 +94,6 @@ MODES = {
     FOLDED: lambda name: compiled_upstream(name, folded_half=True),
     FAST: lambda name: fast_model(name).decode,
 }
-
-
-def timed_call(fn, codes) -> tuple[float, float]:
-    """(wall ms with a synchronize, GPU ms between events recorded around the call)."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    start.record()
-    with torch.inference_mode():
-        fn(codes)
-    end.record()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) * 1e3, start.elapsed_time(end)
 
 
 def bench_workload(name: str, frames: int, batch: int, rounds: int, failed: dict, label: str) -> dict:

@@ -81,6 +81,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", default="1", help="comma-separated batch sizes (default 1)")
     p.add_argument("--frames", default="4", help="comma-separated coarse frame counts per decode (default 4)")
     p.add_argument("--streams", type=int, default=0, help="also warm the stream engine for up to N streams")
+
+    p = sub.add_parser("encode-dataset", help="folder / list / manifest of audio -> Parquet code shards",
+                       epilog=EPILOG, formatter_class=fmt,
+                       description="Encode every input of SRC (a folder, recursive; a .txt list of paths; a .parquet/.jsonl "
+                                   "manifest with a path or audio column) into OUT/shard-*.parquet: id, path, duration, "
+                                   "sampling_rate, model, codes_0.., error. Unreadable files become rows with an error; "
+                                   "a repeated run skips finished shards (resume).")
+    p.add_argument("src", type=Path, help="folder, .txt list, or .parquet/.jsonl manifest")
+    p.add_argument("out", type=Path, help="output folder for the shards")
+    _add_model_args(p)
+    p.add_argument("--files-per-shard", type=int, default=256, help="inputs per Parquet shard (default 256)")
+    p.add_argument("--batch-seconds", type=float, default=300.0, help="padded audio per encode batch (default 300)")
+    p.add_argument("--pad-seconds", type=float, default=1.0,
+                   help="pad clips to multiples of this, so clips of similar length batch together (0: exact lengths)")
+    p.add_argument("--suffixes", help="comma-separated file suffixes to take from a folder (default: every file)")
+    p.add_argument("--loaders", type=int,
+                   help="threads reading audio (local engine; default one per CPU up to 16), CPU actors at most (ray)")
+    p.add_argument("--engine", choices=["local", "ray"], default="local",
+                   help="local: this process; ray: Ray Data, an actor per GPU (pip install 'snac-fast[ray]')")
+    p.add_argument("--address", help="with --engine ray: join this Ray cluster (default: start a local one)")
+
+    p = sub.add_parser("decode-dataset", help="Parquet code shards -> audio files or Parquet",
+                       epilog=EPILOG, formatter_class=fmt,
+                       description="Decode the code shards of SRC (a shard or a folder of them) to OUT/<id>.wav (or .flac), "
+                                   "or to Parquet shards with an audio column; rows with an error go to OUT/_errors.jsonl.")
+    p.add_argument("src", type=Path, help="a shard file or a folder of shards")
+    p.add_argument("out", type=Path, help="output folder")
+    _add_model_args(p)
+    p.add_argument("--format", choices=["wav", "flac", "parquet"], default="wav", help="output (default wav)")
+    p.add_argument("--seed", type=int, default=0, help="noise seed of every row's decode (default 0)")
     return parser
 
 
@@ -218,7 +248,38 @@ def cmd_warmup(args: argparse.Namespace) -> None:
           + ", ".join(f"{k[:-2]} {v:.1f} s" for k, v in times.items()) + f"; kernels cached in {cache}")
 
 
-COMMANDS = {"decode": cmd_decode, "encode": cmd_encode, "fidelity": cmd_fidelity, "profile": cmd_profile, "warmup": cmd_warmup}
+def cmd_encode_dataset(args: argparse.Namespace) -> None:
+    from snac_fast.datasets import encode_dataset
+
+    if args.files_per_shard < 1 or (args.loaders or 1) < 1 or args.batch_seconds <= 0 or args.pad_seconds < 0:
+        raise UsageError("--files-per-shard and --loaders must be >= 1, --batch-seconds > 0, --pad-seconds >= 0")
+    if not args.src.exists():
+        raise UsageError(f"{args.src} does not exist")
+    suffixes = [s if s.startswith(".") else "." + s for s in args.suffixes.split(",") if s] if args.suffixes else None
+    if args.engine == "ray":  # the actors load the model
+        run = {"model": args.model, "device": args.device, "dtype": args.dtype, "engine": "ray", "address": args.address}
+    else:
+        run = {"codec": _load_model(args, None)}
+    summary = encode_dataset(args.src, args.out, files_per_shard=args.files_per_shard, batch_seconds=args.batch_seconds,
+                             pad_seconds=args.pad_seconds, suffixes=suffixes, loaders=args.loaders, **run)
+    print(f"{args.out}: {summary['files']} files in {summary['shards']} shards ({summary['shards_skipped']} already done), "
+          f"{summary['audio_seconds'] / 3600:.3f} h of audio, {summary['errors']} errors, {summary['wall_seconds']:.1f} s")
+
+
+def cmd_decode_dataset(args: argparse.Namespace) -> None:
+    from snac_fast.datasets import decode_dataset
+
+    if not args.src.exists():
+        raise UsageError(f"{args.src} does not exist")
+    codec = _load_model(args, None) if args.model else None
+    summary = decode_dataset(args.src, args.out, codec, format=args.format, seed=args.seed, device=args.device,
+                             dtype=args.dtype)
+    print(f"{args.out}: {summary['written']} written, {summary['skipped']} already there, {summary['errors']} errors "
+          f"(listed in {args.out / '_errors.jsonl'}), {summary['wall_seconds']:.1f} s")
+
+
+COMMANDS = {"decode": cmd_decode, "encode": cmd_encode, "fidelity": cmd_fidelity, "profile": cmd_profile,
+            "warmup": cmd_warmup, "encode-dataset": cmd_encode_dataset, "decode-dataset": cmd_decode_dataset}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -74,6 +74,23 @@ def test_encode_then_decode_uses_the_files_model(tmp_path):
     assert info.samplerate == 32000 and info.frames == 32 * 384
 
 
+def test_dataset_commands_round_trip(tmp_path):
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    t = np.arange(int(0.4 * 24000)) / 24000
+    soundfile.write(str(corpus / "one.wav"), (0.3 * np.sin(2 * np.pi * 200 * t)).astype(np.float32), 24000)
+    (corpus / "broken.wav").write_bytes(b"not a wav")
+    proc = cli("encode-dataset", corpus, tmp_path / "codes", "--model", "synthetic:snac_24khz", "--device", "cpu",
+               "--files-per-shard", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 files in 2 shards (0 already done)" in proc.stdout and "1 errors" in proc.stdout
+    proc = cli("decode-dataset", tmp_path / "codes", tmp_path / "audio", "--device", "cpu")  # the shards name the model
+    assert proc.returncode == 0, proc.stderr
+    assert "1 written" in proc.stdout and soundfile.info(str(tmp_path / "audio" / "one.wav.wav")).samplerate == 24000
+    assert_usage_error(cli("encode-dataset", tmp_path / "nowhere", tmp_path / "x", "--device", "cpu"), "does not exist")
+    assert_usage_error(cli("encode-dataset", corpus, tmp_path / "x", "--files-per-shard", "0"), "--files-per-shard")
+
+
 def test_model_flag_overrides_the_file(tmp_path):
     proc = cli("decode", SAMPLE_24, tmp_path / "x.wav", "--model", "synthetic:snac_32khz", "--device", "cpu")
     assert_usage_error(proc, "4 code levels")

@@ -1,0 +1,171 @@
+"""Encode benchmark (GPU): snac-fast's encode against upstream eager and under torch.compile, then
+corpus throughput of ``snac_fast.datasets.encode_dataset`` (local engine) against the same codec's
+own batched encode of the same audio.
+
+    python scripts/bench_encode.py --model snac_24khz --out benchmarks/encode_24khz_h100
+
+Per workload every mode is built afresh (the compile peer: reduce-overhead, fp16 autocast,
+``dynamic=False``, compiled for that one shape) and the modes are timed in interleaved rounds over
+rotated inputs: per call = wall clock with a synchronize, GPU = CUDA events around the call. The
+corpus: speech-like clips of 2-12 s written as 16 kHz WAV files (read, resampled, batched by the
+pipeline); "own batched encode" encodes the same clips already resampled, in the same batches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import soundfile
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import environment, markdown_table, timed_call, write_results  # noqa: E402
+
+from snac_fast import FastSNAC  # noqa: E402
+from snac_fast import datasets  # noqa: E402
+from snac_fast.configs import published_config  # noqa: E402
+from snac_fast.surgery import to_device_dtype  # noqa: E402
+from snac_fast.testing import synthetic_model  # noqa: E402
+
+CUDA = torch.device("cuda")
+N_SETS = 3
+EAGER, COMPILE, FAST = "upstream eager fp32", "compile r-o fp16 autocast", "snac-fast fp16"
+
+
+def upstream_encode(name: str):
+    model = synthetic_model(name)
+    to_device_dtype(model, CUDA, torch.float32)
+    return model.encode
+
+
+def compiled_encode(name: str):
+    encode = torch.compile(upstream_encode(name), mode="reduce-overhead", dynamic=False)
+
+    def run(audio):  # outside inference mode: dynamo's guards on upstream's numpy hop_length fail inside it
+        with torch.inference_mode(False), torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
+            return encode(audio)
+
+    return run
+
+
+def fast_encode(name: str):
+    codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16)
+    return lambda audio: codec.encode(audio)
+
+
+MODES = {EAGER: upstream_encode, COMPILE: compiled_encode, FAST: fast_encode}
+
+
+def speech_like(seconds: float, rate: int, rng: np.random.Generator) -> np.ndarray:
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = rng.uniform(90, 220) + 30 * np.sin(2 * np.pi * rng.uniform(0.3, 1.0) * t)
+    voice = sum(np.sin(k * 2 * np.pi * np.cumsum(f0) / rate) / k for k in range(1, 6))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * rng.uniform(3, 5) * t) ** 2
+    return (0.2 * voice * envelope + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+def bench_workload(name: str, seconds: float, batch: int, rounds: int) -> dict:
+    rate = published_config(name)["sampling_rate"]
+    rng = np.random.default_rng(0)
+    sets = [torch.from_numpy(np.stack([speech_like(seconds, rate, rng) for _ in range(batch)])[:, None]).to(CUDA)
+            for _ in range(N_SETS)]
+    torch._dynamo.reset()  # each compile sees this one shape
+    built, first = {}, {}
+    for mode, build in MODES.items():
+        t0 = time.perf_counter()
+        try:
+            fn = build(name)
+            with torch.inference_mode():
+                for audio in sets * 2:
+                    fn(audio)
+            torch.cuda.synchronize()
+        except Exception as error:  # reported, and the other modes still count
+            print(f"{mode} failed at {seconds:g} s B={batch}: {type(error).__name__}: {error}"[:500], flush=True)
+            continue
+        built[mode], first[mode] = fn, time.perf_counter() - t0
+    walls = {m: [] for m in built}
+    gpus = {m: [] for m in built}
+    for r in range(rounds):
+        for mode in (list(built) if r % 2 == 0 else list(reversed(built))):
+            for i in range(6):
+                wall, gpu = timed_call(built[mode], sets[(r + i) % N_SETS])
+                walls[mode].append(wall)
+                gpus[mode].append(gpu)
+    out = {m: {"median_ms": statistics.median(walls[m]), "gpu_median_ms": statistics.median(gpus[m]),
+               "build_and_warmup_s": first[m]} for m in built}
+    for m, v in out.items():
+        print(f"{m:<28} {seconds:g} s B={batch:<3} {v['median_ms']:9.3f} ms  GPU {v['gpu_median_ms']:9.3f} ms", flush=True)
+    return out
+
+
+def bench_corpus(name: str, files: int, batch_seconds: float) -> dict:
+    """Hours of audio per minute: the local dataset engine vs the codec's own encode of the same
+    clips (resampled already) in the same batches."""
+    codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16, source=f"synthetic:{name}")
+    rng = np.random.default_rng(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "corpus"
+        folder.mkdir()
+        for n in range(files):
+            soundfile.write(folder / f"{n:05d}.wav", speech_like(rng.uniform(2, 12), 16000, rng), 16000)
+        warm = datasets.encode_dataset(folder, Path(tmp) / "warm", codec, files_per_shard=64, batch_seconds=batch_seconds,
+                                       progress=False)  # compiles, caches: not timed
+        summary = datasets.encode_dataset(folder, Path(tmp) / "out", codec, files_per_shard=64,
+                                          batch_seconds=batch_seconds, progress=False)
+        clips = [datasets.read_clip(i, codec.sampling_rate) for i in datasets.list_inputs(folder)]
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k in range(0, len(clips), 64):  # the same shards and batches, no reading or writing
+            datasets.encode_clips(codec, clips[k:k + 64], 1.0, batch_seconds)
+        torch.cuda.synchronize()
+        own_s = time.perf_counter() - t0
+    hours = summary["audio_seconds"] / 3600
+    result = {"files": files, "audio_hours": hours, "pipeline_s": summary["wall_seconds"], "own_encode_s": own_s,
+              "pipeline_hours_per_minute": hours / summary["wall_seconds"] * 60,
+              "own_hours_per_minute": hours / own_s * 60, "warm_run_s": warm["wall_seconds"]}
+    result["pipeline_vs_own"] = result["pipeline_hours_per_minute"] / result["own_hours_per_minute"]
+    print("corpus:", {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, flush=True)
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="snac_24khz")
+    ap.add_argument("--out", type=Path, default=Path("benchmarks/encode"))
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--files", type=int, default=300, help="corpus files (2-12 s each)")
+    ap.add_argument("--batch-seconds", type=float, default=300.0)
+    args = ap.parse_args()
+    loads = [(10.0, 1), (10.0, 32), (60.0, 1)]
+    results = {f"{s:g} s B={b}": bench_workload(args.model, s, b, args.rounds) for s, b in loads}
+    corpus = bench_corpus(args.model, args.files, args.batch_seconds)
+    env = environment()
+    rows = []
+    for label, by_mode in results.items():
+        for mode, r in by_mode.items():
+            rows.append([label, mode, f"{r['median_ms']:.3f}", f"{r['gpu_median_ms']:.3f}",
+                         f"{by_mode[COMPILE]['median_ms'] / r['median_ms']:.2f}x" if COMPILE in by_mode else "-",
+                         f"{r['build_and_warmup_s']:.1f}"])
+    md = (f"# Encode benchmark: {args.model}\n\n{env['device']}, {env['date']}, torch {env['torch']}. "
+          f"`python scripts/bench_encode.py --model {args.model} --rounds {args.rounds} --files {args.files}`. "
+          "Modes built afresh per workload (compile: reduce-overhead, fp16 autocast, `dynamic=False`), timed in "
+          "interleaved rounds; per call = wall clock with a synchronize, GPU = CUDA events; medians.\n\n"
+          + markdown_table(["workload", "mode", "per call ms", "GPU ms", "vs compile", "build + warm-up s"], rows)
+          + f"\nCorpus, local engine, one GPU: {corpus['files']} speech-like WAV files (16 kHz, 2-12 s, "
+          f"{corpus['audio_hours']:.2f} h): {corpus['pipeline_hours_per_minute']:.1f} h of audio per minute "
+          f"({corpus['pipeline_s']:.1f} s); the codec's own batched encode of the same clips: "
+          f"{corpus['own_hours_per_minute']:.1f} h/min; pipeline / own = {corpus['pipeline_vs_own']:.2f}. "
+          "Ray engine: not run on the GPU machine (the Ray wheel is larger than what a run can carry).\n")
+    write_results(args.out.parent, args.out.name, {"environment": env, "model": args.model, "encode": results,
+                                                   "corpus": corpus}, md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

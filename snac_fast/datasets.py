@@ -1,0 +1,439 @@
+"""Corpus-scale encoding and decoding: audio files -> Parquet shards of SNAC codes, and back.
+
+``encode_dataset(source, out)`` reads a folder of audio files (recursive), a text list of paths, or
+a Parquet/JSONL manifest (a ``path`` or ``audio`` bytes column, optional ``id``), and writes
+``out/shard-00000.parquet``, ... with one row per input: ``id``, ``path``, ``duration`` (seconds),
+``sampling_rate`` (the file's), ``model``, ``codes_0`` ... ``codes_{n-1}`` (one int16 list per
+level) and ``error`` (null, or why the file could not be encoded: its codes are then null). Nothing
+is skipped silently: an empty, corrupt or non-audio file is a row with its error.
+
+- Inputs are sorted by id and cut into shards of ``files_per_shard``; a finished shard is written
+  atomically and skipped when the run is repeated, so a crashed run resumes where it stopped
+  (``out/_run.json`` records the run's inputs and settings; another run into ``out`` is refused).
+- Audio is read (soundfile), mixed down to mono and resampled to the model's rate on a pool of
+  ``loaders`` threads (default: one per CPU, up to 16), one shard ahead of the GPU.
+- Clips are batched by length: each clip is zero-padded to the next multiple of ``pad_seconds``
+  (rounded to the model's padding unit), clips of one padded length are encoded together up to
+  ``batch_seconds`` of audio per batch, and each clip's codes are cut to its own length. A clip's
+  codes therefore depend on the clip and ``pad_seconds`` only, never on its batch mates; with
+  ``pad_seconds=0`` they equal ``codec.encode`` of the clip alone.
+
+``decode_dataset(source, out)`` turns such shards back into audio files (WAV or FLAC, one per row,
+named by id) or Parquet shards with an ``audio`` column, skipping rows with an error (listed in
+``out/_errors.jsonl``) and files already written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import math
+import os
+import pickle
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import torch
+
+from snac_fast.configs import DEFAULT_MODEL
+
+MANIFEST_SUFFIXES = (".parquet", ".jsonl")
+LIST_SUFFIXES = (".txt", ".lst")
+
+
+@dataclass(frozen=True)
+class AudioInput:
+    """One input: its id (unique), where it comes from (a path, or bytes from a manifest)."""
+
+    id: str
+    path: str | None = None
+    data: bytes | None = None
+
+
+@dataclass
+class Clip:
+    """An input read for encoding: mono float32 samples at the model's rate, or the error."""
+
+    input: AudioInput
+    audio: np.ndarray | None
+    duration: float | None
+    sampling_rate: int | None
+    error: str | None
+
+
+def list_inputs(source: str | Path, suffixes: Sequence[str] | None = None) -> list[AudioInput]:
+    """The inputs ``source`` names, sorted by id. A folder: every file under it (hidden ones and
+    those not ending in one of ``suffixes`` excepted), id = its path relative to the folder. A
+    .txt/.lst file: one path per line (ids: the paths). A .parquet/.jsonl manifest: a ``path`` or
+    ``audio`` (bytes) column and an optional ``id`` column (default: the path, or the row number)."""
+    source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist")
+    if source.is_dir():
+        keep = tuple(s.lower() for s in suffixes) if suffixes else None
+        files = [p for p in source.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.relative_to(source).parts)]
+        inputs = [AudioInput(p.relative_to(source).as_posix(), str(p)) for p in files if keep is None or p.suffix.lower() in keep]
+    elif source.suffix.lower() in LIST_SUFFIXES:
+        lines = [line.strip() for line in source.read_text().splitlines()]
+        inputs = [AudioInput(line, line) for line in lines if line and not line.startswith("#")]
+    elif source.suffix.lower() in MANIFEST_SUFFIXES:
+        inputs = _manifest_inputs(source)
+    else:
+        raise ValueError(f"{source}: expected a folder, a .txt/.lst list of paths or a .parquet/.jsonl manifest")
+    ids = [i.id for i in inputs]
+    if len(set(ids)) != len(ids):
+        dup = next(i for i in ids if ids.count(i) > 1)
+        raise ValueError(f"{source}: id {dup!r} appears more than once; ids must be unique")
+    return sorted(inputs, key=lambda i: i.id)
+
+
+def _manifest_inputs(source: Path) -> list[AudioInput]:
+    if source.suffix.lower() == ".parquet":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(source).to_pylist()
+    else:
+        rows = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+    inputs = []
+    for n, row in enumerate(rows):
+        path, data = row.get("path"), row.get("audio")
+        if path is None and data is None:
+            raise ValueError(f"{source}: row {n} has neither a 'path' nor an 'audio' column")
+        if isinstance(data, dict):  # Hugging Face datasets' Audio feature: {"bytes": ..., "path": ...}
+            path, data = path or data.get("path"), data.get("bytes")
+        if path is not None and not Path(path).is_absolute():
+            path = str(source.parent / path)
+        inputs.append(AudioInput(str(row.get("id", path if data is None else n)), path if data is None else None, data))
+    return inputs
+
+
+def read_clip(item: AudioInput, rate: int) -> Clip:
+    """Read one input as mono float32 at ``rate``; any failure becomes the clip's error."""
+    import soundfile
+    import torchaudio.functional as AF
+
+    try:
+        data, source_rate = soundfile.read(item.path if item.data is None else io.BytesIO(item.data), dtype="float32",
+                                           always_2d=True)
+        if data.shape[0] == 0:
+            raise ValueError("no samples")
+        if not np.isfinite(data).all():
+            raise ValueError("non-finite samples")
+        mono = torch.from_numpy(data).mean(dim=1)
+        if source_rate != rate:
+            mono = AF.resample(mono, orig_freq=source_rate, new_freq=rate)
+        return Clip(item, mono.numpy(), data.shape[0] / source_rate, int(source_rate), None)
+    except Exception as error:  # noqa: BLE001 - recorded in the row: a corpus run goes on
+        return Clip(item, None, None, None, f"{type(error).__name__}: {error}")
+
+
+def padding_unit(config: dict) -> int:
+    """Samples an encode pads to a multiple of (upstream ``SNAC.preprocess``)."""
+    hop = math.prod(config["encoder_rates"])
+    return hop * math.lcm(config["vq_strides"][0], config.get("attn_window_size") or 1)
+
+
+def padded_length(samples: int, config: dict, pad_seconds: float) -> int:
+    """The length a clip of ``samples`` is encoded at: the next multiple of ``pad_seconds``
+    rounded to the padding unit (at least one unit)."""
+    unit = padding_unit(config)
+    quantum = max(unit, round(pad_seconds * config["sampling_rate"] / unit) * unit)
+    return max(1, math.ceil(samples / quantum)) * quantum
+
+
+def code_lengths(samples: int, config: dict) -> list[int]:
+    """Per-level code lengths of ``codec.encode`` of a clip of ``samples``."""
+    frames = padded_length(samples, config, 0) // math.prod(config["encoder_rates"])
+    return [frames // s for s in config["vq_strides"]]
+
+
+def length_batches(clips: Sequence[Clip], config: dict, pad_seconds: float, batch_seconds: float) -> list[list[int]]:
+    """Indices of ``clips`` (readable ones) grouped into batches of one padded length, each at
+    most ``batch_seconds`` of padded audio (at least one clip)."""
+    by_length: dict[int, list[int]] = {}
+    for i, clip in enumerate(clips):
+        if clip.error is None:
+            by_length.setdefault(padded_length(clip.audio.size, config, pad_seconds), []).append(i)
+    batches = []
+    for length, indices in sorted(by_length.items()):
+        per_batch = max(1, int(batch_seconds * config["sampling_rate"] // length))
+        batches += [indices[k:k + per_batch] for k in range(0, len(indices), per_batch)]
+    return batches
+
+
+def encode_clips(codec, clips: Sequence[Clip], pad_seconds: float, batch_seconds: float) -> list[list[np.ndarray] | None]:
+    """Codes (int16 arrays, one per level) of every readable clip; None for the others."""
+    config = codec.config
+    codes: list[list[np.ndarray] | None] = [None] * len(clips)
+    for batch in length_batches(clips, config, pad_seconds, batch_seconds):
+        length = padded_length(clips[batch[0]].audio.size, config, pad_seconds)
+        audio = np.zeros((len(batch), 1, length), dtype=np.float32)
+        for row, i in enumerate(batch):
+            audio[row, 0, :clips[i].audio.size] = clips[i].audio
+        levels = [c.cpu().numpy().astype(np.int16) for c in codec.encode(torch.from_numpy(audio))]
+        for row, i in enumerate(batch):
+            codes[i] = [level[row, :n] for level, n in zip(levels, code_lengths(clips[i].audio.size, config))]
+    return codes
+
+
+def shard_table(clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], model: str, levels: int):
+    """A pyarrow Table of one shard: a row per clip, in order."""
+    import pyarrow as pa
+
+    columns = {
+        "id": pa.array([c.input.id for c in clips], pa.string()),
+        "path": pa.array([c.input.path for c in clips], pa.string()),
+        "duration": pa.array([c.duration for c in clips], pa.float64()),
+        "sampling_rate": pa.array([c.sampling_rate for c in clips], pa.int32()),
+        "model": pa.array([model] * len(clips), pa.string()),
+    }
+    for level in range(levels):
+        columns[f"codes_{level}"] = pa.array([None if c is None else c[level] for c in codes], pa.list_(pa.int16()))
+    columns["error"] = pa.array([c.error for c in clips], pa.string())
+    return pa.table(columns)
+
+
+def _write_atomically(table, path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    partial = path.with_name(path.name + ".partial")
+    pq.write_table(table, partial)
+    os.replace(partial, path)  # a crash leaves no half shard that a resumed run would trust
+
+
+def _check_run(out: Path, settings: dict) -> None:
+    """Record this run's settings in out/_run.json, or refuse a different run into the same folder."""
+    record = out / "_run.json"
+    if record.exists():
+        before = json.loads(record.read_text())
+        if before != settings:
+            changed = sorted(k for k in set(before) | set(settings) if before.get(k) != settings.get(k))
+            raise ValueError(f"{out} holds shards of a different run ({', '.join(changed)} differ): use a new folder")
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        record.write_text(json.dumps(settings, indent=2) + "\n")
+
+
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.parquet"
+
+
+def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
+                   engine: str = "local", address: str | None = None, model_options: dict | None = None,
+                   files_per_shard: int = 256, batch_seconds: float = 300.0, pad_seconds: float = 1.0,
+                   suffixes: Sequence[str] | None = None, loaders: int | None = None, progress: bool = True,
+                   device: str | None = None, dtype: str | None = None) -> dict:
+    """Encode every input of ``source`` (see :func:`list_inputs`) into Parquet shards in ``out``
+    (see the module docstring). Returns a summary: files, shards written and skipped, seconds of
+    audio, errors, wall seconds.
+
+    engine "local": this process encodes with ``codec`` (a FastSNAC; default: ``model`` loaded by
+    ``FastSNAC.from_pretrained(model, device=, dtype=, **model_options)``). engine "ray" (needs
+    ``pip install 'snac-fast[ray]'``): Ray Data reads each shard's audio in CPU tasks and encodes
+    it in actors (one per GPU of the cluster, else up to ``loaders`` CPU actors), each loading ``model``
+    itself; ``address`` joins a running cluster, else a local one is started. Both engines write
+    the same shards."""
+    if engine not in ("local", "ray"):
+        raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
+    loaders = loaders or min(16, os.cpu_count() or 1)
+    if files_per_shard < 1 or batch_seconds <= 0 or pad_seconds < 0 or loaders < 1:
+        raise ValueError("files_per_shard and loaders must be >= 1, batch_seconds > 0 and pad_seconds >= 0")
+    inputs = list_inputs(source, suffixes)
+    load = {"model": str(model or DEFAULT_MODEL), "device": device, "dtype": dtype, **(model_options or {})}
+    if engine == "ray":
+        if codec is not None:
+            raise ValueError("engine='ray' loads the model in its actors: pass model=, not a codec")
+        name = load["model"]
+    else:
+        codec = codec if codec is not None else _load(**load)
+        name = codec.source or "in-memory model"
+    out = Path(out)
+    ids = hashlib.sha256("\n".join(i.id for i in inputs).encode()).hexdigest()
+    _check_run(out, {"model": name, "inputs": len(inputs), "ids_sha256": ids, "files_per_shard": files_per_shard,
+                     "pad_seconds": pad_seconds})
+    shards = [inputs[k:k + files_per_shard] for k in range(0, len(inputs), files_per_shard)]
+    todo = [n for n in range(len(shards)) if not (out / shard_name(n)).exists()]
+    start = time.perf_counter()
+    settings = {"out": str(out), "pad_seconds": pad_seconds, "batch_seconds": batch_seconds}
+    if engine == "ray":
+        done = _encode_with_ray(shards, todo, load, settings, address, loaders)
+    else:
+        done = _encode_here(shards, todo, codec, settings, loaders, progress, start)
+    return {"files": len(inputs), "shards": len(shards), "shards_skipped": len(shards) - len(todo),
+            "audio_seconds": sum(d["audio_seconds"] for d in done), "errors": sum(d["errors"] for d in done),
+            "wall_seconds": time.perf_counter() - start}
+
+
+def encode_shard(codec, clips: Sequence[Clip], index: int, settings: dict) -> dict:
+    """Encode one shard's clips and write its file; returns what it held (audio seconds, errors)."""
+    codes = encode_clips(codec, clips, settings["pad_seconds"], settings["batch_seconds"])
+    table = shard_table(clips, codes, codec.source or "in-memory model", len(codec.config["vq_strides"]))
+    _write_atomically(table, Path(settings["out"]) / shard_name(index))
+    return {"shard": index, "audio_seconds": sum(c.duration or 0.0 for c in clips),
+            "errors": sum(c.error is not None for c in clips)}
+
+
+def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> list[dict]:
+    done = []
+    with ThreadPoolExecutor(max_workers=loaders) as pool, _progress(sum(len(shards[n]) for n in todo), progress) as bar:
+        def read(n: int):
+            return [pool.submit(read_clip, item, codec.sampling_rate) for item in shards[n]]
+
+        pending = read(todo[0]) if todo else []
+        for k, n in enumerate(todo):
+            clips = [f.result() for f in pending]
+            pending = read(todo[k + 1]) if k + 1 < len(todo) else []  # the CPU reads ahead while the GPU encodes
+            done.append(encode_shard(codec, clips, n, settings))
+            bar.update(len(clips))
+            hours = sum(d["audio_seconds"] for d in done) / 3600
+            bar.set_postfix_str(f"{hours / (time.perf_counter() - start):.4f} h audio/s")
+    return done
+
+
+def _read_shard(row: dict, shards: list, rate: int) -> dict:
+    """A Ray task: read one shard's audio (CPU)."""
+    return {"shard": row["shard"], "clips": pickle.dumps([read_clip(item, rate) for item in shards[row["shard"]]])}
+
+
+class _EncodeShard:
+    """A Ray actor: one FastSNAC, encoding and writing whole shards."""
+
+    def __init__(self, load: dict, settings: dict) -> None:
+        self.codec, self.settings = _load(**load), settings
+
+    def __call__(self, row: dict) -> dict:
+        return encode_shard(self.codec, pickle.loads(row["clips"]), int(row["shard"]), self.settings)
+
+
+def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, cpu_actors: int) -> list[dict]:
+    try:
+        import ray
+    except ImportError as error:
+        raise ImportError("engine='ray' needs Ray Data: pip install 'snac-fast[ray]'") from error
+    from snac_fast.loading import resolve_checkpoint
+
+    if not todo:
+        return []
+    rate = resolve_checkpoint(load["model"]).config["sampling_rate"]
+    started = not ray.is_initialized()
+    if started:
+        ray.init(address=address, log_to_driver=False)
+    try:
+        resources = ray.cluster_resources()
+        gpus = int(resources.get("GPU", 0)) if load.get("device") != "cpu" else 0
+        # CPU actors leave half the CPUs to the reading tasks (all of them taken would stall the reads)
+        actors = gpus or max(1, min(cpu_actors, int(resources.get("CPU", 2)) // 2))
+        data = ray.data.from_items([{"shard": n} for n in todo], override_num_blocks=len(todo))
+        data = data.map(_read_shard, fn_kwargs={"shards": shards, "rate": rate}, num_cpus=1)
+        data = data.map(_EncodeShard, fn_constructor_kwargs={"load": load, "settings": settings},
+                        concurrency=actors, num_gpus=1 if gpus else 0, num_cpus=0 if gpus else 1)
+        return data.take_all()
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def read_shards(source: str | Path) -> Iterator[dict]:
+    """The rows of a Parquet shard file or of every ``*.parquet`` in a folder, in file order."""
+    import pyarrow.parquet as pq
+
+    source = Path(source)
+    files = sorted(source.glob("*.parquet")) if source.is_dir() else [source]
+    if not files:
+        raise ValueError(f"{source}: no .parquet files")
+    for file in files:
+        yield from pq.read_table(file).to_pylist()
+
+
+def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
+                   format: str = "wav", seed: int = 0, rows_per_shard: int = 256, progress: bool = True,
+                   device: str | None = None, dtype: str | None = None) -> dict:
+    """Decode the code shards of ``source`` (a shard file or a folder of them) with ``codec``
+    (default: the model named in the shards, or ``model``). ``format`` "wav"/"flac": one file per
+    row at ``out/<id>.<format>`` (a leading '/' and '..' dropped from the id); "parquet": shards
+    with ``id``, ``sampling_rate`` and ``audio`` (float32 list). Noise is seeded with ``seed`` for every row (each decoded alone: the audio of a
+    row does not depend on the others). Rows with an error are listed in ``out/_errors.jsonl``.
+    Returns a summary: rows, written, skipped (already there), errors, wall seconds."""
+    if format not in ("wav", "flac", "parquet"):
+        raise ValueError(f"format must be wav, flac or parquet, got {format!r}")
+    rows = list(read_shards(source))
+    names = {r.get("model") for r in rows if r.get("error") is None}
+    if codec is None:
+        if model is None and len(names) > 1:
+            raise ValueError(f"{source} mixes models {sorted(names)}: pass model=")
+        codec = _load(model or next(iter(names), None), device, dtype)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    levels = len(codec.config["vq_strides"])
+    summary = {"rows": len(rows), "written": 0, "skipped": 0, "errors": 0}
+    start = time.perf_counter()
+    errors, table_rows = [], []
+    with _progress(len(rows), progress) as bar:
+        for n, row in enumerate(rows):
+            bar.update()
+            if row.get("error") is not None or any(row.get(f"codes_{i}") is None for i in range(levels)):
+                errors.append({"id": row.get("id"), "error": row.get("error") or "no codes"})
+                continue
+            target = out / f"{_relative_name(row['id'])}.{format}"
+            if format != "parquet" and target.exists():
+                summary["skipped"] += 1
+                continue
+            codes = [torch.tensor(row[f"codes_{i}"], dtype=torch.int64).view(1, -1) for i in range(levels)]
+            audio = codec.decode(codes, seed=seed)[0, 0].float().cpu().numpy()
+            if format == "parquet":
+                table_rows.append({"id": row["id"], "sampling_rate": codec.sampling_rate, "audio": audio})
+            else:
+                _write_audio(target, audio, codec.sampling_rate)
+            summary["written"] += 1
+    if format == "parquet":
+        _write_audio_shards(table_rows, out, rows_per_shard)
+    summary["errors"] = len(errors)
+    (out / "_errors.jsonl").write_text("".join(json.dumps(e) + "\n" for e in errors))
+    summary["wall_seconds"] = time.perf_counter() - start
+    return summary
+
+
+def _relative_name(id: str) -> str:
+    """``id`` as a path inside the output folder: no root, no '..' (a list's ids may be absolute paths)."""
+    parts = [p for p in Path(id).parts if p not in (os.sep, "/", "..", ".")]
+    if not parts:
+        raise ValueError(f"id {id!r} names no file")
+    return os.path.join(*parts)
+
+
+def _write_audio(target: Path, audio: np.ndarray, rate: int) -> None:
+    import soundfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    soundfile.write(str(partial), audio, rate, format=target.suffix[1:].upper(), subtype="FLOAT" if target.suffix == ".wav" else "PCM_24")
+    os.replace(partial, target)
+
+
+def _write_audio_shards(rows: list[dict], out: Path, rows_per_shard: int) -> None:
+    import pyarrow as pa
+
+    for n, k in enumerate(range(0, len(rows), rows_per_shard)):
+        part = rows[k:k + rows_per_shard]
+        table = pa.table({"id": pa.array([r["id"] for r in part], pa.string()),
+                          "sampling_rate": pa.array([r["sampling_rate"] for r in part], pa.int32()),
+                          "audio": pa.array([r["audio"] for r in part], pa.list_(pa.float32()))})
+        _write_atomically(table, out / shard_name(n))
+
+
+def _load(model: str | None, device: str | None = None, dtype: str | None = None, **options):
+    from snac_fast.api import FastSNAC
+
+    return FastSNAC.from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, **options)
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, unit="file", disable=not enabled or None, dynamic_ncols=True)
+

@@ -1,0 +1,181 @@
+"""Corpus encode/decode (snac_fast.datasets): inputs of every kind, per-file errors recorded, codes
+independent of batching, resume after a crash, and the way back to audio."""
+
+import json
+import math
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import soundfile
+import torch
+
+from helpers import NARROW
+from snac_fast import FastSNAC
+from snac_fast import datasets as ds
+from snac_fast.testing import make_checkpoint, synthetic_model
+
+
+@pytest.fixture(scope="module")
+def codec():  # the pipeline is under test, not the kernels: upstream layers run (no interpreter)
+    return FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", source="synthetic:narrow",
+                    accelerate_encoder=False, fuse=False)
+
+
+def speech_like(seconds: float, rate: int, seed: int) -> np.ndarray:
+    """A voiced-speech stand-in: a gliding harmonic tone under a syllable-rate envelope, plus noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = 110 + 30 * np.sin(2 * np.pi * 0.7 * t)
+    phase = 2 * np.pi * np.cumsum(f0) / rate
+    voice = sum(np.sin(k * phase) / k for k in range(1, 6))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
+    return (0.2 * voice * envelope + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "sub").mkdir()
+    soundfile.write(root / "a.wav", speech_like(1.3, 24000, 0), 24000)
+    soundfile.write(root / "sub" / "b.flac", np.stack([speech_like(0.7, 44100, 1), speech_like(0.7, 44100, 2)], 1), 44100)
+    soundfile.write(root / "c_short.wav", speech_like(0.1, 24000, 3), 24000)
+    soundfile.write(root / "d_empty.wav", np.zeros(0, np.float32), 24000)
+    (root / "e_corrupt.wav").write_bytes(b"RIFF\x10\x00\x00\x00WAVEfmt garbage")
+    (root / "f_notes.txt").write_text("not audio")
+    soundfile.write(root / "g.wav", speech_like(2.2, 16000, 4), 16000)
+    (root / ".hidden.wav").write_bytes(b"ignored")
+    return root
+
+
+def rows_of(out):
+    return {r["id"]: r for r in ds.read_shards(out)}
+
+
+def test_encode_folder_records_every_file(codec, corpus, tmp_path):
+    summary = ds.encode_dataset(corpus, tmp_path / "out", codec, files_per_shard=3, pad_seconds=0.5, progress=False)
+    rows = rows_of(tmp_path / "out")
+    assert sorted(rows) == ["a.wav", "c_short.wav", "d_empty.wav", "e_corrupt.wav", "f_notes.txt", "g.wav", "sub/b.flac"]
+    assert summary["files"] == 7 and summary["shards"] == 3 and summary["errors"] == 3
+    assert "no samples" in rows["d_empty.wav"]["error"]
+    assert rows["e_corrupt.wav"]["error"] and rows["f_notes.txt"]["error"] and rows["f_notes.txt"]["codes_0"] is None
+    b = rows["sub/b.flac"]
+    assert b["error"] is None and b["sampling_rate"] == 44100 and b["duration"] == int(0.7 * 44100) / 44100
+    assert b["model"] == "synthetic:narrow"
+    for name in ("a.wav", "c_short.wav", "g.wav", "sub/b.flac"):
+        row = rows[name]
+        samples = round(row["duration"] * 24000) if row["sampling_rate"] == 24000 else None
+        lengths = [len(row[f"codes_{i}"]) for i in range(3)]
+        assert lengths[0] * 4 == lengths[1] * 2 == lengths[2] >= 1
+        if samples is not None:
+            assert lengths == ds.code_lengths(samples, codec.config)
+    assert pq.read_schema(tmp_path / "out" / "shard-00000.parquet").field("codes_2").type == pa.list_(pa.int16())
+
+
+def test_codes_equal_encode_of_the_clip_and_ignore_batch_mates(codec, corpus, tmp_path):
+    """pad_seconds=0: each clip's codes are codec.encode of the clip alone; batching (one clip per
+    batch or all of one length together) never changes them."""
+    one = ds.encode_dataset(corpus, tmp_path / "one", codec, pad_seconds=0, batch_seconds=1e-3, progress=False)
+    many = ds.encode_dataset(corpus, tmp_path / "many", codec, pad_seconds=0, batch_seconds=1e4, progress=False)
+    assert one["errors"] == many["errors"] == 3
+    rows_one, rows_many = rows_of(tmp_path / "one"), rows_of(tmp_path / "many")
+    assert rows_one == rows_many
+    clip = ds.read_clip(ds.AudioInput("sub/b.flac", str(corpus / "sub" / "b.flac")), 24000)
+    expected = codec.encode(torch.from_numpy(clip.audio).view(1, 1, -1))
+    for level, want in enumerate(expected):
+        assert rows_one["sub/b.flac"][f"codes_{level}"] == want[0].tolist()
+    stereo, rate = soundfile.read(corpus / "sub" / "b.flac", dtype="float32")
+    assert rate == 44100 and clip.audio.size == math.ceil(stereo.shape[0] * 24000 / 44100)  # mono, resampled
+
+
+def test_resume_after_a_crash_and_refuse_another_run(codec, corpus, tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    whole = ds.encode_dataset(corpus, tmp_path / "whole", codec, files_per_shard=2, progress=False)
+    real, calls = ds.encode_clips, []
+
+    def crash_on_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("power cut")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(ds, "encode_clips", crash_on_third)
+    with pytest.raises(RuntimeError, match="power cut"):
+        ds.encode_dataset(corpus, out, codec, files_per_shard=2, progress=False)
+    assert sorted(p.name for p in out.glob("shard-*")) == ["shard-00000.parquet", "shard-00001.parquet"]
+    calls.clear()
+    resumed = ds.encode_dataset(corpus, out, codec, files_per_shard=2, progress=False)
+    assert resumed["shards_skipped"] == 2 and len(calls) == 2 == resumed["shards"] - 2
+    assert rows_of(out) == rows_of(tmp_path / "whole") and whole["shards"] == 4
+    with pytest.raises(ValueError, match="different run.*files_per_shard"):
+        ds.encode_dataset(corpus, out, codec, files_per_shard=3, progress=False)
+
+
+def test_lists_and_manifests(codec, corpus, tmp_path):
+    listing = tmp_path / "files.txt"
+    listing.write_text(f"# two files\n{corpus / 'a.wav'}\n{corpus / 'g.wav'}\n")
+    assert [i.path for i in ds.list_inputs(listing)] == [str(corpus / "a.wav"), str(corpus / "g.wav")]
+    jsonl = tmp_path / "m.jsonl"
+    jsonl.write_text(json.dumps({"id": "x", "path": str(corpus / "a.wav")}) + "\n")
+    table = pa.table({"id": ["y", "z"], "audio": [(corpus / "g.wav").read_bytes(), b"junk"]})
+    pq.write_table(table, tmp_path / "m.parquet")
+    ds.encode_dataset(jsonl, tmp_path / "from_jsonl", codec, progress=False)
+    ds.encode_dataset(tmp_path / "m.parquet", tmp_path / "from_parquet", codec, progress=False)
+    by_path, by_bytes = rows_of(tmp_path / "from_jsonl"), rows_of(tmp_path / "from_parquet")
+    direct = rows_of(_encoded(codec, corpus, tmp_path))
+    assert by_path["x"]["codes_2"] == direct["a.wav"]["codes_2"]
+    assert by_bytes["y"]["codes_2"] == direct["g.wav"]["codes_2"] and by_bytes["y"]["path"] is None
+    assert by_bytes["z"]["error"]
+    with pytest.raises(ValueError, match="neither"):
+        jsonl.write_text(json.dumps({"id": "q"}) + "\n")
+        ds.list_inputs(jsonl)
+    with pytest.raises(ValueError, match="more than once"):
+        jsonl.write_text((json.dumps({"id": "q", "path": "a"}) + "\n") * 2)
+        ds.list_inputs(jsonl)
+    with pytest.raises(FileNotFoundError):
+        ds.list_inputs(tmp_path / "missing.parquet.gz")
+
+
+def _encoded(codec, corpus, tmp_path):
+    out = tmp_path / "direct"
+    if not out.exists():
+        ds.encode_dataset(corpus, out, codec, progress=False)
+    return out
+
+
+def test_decode_back_to_audio(codec, corpus, tmp_path):
+    listing = tmp_path / "some.txt"  # a short subset: decoding runs the kernels through the interpreter
+    listing.write_text("".join(f"{corpus / name}\n" for name in ("sub/b.flac", "c_short.wav", "d_empty.wav")))
+    ds.encode_dataset(listing, tmp_path / "codes", codec, progress=False)
+    codes_dir, out = tmp_path / "codes", tmp_path / "audio"
+    summary = ds.decode_dataset(codes_dir, out, codec, seed=3, progress=False)
+    assert summary["written"] == 2 and summary["errors"] == 1
+    errors = [json.loads(line)["id"] for line in (out / "_errors.jsonl").read_text().splitlines()]
+    assert errors == [str(corpus / "d_empty.wav")]
+    b_id = str(corpus / "sub" / "b.flac")
+    row = rows_of(codes_dir)[b_id]
+    expected = codec.decode([torch.tensor(row[f"codes_{i}"]).view(1, -1) for i in range(3)], seed=3)[0, 0]
+    audio, rate = soundfile.read(out / (b_id.lstrip("/") + ".wav"), dtype="float32")  # ids stay inside out/
+    assert rate == 24000 and np.array_equal(audio, expected.numpy())
+    assert ds.decode_dataset(codes_dir, out, codec, seed=3, progress=False)["skipped"] == 2  # resumable
+    ds.decode_dataset(codes_dir, tmp_path / "pq", codec, seed=3, format="parquet", progress=False)
+    back = {r["id"]: r for r in ds.read_shards(tmp_path / "pq")}
+    assert np.array_equal(np.asarray(back[b_id]["audio"], np.float32), expected.numpy())
+    with pytest.raises(ValueError, match="format"):
+        ds.decode_dataset(codes_dir, out, codec, format="mp3")
+
+
+def test_ray_engine_writes_the_same_shards(corpus, tmp_path):
+    """Ray Data on a local CPU cluster: CPU tasks read, actors encode; the shards equal the local engine's."""
+    model = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))
+    common = dict(model=model, device="cpu", model_options={"accelerate_encoder": False, "fuse": False},
+                  files_per_shard=3, pad_seconds=0.5)
+    local = ds.encode_dataset(corpus, tmp_path / "local", progress=False, **common)
+    distributed = ds.encode_dataset(corpus, tmp_path / "ray", engine="ray", loaders=2, **common)
+    assert {k: v for k, v in distributed.items() if k != "wall_seconds"} == {k: v for k, v in local.items() if k != "wall_seconds"}
+    assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == sorted(p.name for p in (tmp_path / "local").iterdir())
+    assert rows_of(tmp_path / "ray") == rows_of(tmp_path / "local")
+    assert ds.encode_dataset(corpus, tmp_path / "ray", engine="ray", **common)["shards_skipped"] == 3  # resumable
+    with pytest.raises(ValueError, match="not a codec"):
+        ds.encode_dataset(corpus, tmp_path / "x", engine="ray", codec=object())
