@@ -116,12 +116,16 @@ def test_unknown_dtype_is_an_argparse_error(tmp_path):
 
 @pytest.fixture
 def short_tokens(tmp_path):
-    from helpers import random_codes
+    """Two frames for a narrow 24 kHz checkpoint (helpers.NARROW) in a folder the file names: the
+    commands' plumbing is under test, not the model's widths."""
+    from helpers import NARROW, random_codes
     from snac_fast import save_tokens
     from snac_fast.configs import published_config
+    from snac_fast.testing import make_checkpoint
 
+    folder = make_checkpoint(tmp_path / "narrow", "snac_24khz", **NARROW)
     path = tmp_path / "short.pt"
-    save_tokens(path, random_codes(published_config("snac_24khz"), 2), model="synthetic:snac_24khz")
+    save_tokens(path, random_codes(published_config("snac_24khz"), 2), model=str(folder))
     return path
 
 
