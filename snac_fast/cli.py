@@ -179,22 +179,20 @@ def cmd_decode(args: argparse.Namespace) -> None:
 
 def cmd_encode(args: argparse.Namespace) -> None:
     import soundfile
-    import torch
     import torchaudio.functional as AF
 
-    from snac_fast.codes import save_tokens
+    from snac_fast.codes import read_mono, save_tokens
 
     with _Stages(["reading", "loading model", "encoding", "writing"]) as stages:
         try:
-            data, rate = soundfile.read(str(args.audio), dtype="float32", always_2d=True)
+            mono, rate = read_mono(str(args.audio))
         except (OSError, RuntimeError, soundfile.LibsndfileError) as e:
             raise UsageError(f"cannot read audio {args.audio}: {e}") from e
-        if data.shape[0] == 0:
-            raise UsageError(f"{args.audio} holds no samples")
+        except ValueError as e:
+            raise UsageError(f"{args.audio} {e}") from e
         stages.next()
         model = _load_model(args, None)
         stages.next()
-        mono = torch.from_numpy(data).mean(dim=1)  # [frames, channels] -> [frames]
         if rate != model.sampling_rate:
             mono = AF.resample(mono, orig_freq=rate, new_freq=model.sampling_rate)
         codes = model.encode(mono.view(1, 1, -1))
@@ -253,15 +251,13 @@ def cmd_encode_dataset(args: argparse.Namespace) -> None:
 
     if args.files_per_shard < 1 or (args.loaders or 1) < 1 or args.batch_seconds <= 0 or args.pad_seconds < 0:
         raise UsageError("--files-per-shard and --loaders must be >= 1, --batch-seconds > 0, --pad-seconds >= 0")
-    if not args.src.exists():
-        raise UsageError(f"{args.src} does not exist")
     suffixes = [s if s.startswith(".") else "." + s for s in args.suffixes.split(",") if s] if args.suffixes else None
-    if args.engine == "ray":  # the actors load the model
-        run = {"model": args.model, "device": args.device, "dtype": args.dtype, "engine": "ray", "address": args.address}
-    else:
-        run = {"codec": _load_model(args, None)}
-    summary = encode_dataset(args.src, args.out, files_per_shard=args.files_per_shard, batch_seconds=args.batch_seconds,
-                             pad_seconds=args.pad_seconds, suffixes=suffixes, loaders=args.loaders, **run)
+    # the inputs are listed (and refused) before the model loads: here, or in each Ray actor
+    summary = encode_dataset(args.src, args.out, model=args.model, device=args.device, dtype=args.dtype,
+                             model_options={"local_files_only": args.local_files_only}, engine=args.engine,
+                             address=args.address, files_per_shard=args.files_per_shard,
+                             batch_seconds=args.batch_seconds, pad_seconds=args.pad_seconds, suffixes=suffixes,
+                             loaders=args.loaders)
     print(f"{args.out}: {summary['files']} files in {summary['shards']} shards ({summary['shards_skipped']} already done), "
           f"{summary['audio_seconds'] / 3600:.3f} h of audio, {summary['errors']} errors, {summary['wall_seconds']:.1f} s")
 
@@ -269,11 +265,9 @@ def cmd_encode_dataset(args: argparse.Namespace) -> None:
 def cmd_decode_dataset(args: argparse.Namespace) -> None:
     from snac_fast.datasets import decode_dataset
 
-    if not args.src.exists():
-        raise UsageError(f"{args.src} does not exist")
-    codec = _load_model(args, None) if args.model else None
-    summary = decode_dataset(args.src, args.out, codec, format=args.format, seed=args.seed, device=args.device,
-                             dtype=args.dtype)
+    summary = decode_dataset(args.src, args.out, model=args.model, device=args.device, dtype=args.dtype,
+                             model_options={"local_files_only": args.local_files_only}, format=args.format,
+                             seed=args.seed)
     print(f"{args.out}: {summary['written']} written, {summary['skipped']} already there, {summary['errors']} errors "
           f"(listed in {args.out / '_errors.jsonl'}), {summary['wall_seconds']:.1f} s")
 

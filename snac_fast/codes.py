@@ -79,6 +79,21 @@ def validate_audio(audio: object) -> Tensor:
     return audio
 
 
+def read_mono(source) -> tuple[Tensor, int]:
+    """An audio file (a path or a binary file object, any format soundfile reads) as mono float32
+    [T] (channels averaged) and its sampling rate. Unreadable input raises soundfile's error;
+    ValueError when it holds no samples or non-finite ones."""
+    import soundfile
+
+    data, rate = soundfile.read(source, dtype="float32", always_2d=True)
+    if data.shape[0] == 0:
+        raise ValueError("holds no samples")
+    mono = torch.from_numpy(data).mean(dim=1)  # [frames, channels] -> [frames]
+    if not torch.isfinite(mono).all():
+        raise ValueError("holds non-finite samples")
+    return mono, int(rate)
+
+
 def save_tokens(path: str | os.PathLike, codes: list[Tensor], model: str | None = None) -> None:
     """Write a token file: ``{"codes": [...], "model": model}`` (codes moved to CPU)."""
     payload: dict = {"codes": [c.detach().cpu() for c in codes]}

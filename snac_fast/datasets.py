@@ -32,6 +32,7 @@ import math
 import os
 import pickle
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from snac_fast.codes import read_mono
 from snac_fast.configs import DEFAULT_MODEL
 
 MANIFEST_SUFFIXES = (".parquet", ".jsonl")
@@ -85,10 +87,9 @@ def list_inputs(source: str | Path, suffixes: Sequence[str] | None = None) -> li
         inputs = _manifest_inputs(source)
     else:
         raise ValueError(f"{source}: expected a folder, a .txt/.lst list of paths or a .parquet/.jsonl manifest")
-    ids = [i.id for i in inputs]
-    if len(set(ids)) != len(ids):
-        dup = next(i for i in ids if ids.count(i) > 1)
-        raise ValueError(f"{source}: id {dup!r} appears more than once; ids must be unique")
+    repeated = [id for id, n in Counter(i.id for i in inputs).items() if n > 1]
+    if repeated:
+        raise ValueError(f"{source}: id {repeated[0]!r} appears more than once; ids must be unique")
     return sorted(inputs, key=lambda i: i.id)
 
 
@@ -114,20 +115,14 @@ def _manifest_inputs(source: Path) -> list[AudioInput]:
 
 def read_clip(item: AudioInput, rate: int) -> Clip:
     """Read one input as mono float32 at ``rate``; any failure becomes the clip's error."""
-    import soundfile
     import torchaudio.functional as AF
 
     try:
-        data, source_rate = soundfile.read(item.path if item.data is None else io.BytesIO(item.data), dtype="float32",
-                                           always_2d=True)
-        if data.shape[0] == 0:
-            raise ValueError("no samples")
-        if not np.isfinite(data).all():
-            raise ValueError("non-finite samples")
-        mono = torch.from_numpy(data).mean(dim=1)
+        mono, source_rate = read_mono(item.path if item.data is None else io.BytesIO(item.data))
+        duration = mono.numel() / source_rate
         if source_rate != rate:
             mono = AF.resample(mono, orig_freq=source_rate, new_freq=rate)
-        return Clip(item, mono.numpy(), data.shape[0] / source_rate, int(source_rate), None)
+        return Clip(item, mono.numpy(), duration, source_rate, None)
     except Exception as error:  # noqa: BLE001 - recorded in the row: a corpus run goes on
         return Clip(item, None, None, None, f"{type(error).__name__}: {error}")
 
@@ -251,7 +246,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
         name = load["model"]
     else:
         codec = codec if codec is not None else _load(**load)
-        name = codec.source or "in-memory model"
+        name = _model_name(codec)
     out = Path(out)
     ids = hashlib.sha256("\n".join(i.id for i in inputs).encode()).hexdigest()
     _check_run(out, {"model": name, "inputs": len(inputs), "ids_sha256": ids, "files_per_shard": files_per_shard,
@@ -272,7 +267,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
 def encode_shard(codec, clips: Sequence[Clip], index: int, settings: dict) -> dict:
     """Encode one shard's clips and write its file; returns what it held (audio seconds, errors)."""
     codes = encode_clips(codec, clips, settings["pad_seconds"], settings["batch_seconds"])
-    table = shard_table(clips, codes, codec.source or "in-memory model", len(codec.config["vq_strides"]))
+    table = shard_table(clips, codes, _model_name(codec), codec.n_levels)
     _write_atomically(table, Path(settings["out"]) / shard_name(index))
     return {"shard": index, "audio_seconds": sum(c.duration or 0.0 for c in clips),
             "errors": sum(c.error is not None for c in clips)}
@@ -343,6 +338,8 @@ def read_shards(source: str | Path) -> Iterator[dict]:
     import pyarrow.parquet as pq
 
     source = Path(source)
+    if not source.exists():
+        raise FileNotFoundError(f"{source} does not exist")
     files = sorted(source.glob("*.parquet")) if source.is_dir() else [source]
     if not files:
         raise ValueError(f"{source}: no .parquet files")
@@ -351,10 +348,10 @@ def read_shards(source: str | Path) -> Iterator[dict]:
 
 
 def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
-                   format: str = "wav", seed: int = 0, rows_per_shard: int = 256, progress: bool = True,
+                   model_options: dict | None = None, format: str = "wav", seed: int = 0, rows_per_shard: int = 256, progress: bool = True,
                    device: str | None = None, dtype: str | None = None) -> dict:
     """Decode the code shards of ``source`` (a shard file or a folder of them) with ``codec``
-    (default: the model named in the shards, or ``model``). ``format`` "wav"/"flac": one file per
+    (default: the model named in the shards, or ``model``, loaded with ``model_options``). ``format`` "wav"/"flac": one file per
     row at ``out/<id>.<format>`` (a leading '/' and '..' dropped from the id); "parquet": shards
     with ``id``, ``sampling_rate`` and ``audio`` (float32 list). Noise is seeded with ``seed`` for every row (each decoded alone: the audio of a
     row does not depend on the others). Rows with an error are listed in ``out/_errors.jsonl``.
@@ -366,10 +363,10 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     if codec is None:
         if model is None and len(names) > 1:
             raise ValueError(f"{source} mixes models {sorted(names)}: pass model=")
-        codec = _load(model or next(iter(names), None), device, dtype)
+        codec = _load(model or next(iter(names), None), device, dtype, **(model_options or {}))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    levels = len(codec.config["vq_strides"])
+    levels = codec.n_levels
     summary = {"rows": len(rows), "written": 0, "skipped": 0, "errors": 0}
     start = time.perf_counter()
     errors, table_rows = [], []
@@ -424,6 +421,10 @@ def _write_audio_shards(rows: list[dict], out: Path, rows_per_shard: int) -> Non
                           "sampling_rate": pa.array([r["sampling_rate"] for r in part], pa.int32()),
                           "audio": pa.array([r["audio"] for r in part], pa.list_(pa.float32()))})
         _write_atomically(table, out / shard_name(n))
+
+
+def _model_name(codec) -> str:
+    return codec.source or "in-memory model"
 
 
 def _load(model: str | None, device: str | None = None, dtype: str | None = None, **options):

@@ -2,7 +2,7 @@
 
 :func:`compile_kernels` runs the decodes of the given shapes once under
 :func:`snac_fast.compiling.compiling_concurrently`, so their kernel variants compile concurrently
-(in worker processes) instead of one by one at their first launch; the compiled kernels land in
+(on a thread pool) instead of one by one at their first launch; the compiled kernels land in
 Triton's persistent cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), which a container
 build can bake. :func:`warmup` then runs real decodes of those shapes (CUDA graph captures,
 cuDNN/cuBLAS start-up) and, if asked, every stream-engine step shape.
