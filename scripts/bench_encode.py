@@ -30,26 +30,30 @@ from bench_common import environment, markdown_table, timed_call, write_results 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast import datasets  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
-from snac_fast.surgery import to_device_dtype  # noqa: E402
-from snac_fast.testing import synthetic_model  # noqa: E402
+from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
+from snac_fast.testing import speech_like, synthetic_model  # noqa: E402
 
 CUDA = torch.device("cuda")
 N_SETS = 3
-EAGER, COMPILE, FAST = "upstream eager fp32", "compile r-o fp16 autocast", "snac-fast fp16"
+EAGER, COMPILE, FOLDED, FAST = ("upstream eager fp32", "compile r-o fp16 autocast", "compile r-o fp16 folded",
+                                "snac-fast fp16")
 
 
-def upstream_encode(name: str):
+def upstream_encode(name: str, folded_half: bool = False):
     model = synthetic_model(name)
-    to_device_dtype(model, CUDA, torch.float32)
+    if folded_half:  # weight norm folded, the model cast to fp16 (the 32/44 kHz attention kept fp32)
+        fold_weight_norm(model)
+    to_device_dtype(model, CUDA, torch.float16 if folded_half else torch.float32)
     return model.encode
 
 
-def compiled_encode(name: str):
-    encode = torch.compile(upstream_encode(name), mode="reduce-overhead", dynamic=False)
+def compiled_encode(name: str, folded_half: bool = False):
+    encode = torch.compile(upstream_encode(name, folded_half), mode="reduce-overhead", dynamic=False)
 
     def run(audio):  # outside inference mode: dynamo's guards on upstream's numpy hop_length fail inside it
-        with torch.inference_mode(False), torch.no_grad(), torch.autocast("cuda", dtype=torch.float16):
-            return encode(audio)
+        with torch.inference_mode(False), torch.no_grad(), torch.autocast("cuda", dtype=torch.float16,
+                                                                          enabled=not folded_half):
+            return encode(audio.half() if folded_half else audio)
 
     return run
 
@@ -59,22 +63,16 @@ def fast_encode(name: str):
     return lambda audio: codec.encode(audio)
 
 
-MODES = {EAGER: upstream_encode, COMPILE: compiled_encode, FAST: fast_encode}
-
-
-def speech_like(seconds: float, rate: int, rng: np.random.Generator) -> np.ndarray:
-    t = np.arange(int(seconds * rate)) / rate
-    f0 = rng.uniform(90, 220) + 30 * np.sin(2 * np.pi * rng.uniform(0.3, 1.0) * t)
-    voice = sum(np.sin(k * 2 * np.pi * np.cumsum(f0) / rate) / k for k in range(1, 6))
-    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * rng.uniform(3, 5) * t) ** 2
-    return (0.2 * voice * envelope + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+MODES = {EAGER: upstream_encode, COMPILE: compiled_encode, FOLDED: lambda name: compiled_encode(name, True),
+         FAST: fast_encode}
+BEST_PEER = (COMPILE, FOLDED)
 
 
 def bench_workload(name: str, seconds: float, batch: int, rounds: int) -> dict:
     rate = published_config(name)["sampling_rate"]
     rng = np.random.default_rng(0)
-    sets = [torch.from_numpy(np.stack([speech_like(seconds, rate, rng) for _ in range(batch)])[:, None]).to(CUDA)
-            for _ in range(N_SETS)]
+    sets = [torch.from_numpy(np.stack([speech_like(seconds, rate, int(rng.integers(1 << 30)))
+                                       for _ in range(batch)])[:, None]).to(CUDA) for _ in range(N_SETS)]
     torch._dynamo.reset()  # each compile sees this one shape
     built, first = {}, {}
     for mode, build in MODES.items():
@@ -99,6 +97,10 @@ def bench_workload(name: str, seconds: float, batch: int, rounds: int) -> dict:
                 gpus[mode].append(gpu)
     out = {m: {"median_ms": statistics.median(walls[m]), "gpu_median_ms": statistics.median(gpus[m]),
                "build_and_warmup_s": first[m]} for m in built}
+    if EAGER in built and FAST in built:  # fp16 fast codes against upstream fp32 codes, per level
+        with torch.inference_mode():
+            ours, theirs = built[FAST](sets[0]), built[EAGER](sets[0])
+        out[FAST]["code_agreement"] = [(a == b).float().mean().item() for a, b in zip(ours, theirs)]
     for m, v in out.items():
         print(f"{m:<28} {seconds:g} s B={batch:<3} {v['median_ms']:9.3f} ms  GPU {v['gpu_median_ms']:9.3f} ms", flush=True)
     return out
@@ -113,7 +115,8 @@ def bench_corpus(name: str, files: int, batch_seconds: float) -> dict:
         folder = Path(tmp) / "corpus"
         folder.mkdir()
         for n in range(files):
-            soundfile.write(folder / f"{n:05d}.wav", speech_like(rng.uniform(2, 12), 16000, rng), 16000)
+            clip = speech_like(rng.uniform(2, 12), 16000, int(rng.integers(1 << 30)))
+            soundfile.write(folder / f"{n:05d}.wav", clip, 16000)
         warm = datasets.encode_dataset(folder, Path(tmp) / "warm", codec, files_per_shard=64, batch_seconds=batch_seconds,
                                        progress=False)  # compiles, caches: not timed
         summary = datasets.encode_dataset(folder, Path(tmp) / "out", codec, files_per_shard=64,
@@ -137,6 +140,7 @@ def bench_corpus(name: str, files: int, batch_seconds: float) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="snac_24khz")
+    ap.add_argument("--no-corpus", action="store_true", help="skip the dataset throughput run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/encode"))
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--files", type=int, default=300, help="corpus files (2-12 s each)")
@@ -144,24 +148,31 @@ def main() -> None:
     args = ap.parse_args()
     loads = [(10.0, 1), (10.0, 32), (60.0, 1)]
     results = {f"{s:g} s B={b}": bench_workload(args.model, s, b, args.rounds) for s, b in loads}
-    corpus = bench_corpus(args.model, args.files, args.batch_seconds)
+    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds)
     env = environment()
     rows = []
     for label, by_mode in results.items():
+        peers = [by_mode[p]["median_ms"] for p in BEST_PEER if p in by_mode]
         for mode, r in by_mode.items():
+            agree = " / ".join(f"{100 * a:.2f}" for a in r.get("code_agreement", []))
             rows.append([label, mode, f"{r['median_ms']:.3f}", f"{r['gpu_median_ms']:.3f}",
-                         f"{by_mode[COMPILE]['median_ms'] / r['median_ms']:.2f}x" if COMPILE in by_mode else "-",
+                         f"{min(peers) / r['median_ms']:.2f}x" if peers else "-", agree or "-",
                          f"{r['build_and_warmup_s']:.1f}"])
     md = (f"# Encode benchmark: {args.model}\n\n{env['device']}, {env['date']}, torch {env['torch']}. "
-          f"`python scripts/bench_encode.py --model {args.model} --rounds {args.rounds} --files {args.files}`. "
+          f"`python scripts/bench_encode.py --model {args.model} --rounds {args.rounds} "
+          f"{'--no-corpus' if args.no_corpus else f'--files {args.files}'}`. "
           "Modes built afresh per workload (compile: reduce-overhead, fp16 autocast, `dynamic=False`), timed in "
-          "interleaved rounds; per call = wall clock with a synchronize, GPU = CUDA events; medians.\n\n"
-          + markdown_table(["workload", "mode", "per call ms", "GPU ms", "vs compile", "build + warm-up s"], rows)
-          + f"\nCorpus, local engine, one GPU: {corpus['files']} speech-like WAV files (16 kHz, 2-12 s, "
-          f"{corpus['audio_hours']:.2f} h): {corpus['pipeline_hours_per_minute']:.1f} h of audio per minute "
-          f"({corpus['pipeline_s']:.1f} s); the codec's own batched encode of the same clips: "
-          f"{corpus['own_hours_per_minute']:.1f} h/min; pipeline / own = {corpus['pipeline_vs_own']:.2f}. "
-          "Ray engine: not run on the GPU machine (the Ray wheel is larger than what a run can carry).\n")
+          "interleaved rounds; per call = wall clock with a synchronize, GPU = CUDA events; medians. "
+          "'vs best peer': the faster compile peer's per-call time over this mode's. Code agreement: snac-fast "
+          "fp16 codes equal to upstream eager fp32 codes on speech-like input, % per level.\n\n"
+          + markdown_table(["workload", "mode", "per call ms", "GPU ms", "vs best peer", "code agreement %",
+                            "build + warm-up s"], rows))
+    if corpus is not None:
+        md += (f"\nCorpus, local engine, one GPU: {corpus['files']} speech-like WAV files (16 kHz, 2-12 s, "
+               f"{corpus['audio_hours']:.2f} h): {corpus['pipeline_hours_per_minute']:.1f} h of audio per minute "
+               f"({corpus['pipeline_s']:.1f} s); the codec's own batched encode of the same clips: "
+               f"{corpus['own_hours_per_minute']:.1f} h/min; pipeline / own = {corpus['pipeline_vs_own']:.2f}. "
+               "Ray engine: not run on the GPU machine (the Ray wheel is larger than what a run can carry).\n")
     write_results(args.out.parent, args.out.name, {"environment": env, "model": args.model, "encode": results,
                                                    "corpus": corpus}, md)
     print(md)

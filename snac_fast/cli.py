@@ -195,7 +195,7 @@ def cmd_encode(args: argparse.Namespace) -> None:
         stages.next()
         if rate != model.sampling_rate:
             mono = AF.resample(mono, orig_freq=rate, new_freq=model.sampling_rate)
-        codes = model.encode(mono.view(1, 1, -1))
+        codes = model.encode(mono.view(1, 1, -1), cuda_graphs=False)  # one encode: a capture would cost more
         stages.next()
         save_tokens(args.tokens, codes, model=model.source)
         stages.next()

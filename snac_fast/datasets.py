@@ -43,6 +43,7 @@ import torch
 
 from snac_fast.codes import read_mono
 from snac_fast.configs import DEFAULT_MODEL
+from snac_fast.encoding import padding_unit
 
 MANIFEST_SUFFIXES = (".parquet", ".jsonl")
 LIST_SUFFIXES = (".txt", ".lst")
@@ -127,12 +128,6 @@ def read_clip(item: AudioInput, rate: int) -> Clip:
         return Clip(item, None, None, None, f"{type(error).__name__}: {error}")
 
 
-def padding_unit(config: dict) -> int:
-    """Samples an encode pads to a multiple of (upstream ``SNAC.preprocess``)."""
-    hop = math.prod(config["encoder_rates"])
-    return hop * math.lcm(config["vq_strides"][0], config.get("attn_window_size") or 1)
-
-
 def padded_length(samples: int, config: dict, pad_seconds: float) -> int:
     """The length a clip of ``samples`` is encoded at: the next multiple of ``pad_seconds``
     rounded to the padding unit (at least one unit)."""
@@ -170,7 +165,9 @@ def encode_clips(codec, clips: Sequence[Clip], pad_seconds: float, batch_seconds
         audio = np.zeros((len(batch), 1, length), dtype=np.float32)
         for row, i in enumerate(batch):
             audio[row, 0, :clips[i].audio.size] = clips[i].audio
-        levels = [c.cpu().numpy().astype(np.int16) for c in codec.encode(torch.from_numpy(audio))]
+        # no CUDA graphs: a corpus brings ever-new batch shapes, each capture costs about three encodes
+        codes_gpu = codec.encode(torch.from_numpy(audio), cuda_graphs=False)
+        levels = [c.cpu().numpy().astype(np.int16) for c in codes_gpu]
         for row, i in enumerate(batch):
             codes[i] = [level[row, :n] for level, n in zip(levels, code_lengths(clips[i].audio.size, config))]
     return codes

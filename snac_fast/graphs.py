@@ -54,24 +54,16 @@ class _Captured:
 FRESH, KEYED, GENERATOR = "fresh", "keyed", "generator"  # where a graph's noise comes from
 
 
-class GraphedDecode:
-    """Replays ``model.decode`` from CUDA graphs keyed by the codes' shapes and dtypes and by where
-    the noise comes from (fresh, keyed by a seed, or a caller's generator).
+class GraphCache:
+    """A bounded LRU cache of captured CUDA graphs: ``max_graphs`` entries, the least recently used
+    one (and its memory pool) dropped first; ``captures`` counts every capture so far."""
 
-    max_graphs bounds the cache; the least recently used graph (and its memory pool) is dropped.
-    """
-
-    def __init__(self, model: nn.Module, device: torch.device, max_graphs: int = 8, warmup: int = 2) -> None:
+    def __init__(self, max_graphs: int) -> None:
         if max_graphs < 1:
             raise ValueError("max_graphs must be at least 1")
-        self.model = model
-        self.device = torch.device(device)
         self.max_graphs = max_graphs
-        self.warmup = warmup
-        self.codebook_size = model.quantizer.quantizers[0].codebook.num_embeddings
-        self._index = cuda_index(self.device) if self.device.type == "cuda" else -1
-        self._cache: OrderedDict[tuple, _Captured] = OrderedDict()
-        self.captures = 0  # how many graphs were captured so far (evictions make this exceed len)
+        self._cache: OrderedDict[tuple, object] = OrderedDict()
+        self.captures = 0
 
     def __len__(self) -> int:
         return len(self._cache)
@@ -81,6 +73,28 @@ class GraphedDecode:
 
     def clear(self) -> None:
         self._cache.clear()
+
+    def _store(self, key: tuple, entry: object) -> None:
+        self._cache[key] = entry
+        self.captures += 1
+        while len(self._cache) > self.max_graphs:
+            self._cache.popitem(last=False)
+
+
+class GraphedDecode(GraphCache):
+    """Replays ``model.decode`` from CUDA graphs keyed by the codes' shapes and dtypes and by where
+    the noise comes from (fresh, keyed by a seed, or a caller's generator).
+
+    max_graphs bounds the cache; the least recently used graph (and its memory pool) is dropped.
+    """
+
+    def __init__(self, model: nn.Module, device: torch.device, max_graphs: int = 8, warmup: int = 2) -> None:
+        super().__init__(max_graphs)
+        self.model = model
+        self.device = torch.device(device)
+        self.warmup = warmup
+        self.codebook_size = model.quantizer.quantizers[0].codebook.num_embeddings
+        self._index = cuda_index(self.device) if self.device.type == "cuda" else -1
 
     @staticmethod
     def key(codes: list[Tensor], noise: str = FRESH) -> tuple:
@@ -107,9 +121,7 @@ class GraphedDecode:
                 key = self.key(codes, noise)
             with out_of_memory_explained(f"capturing a CUDA graph for codes of shapes {[tuple(c.shape) for c in codes]}"):
                 entry = self._capture(codes, noise)
-            self._cache[key] = entry
-            while len(self._cache) > self.max_graphs:
-                self._cache.popitem(last=False)
+            self._store(key, entry)
         self._cache.move_to_end(key)
         static = entry.codes
         on_cpu = all(c.is_cpu for c in codes)  # (attributes, not torch.device objects: this runs per call)
@@ -204,7 +216,6 @@ class GraphedDecode:
             quantizer.bad_ids = None
         torch.cuda.current_stream().synchronize()
         bad_ids.zero_()  # the warm-up decodes may have flagged the first codes: the call checks them itself
-        self.captures += 1
         return _Captured(graph, flat, noise, views if noise_kind == GENERATOR else [], seeds, output, bad_ids)
 
 

@@ -218,7 +218,101 @@ class DepthwisePointwiseConv1d(_SnakeOut, nn.Conv1d):
                               channels_last=self.channels_last_out)
 
 
-class FusedConvTranspose1d(nn.ConvTranspose1d):
+class DepthwiseConv1d(nn.Conv1d):
+    """A same-padded depthwise conv (the encoder's output conv7) on the Triton depthwise kernel.
+    Same parameters and name as the conv. Input and output: [B, C, T]."""
+
+    @classmethod
+    def from_conv(cls, conv: nn.Conv1d) -> "DepthwiseConv1d":
+        if not is_same_padding_depthwise(conv):
+            raise ValueError("needs a same-padding depthwise Conv1d, weights folded")
+        fused = cls.__new__(cls)
+        fused.__dict__.update(conv.__dict__)
+        return fused
+
+    def forward(self, x: Tensor) -> Tensor:
+        from snac_fast.ops.conv import depthwise_conv_snake
+
+        return depthwise_conv_snake(x, self.weight, self.bias, self.dilation[0])
+
+
+class _PackedWeights:
+    """Mixin: the weight in the layouts a kernel reads (``_layouts(weight, dtype)``), cached while
+    the weight is unchanged.
+
+    Under ``torch.compile`` the cache is read, never keyed or filled: a key on ``data_ptr`` breaks
+    the graph, and a tensor made inside a compiled graph lives in its memory (with CUDA graphs, the
+    next replay overwrites it). Surgery fills the cache eagerly (:meth:`pack`); for another dtype the
+    compiled graph makes its own copies per call."""
+
+    _packed: tuple = (None, None)
+    requirement = ""  # what ``fusable`` checks, for from_conv's error
+
+    @classmethod
+    def fusable(cls, conv: nn.Module) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def from_conv(cls, conv: nn.Module):
+        """The same conv (same parameters and attributes) as this fused class."""
+        if not cls.fusable(conv):
+            raise ValueError(f"needs {cls.requirement}, weights folded")
+        fused = cls.__new__(cls)
+        fused.__dict__.update(conv.__dict__)
+        return fused
+
+    def _layouts(self, weight: Tensor, dtype: torch.dtype):
+        raise NotImplementedError
+
+    def kernel_weights(self, dtype: torch.dtype):
+        w = self.weight
+        if torch.compiler.is_compiling():
+            cached = self._packed[1]
+            first = cached[0] if isinstance(cached, tuple) else cached
+            if cached is not None and first.dtype == dtype and first.device == w.device:
+                return cached
+            return self._layouts(w, dtype)
+        key = (w.data_ptr(), w._version, w.device, dtype)
+        if self._packed[0] != key:
+            with torch.no_grad():
+                object.__setattr__(self, "_packed", (key, self._layouts(w, dtype)))
+        return self._packed[1]
+
+    def pack(self) -> None:
+        """Fill the weight cache for the module's own dtype now, outside any compiled graph."""
+        self.kernel_weights(self.weight.dtype)
+
+
+class FusedDenseConv1d(_PackedWeights, _SnakeOut, nn.Conv1d):
+    """A dense Conv1d (groups 1, dilation 1; any kernel, stride, zero padding) on the Triton implicit
+    GEMM (:func:`snac_fast.ops.dense_conv.dense_conv1d`): the encoder's input conv and strided
+    downsampling convs. With :meth:`pair_next_snake` it returns (y, snake(y)) for the residual unit
+    after it. Reads its input fastest channels-last, which surgery has the layer before write.
+    Same parameters and name as the conv."""
+
+    requirement = "a plain Conv1d (groups 1, dilation 1, numeric zero padding)"
+
+    @classmethod
+    def fusable(cls, conv: nn.Module) -> bool:
+        return (type(conv) is nn.Conv1d and conv.groups == 1 and conv.dilation[0] == 1 and conv.kernel_size[0] > 1
+                and conv.padding_mode == "zeros" and isinstance(conv.padding, tuple)
+                and not hasattr(conv, "parametrizations"))
+
+
+    def _layouts(self, weight: Tensor, dtype: torch.dtype) -> Tensor:
+        from snac_fast.ops.dense_conv import pack_dense_weight
+
+        return pack_dense_weight(weight.detach().to(dtype))
+
+    def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
+        from snac_fast.ops.dense_conv import dense_conv1d
+
+        pair = None if self._snake_pair is None else self._snake_pair.alpha
+        return dense_conv1d(x, self.weight, self.bias, self.stride[0], self.padding[0], pair_alpha=pair,
+                            packed=self.kernel_weights(x.dtype))
+
+
+class FusedConvTranspose1d(_PackedWeights, nn.ConvTranspose1d):
     """The decoder block's upsampling ConvTranspose1d (and the block's input Snake1d, when no layer
     before could absorb it, as after attention).
 
@@ -240,6 +334,7 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
     """
 
     kernel_max_elements = 1 << 19
+    requirement = "a plain ConvTranspose1d with kernel 2 * stride and SNAC's padding"
     _snake_in: nn.Module | None = None
     _bias_taken = False  # set when a FusedNoiseBlock after it adds the bias for the cuDNN path
 
@@ -253,14 +348,6 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
         return (conv.kernel_size[0] == 2 * s and (conv.padding[0], conv.output_padding[0]) == upsampling_padding(s)
                 and conv.groups == 1 and conv.dilation[0] == 1)
 
-    @classmethod
-    def from_conv(cls, conv: nn.ConvTranspose1d) -> "FusedConvTranspose1d":
-        if not cls.fusable(conv):
-            raise ValueError("needs a plain ConvTranspose1d with kernel 2 * stride and SNAC's padding, weights folded")
-        fused = cls.__new__(cls)
-        fused.__dict__.update(conv.__dict__)
-        object.__setattr__(fused, "_packed", (None, None))
-        return fused
 
     def absorb_previous_snake(self, snake_module: nn.Module) -> None:
         object.__setattr__(self, "_snake_in", snake_module)
@@ -277,30 +364,6 @@ class FusedConvTranspose1d(nn.ConvTranspose1d):
 
         w = weight.detach().to(dtype)
         return pack_phase_weight(w, self.stride[0]), w.unsqueeze(2).contiguous(memory_format=torch.channels_last)
-
-    def kernel_weights(self, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-        """(the Triton kernel's packed taps, cuDNN's channels-last weight [C_in, C_out, 1, K]) in
-        ``dtype``, cached while the weight is unchanged.
-
-        Under ``torch.compile`` the cache is read, never keyed or filled: a key on ``data_ptr`` breaks
-        the graph, and a tensor made inside a compiled graph lives in its memory (with CUDA graphs,
-        the next replay overwrites it). Surgery fills the cache eagerly (:meth:`pack`); for another
-        dtype the compiled graph makes its own copies per call."""
-        w = self.weight
-        if torch.compiler.is_compiling():
-            cached = self._packed[1]
-            if cached is not None and cached[0].dtype == dtype and cached[0].device == w.device:
-                return cached
-            return self._layouts(w, dtype)
-        key = (w.data_ptr(), w._version, w.device, dtype)
-        if self._packed[0] != key:
-            with torch.no_grad():
-                object.__setattr__(self, "_packed", (key, self._layouts(w, dtype)))
-        return self._packed[1]
-
-    def pack(self) -> None:
-        """Fill the weight cache for the module's own dtype now, outside any compiled graph."""
-        self.kernel_weights(self.weight.dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         from snac_fast.ops.conv_transpose import conv_transpose
@@ -392,11 +455,36 @@ def _upstream_quantizer():
 
 class FusedResidualVectorQuantize(_upstream_quantizer()):
     """Upstream's residual quantizer whose ``from_codes`` (codes -> latent, about five launches per
-    level) is one kernel (:func:`snac_fast.ops.codebook.codes_to_latent`). Encoding is unchanged.
-    Same submodules and parameters."""
+    level) is one kernel (:func:`snac_fast.ops.codebook.codes_to_latent`), and whose encoding
+    (``forward``), once :func:`snac_fast.surgery.fuse_encoder` set ``fused_encode``, runs in float32
+    whatever the model's dtype (:func:`snac_fast.ops.codebook.quantize`). Same submodules and parameters."""
 
-    replaces = ("from_codes",)
+    replaces = ("from_codes", "forward")
     bad_ids: Tensor | None = None  # int32 [1] flag set when an id is out of range (CUDA graphs set it)
+    fused_encode = False
+
+    def forward(self, z: Tensor) -> tuple[Tensor, list[Tensor]]:
+        """z: latent [B, latent_dim, T] -> (quantized latent like z, codes: int64 [B, T // stride] per level)."""
+        if not self.fused_encode:
+            return super().forward(z)
+        from snac_fast.ops.codebook import quantize
+
+        return quantize(z, *self.float32_weights(), [q.stride for q in self.quantizers])
+
+    def float32_weights(self) -> tuple[list[Tensor], ...]:
+        """(in-projection weights, biases, codebooks, out-projection weights, biases, L2-normalised
+        codebooks) per level in float32, cached while the parameters are unchanged: the encoding
+        runs in float32, and a cast per level and call would be 18 more kernels per encode."""
+        qs = self.quantizers
+        params = [(q.in_proj.weight, q.in_proj.bias, q.codebook.weight, q.out_proj.weight, q.out_proj.bias) for q in qs]
+        key = tuple((p.data_ptr(), p._version, p.device) for level in params for p in level)
+        cached = self.__dict__.get("_float32")
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                lists = [[p.detach().float() for p in column] for column in zip(*params)]
+                lists.append([F.normalize(table) for table in lists[2]])
+            self.__dict__["_float32"] = cached = (key, tuple(lists))
+        return cached[1]
 
     @classmethod
     def from_quantizer(cls, quantizer: nn.Module) -> "FusedResidualVectorQuantize":

@@ -1,4 +1,4 @@
-"""Module surgery on an upstream ``snac.SNAC``: Snake1d -> FastSnake1d, weight norm folded.
+"""Module surgery on an upstream ``snac.SNAC``: Snake1d -> FastSnake1d, weight norm folded, layers fused.
 
 Everything else in the module tree stays as it is, so code that knows upstream's layout keeps working.
 """
@@ -12,9 +12,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from snac_fast.modules import (DepthwisePointwiseConv1d, FastSnake1d, FusedConvTranspose1d, FusedNoiseBlock,
-                               FusedResidualUnit, FusedResidualVectorQuantize, OutputConvTanh, _Absorbed, _SnakeOut,
-                               absorb, is_pointwise, is_same_padding_depthwise)
+from snac_fast.modules import (DepthwiseConv1d, DepthwisePointwiseConv1d, FastSnake1d, FusedConvTranspose1d,
+                               FusedDenseConv1d, FusedNoiseBlock, FusedResidualUnit, FusedResidualVectorQuantize,
+                               OutputConvTanh, _Absorbed, _PackedWeights, _SnakeOut, absorb, is_pointwise,
+                               is_same_padding_depthwise)
 
 
 @dataclass
@@ -113,17 +114,15 @@ def to_device_dtype(model: nn.Module, device: torch.device | str | None, dtype: 
     return []
 
 
-def _decoder_execution_order(model: nn.Module) -> list[tuple[str, nn.Sequential, int]]:
-    """(qualified name, parent Sequential, index) of the decoder's layers in the order they run,
-    with each DecoderBlock opened into its own layers."""
-    from snac.layers import DecoderBlock
-
+def _execution_order(seq: nn.Sequential, prefix: str, block_type: type) -> list[tuple[str, nn.Sequential, int]]:
+    """(qualified name, parent Sequential, index) of ``seq``'s layers in the order they run, with
+    each ``block_type`` (DecoderBlock, EncoderBlock) opened into its own layers."""
     order = []
-    for i, layer in enumerate(model.decoder.model):
-        if isinstance(layer, DecoderBlock) and isinstance(getattr(layer, "block", None), nn.Sequential):
-            order.extend((f"decoder.model.{i}.block.{j}", layer.block, j) for j in range(len(layer.block)))
+    for i, layer in enumerate(seq):
+        if isinstance(layer, block_type) and isinstance(getattr(layer, "block", None), nn.Sequential):
+            order.extend((f"{prefix}.{i}.block.{j}", layer.block, j) for j in range(len(layer.block)))
         else:
-            order.append((f"decoder.model.{i}", model.decoder.model, i))
+            order.append((f"{prefix}.{i}", seq, i))
     return order
 
 
@@ -138,7 +137,7 @@ def fuse_decoder(model: nn.Module) -> dict[str, list[str]]:
     before it, beside its output. Needs FastSnake1d and folded weights. Returns the replaced names by
     kind ("absorbed": layers now computed inside a neighbour).
     """
-    from snac.layers import NoiseBlock, ResidualUnit
+    from snac.layers import DecoderBlock
     from snac.vq import ResidualVectorQuantize
 
     done: dict[str, list[str]] = {"quantizer": [], "input_convs": [], "residual_units": [], "noise_blocks": [],
@@ -157,18 +156,31 @@ def fuse_decoder(model: nn.Module) -> dict[str, list[str]]:
             seq[-1] = absorb(seq[-1], f"decoder.model.{len(seq) - 2}")
             done["output_conv"].append(f"decoder.model.{len(seq) - 2}")
             done["absorbed"].append(f"decoder.model.{len(seq) - 1}")
-    order = _decoder_execution_order(model)
+    _fuse_layers(_execution_order(seq, "decoder.model", DecoderBlock), done)
+    return done
+
+
+def _fuse_layers(order: list[tuple[str, nn.Sequential, int]], done: dict[str, list[str]]) -> None:
+    """Fuse the layers of one path (in execution order), recording names in ``done``: residual
+    units, NoiseBlocks, transposed convs and dense convs replaced; each Snake1d moved into the epilogue of the
+    fused layer before it, else into the transposed conv after it; a residual unit's first snake
+    written by the layer before it, beside its output; a transposed conv's input laid out [B, T, C]."""
+    from snac.layers import NoiseBlock, ResidualUnit
+
     for name, parent, i in order:
         layer = parent[i]
         if type(layer) is ResidualUnit and FusedResidualUnit.fusable(layer):
             parent[i] = FusedResidualUnit.from_unit(layer)
-            done["residual_units"].append(name)
+            done.setdefault("residual_units", []).append(name)
         elif type(layer) is NoiseBlock:
             parent[i] = FusedNoiseBlock.from_block(layer)
-            done["noise_blocks"].append(name)
+            done.setdefault("noise_blocks", []).append(name)
         elif FusedConvTranspose1d.fusable(layer):
             parent[i] = FusedConvTranspose1d.from_conv(layer)
-            done["conv_transposes"].append(name)
+            done.setdefault("conv_transposes", []).append(name)
+        elif FusedDenseConv1d.fusable(layer):
+            parent[i] = FusedDenseConv1d.from_conv(layer)
+            done.setdefault("dense_convs", []).append(name)
     for (_, parent, i), (_, next_parent, j) in zip(order, order[1:]):
         if isinstance(parent[i], FusedConvTranspose1d) and isinstance(next_parent[j], FusedNoiseBlock):
             next_parent[j].follow(parent[i])
@@ -192,18 +204,39 @@ def fuse_decoder(model: nn.Module) -> dict[str, list[str]]:
     # a residual unit's first snake: written by the layer before it, beside that layer's output
     for (name, parent, i), (next_name, next_parent, j) in zip(order, order[1:]):
         layer, unit = parent[i], next_parent[j]
-        if (isinstance(layer, (FusedNoiseBlock, FusedResidualUnit)) and isinstance(unit, FusedResidualUnit)
+        if (isinstance(layer, (FusedNoiseBlock, FusedResidualUnit, FusedDenseConv1d)) and isinstance(unit, FusedResidualUnit)
                 and layer.alpha_out is None and type(unit.block[0]) is FastSnake1d):
             unit.block[0] = absorb(unit.block[0], name)
             layer.pair_next_snake(unit.block[0])
             done["absorbed"].append(f"{next_name}.block.0")
-    # a transposed conv reads [B, T, C] memory fastest (aligned shifted loads; cuDNN without layout
-    # transforms): the layer before it writes that layout
+    # transposed and dense convs read [B, T, C] memory fastest (aligned shifted loads; cuDNN without
+    # layout transforms): the layer before writes that layout
     computing = [parent[i] for _, parent, i in order if not isinstance(parent[i], _Absorbed)]
     for layer, after in zip(computing, computing[1:]):
-        if (isinstance(after, FusedConvTranspose1d) and isinstance(layer, (FusedResidualUnit, DepthwisePointwiseConv1d))
+        if (isinstance(after, (FusedConvTranspose1d, FusedDenseConv1d)) and isinstance(layer, (FusedResidualUnit, DepthwisePointwiseConv1d))
                 and layer._snake_pair is None):
             layer.write_channels_last()
+
+
+def fuse_encoder(model: nn.Module) -> dict[str, list[str]]:
+    """The encoding path on fused kernels: the input conv and each strided conv as an implicit GEMM
+    that also writes the next residual unit's input snake; each residual unit in two kernels, the
+    last of a block applying the snake before the strided conv and writing its input channels-last;
+    the output depthwise conv7 on the depthwise kernel; the quantizer's encoding in float32
+    (:func:`snac_fast.ops.codebook.quantize`). The 32/44 kHz attention stays upstream's. Needs FastSnake1d, folded weights and a FusedResidualVectorQuantize (fuse_decoder
+    makes it). Returns the replaced names by kind ("absorbed": layers now computed inside a neighbour)."""
+    from snac.layers import EncoderBlock
+
+    done: dict[str, list[str]] = {"dense_convs": [], "residual_units": [], "output_conv": [], "quantizer": [],
+                                  "absorbed": []}
+    seq = model.encoder.block
+    _fuse_layers(_execution_order(seq, "encoder.block", EncoderBlock), done)
+    if is_same_padding_depthwise(seq[-1]):
+        seq[-1] = DepthwiseConv1d.from_conv(seq[-1])
+        done["output_conv"].append(f"encoder.block.{len(seq) - 1}")
+    if isinstance(model.quantizer, FusedResidualVectorQuantize):
+        model.quantizer.fused_encode = True
+        done["quantizer"].append("quantizer")
     return done
 
 
@@ -220,8 +253,8 @@ def accelerate(
 
     Swaps the decoder's Snake1d (29 in the published models) for :class:`FastSnake1d` sharing the
     same alpha, the encoder's too unless ``encoder=False``, folds weight norm unless
-    ``fold_weights=False``, fuses the decoder's residual units and NoiseBlocks into Triton kernels
-    unless ``fuse=False`` (needs folded weights), then moves the model to ``device``/``dtype`` when given (in float16 and
+    ``fold_weights=False``, fuses the decoder (:func:`fuse_decoder`) and, with ``encoder``, the
+    encoder (:func:`fuse_encoder`) unless ``fuse=False`` (needs folded weights), then moves the model to ``device``/``dtype`` when given (in float16 and
     bfloat16 the 32/44 kHz attention stays float32, see :func:`keep_attention_float32`).
     Raises ValueError when the model is not a SNAC or its Snake1d count is not the architecture's.
     """
@@ -247,9 +280,13 @@ def accelerate(
     if fuse:
         report.fused = fuse_decoder(model)
         report.absorbed = report.fused.pop("absorbed")
+        if encoder:
+            encoder_fused = fuse_encoder(model)
+            report.absorbed += encoder_fused.pop("absorbed")
+            report.fused.update({f"encoder_{kind}": names for kind, names in encoder_fused.items()})
     if device is not None or dtype is not None:
         report.float32_attention = to_device_dtype(model, device, dtype)
-    for module in model.decoder.modules():  # on the final device and dtype, outside torch.compile
-        if isinstance(module, FusedConvTranspose1d):
+    for module in model.modules():  # on the final device and dtype, outside torch.compile
+        if isinstance(module, _PackedWeights):
             module.pack()
     return report

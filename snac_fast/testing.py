@@ -86,3 +86,18 @@ def state_dict_fingerprint(state: dict) -> list[float]:
             abs_sum += d.abs().sum().item()
             sq_sum += d.pow(2).sum().item()
     return [abs_sum, sq_sum]
+
+
+def speech_like(seconds: float, rate: int, seed: int = 0):
+    """A voiced-speech stand-in as float32 numpy [seconds * rate]: a gliding harmonic tone (f0 from
+    90-220 Hz) under a syllable-rate envelope, plus a little noise. Deterministic per seed."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * rate)) / rate
+    f0 = rng.uniform(90, 220) + 30 * np.sin(2 * np.pi * rng.uniform(0.3, 1.0) * t)
+    phase = 2 * np.pi * np.cumsum(f0) / rate
+    voice = sum(np.sin(k * phase) / k for k in range(1, 6))
+    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * rng.uniform(3, 5) * t) ** 2
+    return (0.2 * voice * envelope + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
+

@@ -14,24 +14,13 @@ import torch
 from helpers import NARROW
 from snac_fast import FastSNAC
 from snac_fast import datasets as ds
-from snac_fast.testing import make_checkpoint, synthetic_model
+from snac_fast.testing import make_checkpoint, speech_like, synthetic_model
 
 
 @pytest.fixture(scope="module")
 def codec():  # the pipeline is under test, not the kernels: upstream layers run (no interpreter)
     return FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", source="synthetic:narrow",
                     accelerate_encoder=False, fuse=False)
-
-
-def speech_like(seconds: float, rate: int, seed: int) -> np.ndarray:
-    """A voiced-speech stand-in: a gliding harmonic tone under a syllable-rate envelope, plus noise."""
-    rng = np.random.default_rng(seed)
-    t = np.arange(int(seconds * rate)) / rate
-    f0 = 110 + 30 * np.sin(2 * np.pi * 0.7 * t)
-    phase = 2 * np.pi * np.cumsum(f0) / rate
-    voice = sum(np.sin(k * phase) / k for k in range(1, 6))
-    envelope = 0.5 + 0.5 * np.sin(2 * np.pi * 4 * t) ** 2
-    return (0.2 * voice * envelope + 0.01 * rng.standard_normal(t.size)).astype(np.float32)
 
 
 @pytest.fixture(scope="module")

@@ -37,9 +37,11 @@ def test_surgery_counts_types_and_tree(name):
     fused = fast.report.fused
     assert len(fused["residual_units"]) == 12 and len(fused["noise_blocks"]) == 4 and len(fused["conv_transposes"]) == 4
     assert fused["quantizer"] == ["quantizer"] and len(fused["input_convs"]) == len(fused["output_conv"]) == 1
-    # absorbed: the input 1x1 conv, the tanh, the 4 block-input snakes, the output snake and the
-    # first snake of each of the 12 residual units
-    assert len(fast.report.absorbed) == 19
+    assert len(fused["encoder_dense_convs"]) == 5 and len(fused["encoder_residual_units"]) == 12
+    # absorbed: decoder: the input 1x1 conv, the tanh, the 4 block-input snakes, the output snake and
+    # the first snake of each of the 12 residual units; encoder: the snake before each of the 4
+    # strided convs and the first snake of each of the 12 residual units
+    assert len(fast.report.absorbed) == 19 + 16
     summary = str(fast.report)  # counts per kind, not hundreds of names
     assert summary == repr(fast.report) and len(summary) < 400 and "decoder." not in summary
     assert "decoder snakes: 29" in summary and "fused residual units: 12" in summary and "absorbed" in summary
@@ -56,7 +58,8 @@ def test_surgery_counts_types_and_tree(name):
             and not before[n].__name__.startswith("Parametrized")} == {
         "FusedResidualVectorQuantize", "FusedResidualUnit", "FusedNoiseBlock", "AbsorbedTanh"}
     assert {type(m).__name__ for n, m in after.items() if before[n].__name__.startswith("Parametrized")} == {
-        "Conv1d", "DepthwisePointwiseConv1d", "AbsorbedConv1d", "FusedConvTranspose1d", "OutputConvTanh"}
+        "Conv1d", "DepthwisePointwiseConv1d", "AbsorbedConv1d", "FusedConvTranspose1d", "OutputConvTanh",
+        "FusedDenseConv1d", "DepthwiseConv1d"}
 
 
 @pytest.mark.parametrize("name, narrow", [("snac_24khz", False), ("snac_32khz", True), ("snac_44khz", True)])

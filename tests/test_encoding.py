@@ -1,0 +1,233 @@
+"""The fused encoder: its dense-conv and nearest-codeword kernels against float64 references, the
+encoder end to end against upstream, the receptive field, chunked long-audio encodes equal to
+whole ones, CUDA graphs."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers import NARROW
+from snac_fast import FastSNAC
+from snac_fast.encoding import Chunk, encoder_reach, padding_unit, plan_chunks
+from snac_fast.modules import DepthwiseConv1d, FusedDenseConv1d, FusedResidualUnit
+from snac_fast.ops.codebook import _nearest_codeword, nearest_codeword_reference, quantize
+from snac_fast.ops.dense_conv import dense_conv1d
+from snac_fast.ops.snake import snake_reference
+from snac_fast.surgery import fold_weight_norm
+from snac_fast.testing import speech_like, synthetic_model
+
+MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
+# the published structure in miniature (hop 6): receptive fields of ~150 samples, so that chunked
+# encodes of a few thousand samples cross several chunk boundaries
+TINY = {"encoder_dim": 16, "encoder_rates": [2, 3], "decoder_dim": 32, "decoder_rates": [3, 2]}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # of the largest |output|
+
+
+def tiny_model(name: str, dtype=torch.float32) -> FastSNAC:
+    extra = {"attn_window_size": 4} if name != "snac_24khz" else {}
+    return FastSNAC(synthetic_model(name, **TINY, **extra), device="cpu", dtype=dtype)
+
+
+# (B, C_in, C_out, T, kernel, stride, padding): the input conv (one channel in), SNAC's strided
+# convs (kernel 2s, padding ceil(s/2)) at odd lengths, a plain unpadded conv
+CONV_SHAPES = [(2, 1, 48, 203, 7, 1, 3), (3, 24, 48, 101, 4, 2, 1), (1, 40, 80, 77, 16, 8, 4),
+               (2, 16, 32, 61, 6, 3, 2), (1, 5, 7, 9, 3, 1, 0)]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("shape", CONV_SHAPES)
+def test_dense_conv_matches_float64(shape, dtype):
+    B, C_in, C_out, T, K, S, P = shape
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(B, C_in, T, generator=gen).to(dtype)
+    w = (torch.randn(C_out, C_in, K, generator=gen) / (C_in * K) ** 0.5).to(dtype)
+    b = torch.randn(C_out, generator=gen).to(dtype)
+    alpha = (torch.rand(C_out, generator=gen) * 4 + 0.2).to(dtype)
+    expected = F.conv1d(x.double(), w.double(), b.double(), S, P)  # from the rounded inputs: only the kernel's error counts
+    expected_snake = snake_reference(expected, alpha.double())
+    scale = expected.abs().max().item()
+    channels_last = x.transpose(1, 2).contiguous().transpose(1, 2)
+    for given in (x, channels_last):
+        y, s = dense_conv1d(given, w, b, S, P, pair_alpha=alpha)
+        assert y.dtype == s.dtype == dtype and y.is_contiguous() and s.is_contiguous()
+        torch.testing.assert_close(y.double(), expected, rtol=0, atol=TOLERANCE[dtype] * scale)
+        torch.testing.assert_close(s.double(), expected_snake, rtol=0, atol=TOLERANCE[dtype] * 2 * scale)
+        assert torch.equal(dense_conv1d(given, w, b, S, P), y)
+    torch.testing.assert_close(dense_conv1d(x, w, None, S, P).double(), expected - b.double()[:, None],
+                               rtol=0, atol=TOLERANCE[dtype] * scale)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda x, w: dense_conv1d(x, w[:, :3]), "weight must be"),
+    (lambda x, w: dense_conv1d(x[..., :2], w), "shorter than the kernel"),
+    (lambda x, w: dense_conv1d(x, w, torch.zeros(5)), "bias needs 8"),
+    (lambda x, w: dense_conv1d(x, w, stride=0), "stride >= 1"),
+    (lambda x, w: dense_conv1d(x.long(), w), "floating"),
+])
+def test_dense_conv_rejects_bad_input(call, message):
+    with pytest.raises(ValueError, match=message):
+        call(torch.randn(1, 4, 10), torch.randn(8, 4, 3))
+
+
+@pytest.mark.parametrize("rows, codes, splits", [(1, 4096, 16), (37, 4096, 5), (130, 384, 3), (33, 256, 1)])
+def test_nearest_codeword_matches_float64(rows, codes, splits):
+    """Codebook slices across programs (splits) and rows in several blocks give the float64 argmax."""
+    gen = torch.Generator().manual_seed(rows)
+    e = F.normalize(torch.randn(rows, 8, generator=gen))
+    table = F.normalize(torch.randn(codes, 8, generator=gen))
+    assert torch.equal(_nearest_codeword(e, table, splits), nearest_codeword_reference(e.double(), table.double()))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_quantize_computes_in_float32(dtype):
+    """Given a half latent and half weights, the codes are upstream float32's on the same values,
+    and the quantized latent is upstream's."""
+    model = synthetic_model("snac_24khz", **NARROW)
+    fold_weight_norm(model)
+    quantizer = model.quantizer
+    gen = torch.Generator().manual_seed(1)
+    z = (torch.randn(2, model.latent_dim, 64, generator=gen) * 3).to(dtype)
+    with torch.no_grad():
+        for p in quantizer.parameters():
+            p.copy_(p.to(dtype))  # upstream float32 on the half values
+        expected_zq, expected = quantizer(z.float())
+        qs = quantizer.quantizers
+        z_q, codes = quantize(z, [q.in_proj.weight.to(dtype) for q in qs], [q.in_proj.bias.to(dtype) for q in qs],
+                              [q.codebook.weight.to(dtype) for q in qs], [q.out_proj.weight.to(dtype) for q in qs],
+                              [q.out_proj.bias.to(dtype) for q in qs], None, [q.stride for q in qs])
+    assert z_q.dtype == dtype and z_q.shape == z.shape
+    assert all(torch.equal(a, b) for a, b in zip(codes, expected))
+    torch.testing.assert_close(z_q.float(), expected_zq, rtol=0, atol=TOLERANCE[dtype] * expected_zq.abs().max().item())
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize("name", MODELS)
+def test_fused_encoder_matches_float64_upstream(name):
+    """Every encoder layer fused (dense convs, residual units, output conv, quantizer); the latent
+    against upstream in float64 and the codes against upstream's, batch 2, a length to pad."""
+    fast = FastSNAC(synthetic_model(name, **NARROW), device="cpu", dtype=torch.float32)
+    fused = fast.report.fused
+    assert len(fused["encoder_dense_convs"]) == 5 and len(fused["encoder_residual_units"]) == 12
+    assert fused["encoder_output_conv"] == [f"encoder.block.{len(fast.model.encoder.block) - 1}"]
+    assert fused["encoder_quantizer"] == ["quantizer"]
+    encoder = fast.model.encoder.block
+    assert isinstance(encoder[0], FusedDenseConv1d) and isinstance(encoder[-1], DepthwiseConv1d)
+    for block in list(encoder)[1:5]:
+        units, conv = block.block[:3], block.block[4]
+        assert all(isinstance(u, FusedResidualUnit) for u in units) and isinstance(conv, FusedDenseConv1d)
+        assert units[2].channels_last_out and units[2].alpha_out is block.block[3].alpha
+    reference = synthetic_model(name, **NARROW).double()
+    audio = torch.randn(2, 1, 3001, generator=torch.Generator().manual_seed(2), dtype=torch.float64) * 0.2
+    with torch.inference_mode():
+        latent = fast.model.encoder(fast.model.preprocess(audio.float()))
+        expected_latent = reference.encoder(reference.preprocess(audio))
+        codes, expected = fast.encode(audio.float()), reference.encode(audio)
+    torch.testing.assert_close(latent.double(), expected_latent, rtol=0, atol=1e-5 * expected_latent.abs().max().item())
+    assert [c.shape for c in codes] == [c.shape for c in expected]
+    agree = sum((a == b).sum().item() for a, b in zip(codes, expected)) / sum(c.numel() for c in codes)
+    assert agree >= 0.99  # float32 against float64: only a near-tie may flip
+
+
+@pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz"])
+def test_receptive_field_bounds_what_a_span_reads(name):
+    """Audio outside [start - reach, end + reach) of a span aligned to the padding unit leaves the
+    span's latent unchanged (float64); audio well inside the reach changes it."""
+    extra = {"attn_window_size": 4} if name != "snac_24khz" else {}
+    model = synthetic_model(name, **TINY, **extra).double()
+    config = {"encoder_rates": TINY["encoder_rates"], "vq_strides": model.vq_strides,
+              "attn_window_size": model.attn_window_size}
+    reach, unit, hop = encoder_reach(model), padding_unit(config), model.hop_length
+    start, end, length = 8 * unit, 12 * unit, 24 * unit
+    gen = torch.Generator().manual_seed(3)
+    audio = torch.randn(1, 1, length, generator=gen, dtype=torch.float64)
+    outside = audio.clone()
+    outside[..., :start - reach] = torch.randn(start - reach, generator=gen, dtype=torch.float64)
+    outside[..., end + reach:] = torch.randn(length - end - reach, generator=gen, dtype=torch.float64)
+    inside = audio.clone()
+    inside[..., start - reach // 2] += 1.0
+    with torch.no_grad():
+        span = [model.encoder(a)[..., start // hop:end // hop] for a in (audio, outside, inside)]
+    assert torch.equal(span[0], span[1])
+    assert not torch.equal(span[0], span[2])
+
+
+def test_plan_chunks_cover_the_input_once():
+    unit = 48
+    assert plan_chunks(10 * unit, 2 * unit, 4 * unit, unit) == [Chunk(0, 480, 0, 480)]  # fits with its halos
+    chunks = plan_chunks(100 * unit, 30 * unit, 50, unit)  # halo rounds up to 2 units, chunks stay 30
+    assert [(c.keep_start, c.keep_end) for c in chunks] == [(0, 1440), (1440, 2880), (2880, 4320), (4320, 4800)]
+    assert [(c.read_start, c.read_end) for c in chunks] == [(0, 1536), (1344, 2976), (2784, 4416), (4224, 4800)]
+    with pytest.raises(ValueError, match="multiple of the padding unit"):
+        plan_chunks(100, 48, 0, unit)
+
+
+@pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz"])
+def test_chunked_encode_equals_whole(name):
+    """Several chunks with halos (an odd length, batch 3): the same codes as one whole encode."""
+    fast = tiny_model(name)
+    audio = torch.from_numpy(speech_like(3001 / fast.sampling_rate, fast.sampling_rate, 4)).repeat(3, 1, 1)
+    audio[1] *= 0.5
+    audio[2] = audio[2].flip(-1)
+    whole = fast.encode(audio, chunk_seconds=None)
+    chunk = 2 * padding_unit(fast.config)
+    chunks = plan_chunks(-(-3001 // padding_unit(fast.config)) * padding_unit(fast.config), chunk,
+                         encoder_reach(fast.model), padding_unit(fast.config))
+    assert len(chunks) >= 3
+    chunked = fast.encode(audio, chunk_seconds=chunk / fast.sampling_rate)
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
+def test_encode_rejects_bad_chunk_seconds():
+    fast = tiny_model("snac_24khz")
+    with pytest.raises(ValueError, match="chunk_seconds"):
+        fast.encode(torch.zeros(1, 1, 100), chunk_seconds=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz"])
+def test_gpu_fused_encode_graphs_chunks_and_upstream(cuda, name):
+    """Full widths, fp16 on CUDA: graph replays give the eager codes, a chunked encode agrees with the
+    whole one, and the codes agree with upstream fp32 on >= 99% of speech-like positions per level."""
+    fast = FastSNAC(synthetic_model(name), device=cuda, dtype=torch.float16)
+    upstream = synthetic_model(name).to(cuda)
+    rate = fast.sampling_rate
+    audio = torch.from_numpy(speech_like(7.3, rate, 5)).view(1, 1, -1).repeat(2, 1, 1).to(cuda)
+    audio[1] *= 0.7
+    eager_limit, fast.encode_graph_samples = fast.encode_graph_samples, 0
+    eager = fast.encode(audio)
+    fast.encode_graph_samples = eager_limit
+    graphed = [fast.encode(audio) for _ in range(2)]
+    assert len(fast.encode_graphs) == 1
+    assert all(torch.equal(a, b) for g in graphed for a, b in zip(eager, g))
+    chunked = fast.encode(audio, chunk_seconds=2.0)
+    with torch.inference_mode():
+        expected = upstream.encode(audio)
+    for ours, split, theirs in zip(eager, chunked, expected):
+        assert ours.shape == theirs.shape and ours.dtype == torch.int64
+        assert (ours == split).float().mean().item() >= 0.995
+        assert (ours == theirs).float().mean().item() >= 0.99
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_dense_conv_encoder_shapes(cuda, dtype):
+    """The 24 kHz encoder's strided convs at B=2, a 10 s input's lengths, channels-last input."""
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    for C_in, stride, T in [(48, 2, 240000), (96, 4, 120000), (192, 8, 30000), (384, 8, 3750)]:
+        x = torch.randn(2, T, C_in, device=cuda, generator=gen).to(dtype).transpose(1, 2)
+        w = (torch.randn(2 * C_in, C_in, 2 * stride, device=cuda, generator=gen) / (2 * stride * C_in) ** 0.5).to(dtype)
+        b = torch.randn(2 * C_in, device=cuda, generator=gen).to(dtype)
+        pad = -(-stride // 2)
+        expected = F.conv1d(x.double(), w.double(), b.double(), stride, pad)
+        y = dense_conv1d(x, w, b, stride, pad)
+        torch.testing.assert_close(y.double(), expected, rtol=0, atol=TOLERANCE[dtype] * expected.abs().max().item())
+
+
+@pytest.mark.gpu
+def test_gpu_nearest_codeword_slices(cuda):
+    gen = torch.Generator(device=cuda).manual_seed(1)
+    table = F.normalize(torch.randn(4096, 8, device=cuda, generator=gen))
+    for rows in (1, 117, 15000):
+        e = F.normalize(torch.randn(rows, 8, device=cuda, generator=gen))
+        expected = nearest_codeword_reference(e.double(), table.double())
+        assert (_nearest_codeword(e, table) == expected).float().mean().item() >= 0.999
