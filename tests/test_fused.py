@@ -495,9 +495,11 @@ def test_surgery_absorbs_snakes_by_architecture():
     for name, into_conv in [("snac_24khz", []), ("snac_32khz", ["decoder.model.3.block.0"])]:
         fast = FastSNAC.from_pretrained(f"synthetic:{name}", device="cpu")
         modules = dict(fast.model.named_modules())
-        snakes = [n for n in fast.report.absorbed if isinstance(modules[n], AbsorbedSnake1d)]
+        snakes = [n for n in fast.report.absorbed if isinstance(modules[n], AbsorbedSnake1d) and n.startswith("decoder.")]
         assert sum(isinstance(m, FastSnake1d) for m in fast.model.decoder.modules()) == 29
         assert len(snakes) == 17  # 4 block inputs, the output snake, the first snake of 12 residual units
+        # encoder: the snake before each of the 4 strided convs, the first snake of 12 residual units
+        assert sum(n.startswith("encoder.") for n in fast.report.absorbed) == 16
         assert [n for n in snakes if isinstance(modules[modules[n].absorbed_by], FusedConvTranspose1d)] == into_conv
         assert type(fast.model.decoder.model[-1]).__name__ == "AbsorbedTanh"
         assert type(fast.model.quantizer).__name__ == "FusedResidualVectorQuantize"
@@ -563,8 +565,7 @@ def fake_snac(codebook_size=4096):
 def test_graph_cache_is_bounded_lru_and_checks_cpu_ids(monkeypatch):
     from snac_fast.graphs import _Captured
 
-    def fake_capture(self, codes, noise):
-        self.captures += 1
+    def fake_capture(self, codes, noise):  # (the cache counts captures as it stores them)
         flag = torch.zeros(1, dtype=torch.int32)
         return _Captured(_FakeGraph(), torch.zeros(sum(c.numel() for c in codes), dtype=torch.long), torch.zeros(1),
                          [], None, torch.zeros(1), flag)
