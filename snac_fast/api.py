@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import threading
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from snac_fast.codes import validate_audio, validate_codes
-from snac_fast.encoding import GraphedEncode, encode_padded, padding_unit
+from snac_fast.encoding import GraphedEncode, encode_padded, encoder_reach, padding_unit
 from snac_fast.graphs import GraphedDecode
 from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
 from snac_fast.noise import check_seed, injected_noise, keyed_noise
@@ -137,6 +138,12 @@ class FastSNAC:
     @property
     def n_levels(self) -> int:
         return len(self.config["vq_strides"])
+
+    @functools.cached_property
+    def encoder_reach(self) -> int:
+        """Audio samples on each side of a span that its codes depend on (the halo of a chunked
+        encode; :func:`snac_fast.encoding.encoder_reach`)."""
+        return encoder_reach(self.model)
 
     @property
     def swapped(self) -> list[str]:
@@ -265,7 +272,7 @@ class FastSNAC:
             if cuda_graphs is None:
                 cuda_graphs = audio.shape[0] * min(audio.shape[-1], chunk or audio.shape[-1]) <= self.encode_graph_samples
             graphs = self.encode_graphs if cuda_graphs else None
-            return encode_padded(self.model, audio, unit, chunk, graphs)
+            return encode_padded(self.model, audio, unit, chunk, self.encoder_reach, graphs)
 
 
 def _config_of(model: nn.Module) -> dict:

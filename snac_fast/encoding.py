@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.compiling import compiling_concurrently
-from snac_fast.graphs import GraphCache, out_of_memory_explained
+from snac_fast.graphs import GraphCache
 from snac_fast.ops._runtime import device_scope
 
 
@@ -100,20 +100,17 @@ class GraphedEncode(GraphCache):
         self.warmup = warmup
 
     def __call__(self, audio: Tensor) -> list[Tensor]:
-        key = (tuple(audio.shape), audio.dtype)
-        entry = self._cache.get(key)
-        if entry is None:
-            with out_of_memory_explained(f"capturing a CUDA graph for audio of shape {tuple(audio.shape)}"), \
-                    device_scope(self.device):
-                entry = self._capture(audio)
-            self._store(key, entry)
-        self._cache.move_to_end(key)
-        static_audio, codes, graph = entry
+        static_audio, codes, graph = self._captured((tuple(audio.shape), audio.dtype), lambda: self._capture(audio),
+                                                     f"audio of shape {tuple(audio.shape)}")
         static_audio.copy_(audio)
         graph.replay()
         return [c.clone() for c in codes]
 
     def _capture(self, audio: Tensor) -> tuple[Tensor, list[Tensor], torch.cuda.CUDAGraph]:
+        with device_scope(self.device):  # side streams and the graph on the model's device, whichever is current
+            return self._capture_here(audio)
+
+    def _capture_here(self, audio: Tensor) -> tuple[Tensor, list[Tensor], torch.cuda.CUDAGraph]:
         with torch.inference_mode(False):
             static_audio = audio.clone()
         stream = torch.cuda.Stream()
@@ -131,13 +128,14 @@ class GraphedEncode(GraphCache):
         return static_audio, codes, graph
 
 
-def encode_padded(model: nn.Module, audio: Tensor, unit: int, chunk_samples: int | None,
+def encode_padded(model: nn.Module, audio: Tensor, unit: int, chunk_samples: int | None, reach: int,
                   graphs: GraphedEncode | None = None) -> list[Tensor]:
     """Codes of audio [B, 1, T] (model dtype and device, T a multiple of the padding ``unit``),
-    ``chunk_samples`` at a time (None: whole), each chunk through ``graphs`` when given."""
+    ``chunk_samples`` at a time (None: whole) with halos of ``reach`` (:func:`encoder_reach`), each
+    chunk through ``graphs`` when given."""
     run = graphs if graphs is not None else model.encode
     length = audio.shape[-1]
-    chunks = plan_chunks(length, chunk_samples or length, encoder_reach(model), unit)
+    chunks = plan_chunks(length, chunk_samples or length, reach, unit)
     if len(chunks) == 1:
         return run(audio)
     per_code = [model.hop_length * q.stride for q in model.quantizer.quantizers]  # audio samples per code

@@ -74,11 +74,19 @@ class GraphCache:
     def clear(self) -> None:
         self._cache.clear()
 
-    def _store(self, key: tuple, entry: object) -> None:
-        self._cache[key] = entry
-        self.captures += 1
-        while len(self._cache) > self.max_graphs:
-            self._cache.popitem(last=False)
+    def _captured(self, key: tuple, capture: Callable[[], object], what: str) -> object:
+        """The entry for ``key``, now the most recently used; a missing one is captured first
+        (``what`` names the input in an out-of-memory error) and the oldest beyond the bound dropped."""
+        entry = self._cache.get(key)
+        if entry is None:
+            with out_of_memory_explained(f"capturing a CUDA graph for {what}"):
+                entry = capture()
+            self._cache[key] = entry
+            self.captures += 1
+            while len(self._cache) > self.max_graphs:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(key)
+        return entry
 
 
 class GraphedDecode(GraphCache):
@@ -119,10 +127,8 @@ class GraphedDecode(GraphCache):
                 validate(codes)
             if key is None:  # validate accepted what key() could not read
                 key = self.key(codes, noise)
-            with out_of_memory_explained(f"capturing a CUDA graph for codes of shapes {[tuple(c.shape) for c in codes]}"):
-                entry = self._capture(codes, noise)
-            self._store(key, entry)
-        self._cache.move_to_end(key)
+        entry = self._captured(key, lambda: self._capture(codes, noise),
+                               f"codes of shapes {[tuple(c.shape) for c in codes]}")
         static = entry.codes
         on_cpu = all(c.is_cpu for c in codes)  # (attributes, not torch.device objects: this runs per call)
         if on_cpu:  # check on the CPU: no sync with the GPU

@@ -218,17 +218,34 @@ class DepthwisePointwiseConv1d(_SnakeOut, nn.Conv1d):
                               channels_last=self.channels_last_out)
 
 
-class DepthwiseConv1d(nn.Conv1d):
-    """A same-padded depthwise conv (the encoder's output conv7) on the Triton depthwise kernel.
-    Same parameters and name as the conv. Input and output: [B, C, T]."""
+class _FromConv:
+    """Mixin for a fused conv that is the upstream conv itself under another class: ``from_conv``
+    checks ``fusable`` and moves the conv's parameters and attributes over (no copies)."""
+
+    requirement = ""  # what ``fusable`` checks, for from_conv's error
 
     @classmethod
-    def from_conv(cls, conv: nn.Conv1d) -> "DepthwiseConv1d":
-        if not is_same_padding_depthwise(conv):
-            raise ValueError("needs a same-padding depthwise Conv1d, weights folded")
+    def fusable(cls, conv: nn.Module) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def from_conv(cls, conv: nn.Module):
+        if not cls.fusable(conv):
+            raise ValueError(f"needs {cls.requirement}, weights folded")
         fused = cls.__new__(cls)
         fused.__dict__.update(conv.__dict__)
         return fused
+
+
+class DepthwiseConv1d(_FromConv, nn.Conv1d):
+    """A same-padded depthwise conv (the encoder's output conv7) on the Triton depthwise kernel.
+    Same parameters and name as the conv. Input and output: [B, C, T]."""
+
+    requirement = "a same-padding depthwise Conv1d"
+
+    @classmethod
+    def fusable(cls, conv: nn.Module) -> bool:
+        return is_same_padding_depthwise(conv)
 
     def forward(self, x: Tensor) -> Tensor:
         from snac_fast.ops.conv import depthwise_conv_snake
@@ -246,20 +263,6 @@ class _PackedWeights:
     compiled graph makes its own copies per call."""
 
     _packed: tuple = (None, None)
-    requirement = ""  # what ``fusable`` checks, for from_conv's error
-
-    @classmethod
-    def fusable(cls, conv: nn.Module) -> bool:
-        raise NotImplementedError
-
-    @classmethod
-    def from_conv(cls, conv: nn.Module):
-        """The same conv (same parameters and attributes) as this fused class."""
-        if not cls.fusable(conv):
-            raise ValueError(f"needs {cls.requirement}, weights folded")
-        fused = cls.__new__(cls)
-        fused.__dict__.update(conv.__dict__)
-        return fused
 
     def _layouts(self, weight: Tensor, dtype: torch.dtype):
         raise NotImplementedError
@@ -283,7 +286,7 @@ class _PackedWeights:
         self.kernel_weights(self.weight.dtype)
 
 
-class FusedDenseConv1d(_PackedWeights, _SnakeOut, nn.Conv1d):
+class FusedDenseConv1d(_FromConv, _PackedWeights, _SnakeOut, nn.Conv1d):
     """A dense Conv1d (groups 1, dilation 1; any kernel, stride, zero padding) on the Triton implicit
     GEMM (:func:`snac_fast.ops.dense_conv.dense_conv1d`): the encoder's input conv and strided
     downsampling convs. With :meth:`pair_next_snake` it returns (y, snake(y)) for the residual unit
@@ -298,7 +301,6 @@ class FusedDenseConv1d(_PackedWeights, _SnakeOut, nn.Conv1d):
                 and conv.padding_mode == "zeros" and isinstance(conv.padding, tuple)
                 and not hasattr(conv, "parametrizations"))
 
-
     def _layouts(self, weight: Tensor, dtype: torch.dtype) -> Tensor:
         from snac_fast.ops.dense_conv import pack_dense_weight
 
@@ -312,7 +314,7 @@ class FusedDenseConv1d(_PackedWeights, _SnakeOut, nn.Conv1d):
                             packed=self.kernel_weights(x.dtype))
 
 
-class FusedConvTranspose1d(_PackedWeights, nn.ConvTranspose1d):
+class FusedConvTranspose1d(_FromConv, _PackedWeights, nn.ConvTranspose1d):
     """The decoder block's upsampling ConvTranspose1d (and the block's input Snake1d, when no layer
     before could absorb it, as after attention).
 
@@ -348,7 +350,6 @@ class FusedConvTranspose1d(_PackedWeights, nn.ConvTranspose1d):
         return (conv.kernel_size[0] == 2 * s and (conv.padding[0], conv.output_padding[0]) == upsampling_padding(s)
                 and conv.groups == 1 and conv.dilation[0] == 1)
 
-
     def absorb_previous_snake(self, snake_module: nn.Module) -> None:
         object.__setattr__(self, "_snake_in", snake_module)
 
@@ -381,19 +382,19 @@ class FusedConvTranspose1d(_PackedWeights, nn.ConvTranspose1d):
         return y.squeeze(2)
 
 
-class OutputConvTanh(nn.Conv1d):
+class OutputConvTanh(_FromConv, nn.Conv1d):
     """The decoder's output conv7 (to one channel) and tanh in one kernel; the Tanh module stays in
     the tree as AbsorbedTanh. Same parameters and name as the conv."""
 
+    requirement = "a plain same-padded Conv1d"
+
     @classmethod
-    def from_conv(cls, conv: nn.Conv1d) -> "OutputConvTanh":
+    def fusable(cls, conv: nn.Module) -> bool:
+        if type(conv) is not nn.Conv1d:
+            return False
         k = conv.kernel_size[0]
-        if (type(conv) is not nn.Conv1d or k % 2 == 0 or conv.padding[0] != (k - 1) // 2 or conv.stride[0] != 1
-                or conv.dilation[0] != 1 or conv.groups != 1):
-            raise ValueError("needs a plain same-padded Conv1d, weights folded")
-        fused = cls.__new__(cls)
-        fused.__dict__.update(conv.__dict__)
-        return fused
+        return (k % 2 == 1 and conv.padding[0] == (k - 1) // 2 and conv.stride[0] == 1
+                and conv.dilation[0] == 1 and conv.groups == 1)
 
     def forward(self, x: Tensor) -> Tensor:
         from snac_fast.ops.conv import conv_tanh

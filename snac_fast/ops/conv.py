@@ -64,6 +64,24 @@ if HAS_TRITON:
         return rest // n_row_blocks, rest % n_row_blocks, col_block
 
     @triton.jit
+    def _gemm_tile(n_m_blocks, n_t_blocks, C_out, T, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+        """This program's output tile of a conv-as-GEMM over [B, C_out, T]: (batch, output-channel
+        offsets, time offsets, K offsets, channel mask, time mask)."""
+        batch, m_block, t_block = _program_tile(tl.program_id(0), n_m_blocks, n_t_blocks)
+        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = t_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        return batch, offs_m, offs_n, tl.arange(0, BLOCK_K), offs_m < C_out, offs_n < T
+
+    @triton.jit
+    def _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR: tl.constexpr):
+        """Store the fp32 tile, and with PAIR beside it its snake (the next residual unit's input)."""
+        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        if PAIR:
+            pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
+            tl.store(pair_out_ptr + out_offs, pair.to(pair_out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
     def _dot_accumulate(acc, a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
         """acc + a @ b: exact fp32 products for float32 operands (IEEE), and bf16 upcast under
         Triton's interpreter (UPCAST: numpy has no bf16, so it would multiply raw bits)."""
@@ -207,12 +225,7 @@ if HAS_TRITON:
         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr,
     ):
         await_previous_kernel(PDL)
-        batch, m_block, t_block = _program_tile(tl.program_id(0), n_m_blocks, n_t_blocks)
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = t_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < C_out
-        n_ok = offs_n < T
+        batch, offs_m, offs_n, offs_k, m_ok, n_ok = _gemm_tile(n_m_blocks, n_t_blocks, C_out, T, BLOCK_M, BLOCK_N, BLOCK_K)
         # strides (channel, time): (T, 1) for [B, C, T] memory, (1, C) for [B, T, C] (a stride of 1 is
         # a compile-time constant to Triton, so either layout gets contiguous vector loads)
         h_base = h_ptr + batch.to(tl.int64) * C_in * T
@@ -242,10 +255,7 @@ if HAS_TRITON:
             acc += res
         if SNAKE_OUT:
             acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        if PAIR:  # the next residual unit's input snake, from the same fp32 tile
-            pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
-            tl.store(pair_out_ptr + out_offs, pair.to(pair_out_ptr.dtype.element_ty), mask=mask)
+        _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
 
     @triton.jit
     def _conv_taps(acc, tile, w_row, ch_ok, cols, T, K: tl.constexpr, MASKED: tl.constexpr):

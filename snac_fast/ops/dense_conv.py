@@ -27,7 +27,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.conv import _dot_accumulate, _program_tile, _snake_rows
+    from snac_fast.ops.conv import _dot_accumulate, _gemm_tile, _store_with_pair
 
     @triton.jit
     def _dense_conv_kernel(
@@ -40,12 +40,8 @@ if HAS_TRITON:
         """x: [B, T_in, C_IN] memory. Output column t reads the KS * C_IN contiguous values from
         x[t * STRIDE - PAD, 0]: a GEMM whose K axis is (tap, channel), loaded as plain vectors."""
         await_previous_kernel(PDL)
-        batch, m_block, t_block = _program_tile(tl.program_id(0), n_m_blocks, n_t_blocks)
-        offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = t_block * BLOCK_N + tl.arange(0, BLOCK_N)
-        offs_k = tl.arange(0, BLOCK_K)
-        m_ok = offs_m < C_out
-        n_ok = offs_n < T_out
+        batch, offs_m, offs_n, offs_k, m_ok, n_ok = _gemm_tile(n_m_blocks, n_t_blocks, C_out, T_out, BLOCK_M, BLOCK_N,
+                                                              BLOCK_K)
         x_base = x_ptr + batch.to(tl.int64) * T_in * C_IN
         first = (offs_n.to(tl.int64) * STRIDE - PAD) * C_IN  # flat index of each column's first input value
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -60,10 +56,7 @@ if HAS_TRITON:
             acc += tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         out_offs = batch.to(tl.int64) * C_out * T_out + offs_m[:, None].to(tl.int64) * T_out + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-        if PAIR:  # the next residual unit's input snake, from the same fp32 tile
-            pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
-            tl.store(pair_out_ptr + out_offs, pair.to(pair_out_ptr.dtype.element_ty), mask=mask)
+        _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
 
 
 def output_length(T_in: int, kernel: int, stride: int, padding: int) -> int:
