@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -69,9 +70,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import torch"], check=True)
-    torch_import_s = time.perf_counter() - t  # the floor of any process that uses torch, for scale
+    def import_torch() -> float:  # the floor of any process that uses torch, for scale
+        t = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import torch"], check=True)
+        return time.perf_counter() - t
+
+    import_torch()  # a fresh machine reads torch's libraries from disk once
     rows = []
     for mode in ("plain", "warmup"):
         for r in range(args.repeats):
@@ -85,12 +89,17 @@ def main() -> None:
         # the sample holds 18 frames: warm the shapes you will serve
         subprocess.run([sys.executable, "-m", "snac_fast.cli", "warmup", "--model", args.model, "--frames", "4,18"],
                        env=env, check=True)
-        t = time.perf_counter()
-        subprocess.run([sys.executable, "-m", "snac_fast.cli", "decode", "samples/snac_24khz.pt", f"{tmp}/out.wav",
-                        "--model", args.model], env=env, check=True)
-        cli = time.perf_counter() - t
-    print("cli decode, warm cache:", cli)
+        cli_runs, torch_imports = [], []
+        for _ in range(3):  # interleaved with bare torch imports: the same state of the page cache
+            torch_imports.append(import_torch())
+            t = time.perf_counter()
+            subprocess.run([sys.executable, "-m", "snac_fast.cli", "decode", "samples/snac_24khz.pt", f"{tmp}/out.wav",
+                            "--model", args.model], env=env, check=True)
+            cli_runs.append(time.perf_counter() - t)
+        cli, torch_import_s = statistics.median(cli_runs), statistics.median(torch_imports)
+    print("cli decode, warm cache:", cli_runs)
     results = {"environment": environment(), "model": args.model, "rows": rows, "cli_decode_warm_cache_s": cli,
+               "cli_decode_runs_s": cli_runs, "python_import_torch_runs_s": torch_imports,
                "threads": os.cpu_count(),
                "python_import_torch_process_s": torch_import_s, "dont_write_bytecode": sys.flags.dont_write_bytecode,
                "pythonpycacheprefix": os.environ.get("PYTHONPYCACHEPREFIX")}
@@ -103,9 +112,11 @@ def main() -> None:
                          [[r["mode"], r["cache"]] + [f"{r[k]:.2f}" for k in keys] + [r["modules_imported_by_first_decode"]]
                           for r in rows]),
           f"\n`snac-fast decode samples/snac_24khz.pt out.wav --model {args.model}` after `snac-fast warmup`: "
-          f"{cli:.2f} s of wall clock in total (after `snac-fast warmup --frames 4,18`). "
+          f"{cli:.2f} s of wall clock in total, median of 3 runs ({', '.join(f'{c:.2f}' for c in cli_runs)}; "
+          f"after `snac-fast warmup --frames 4,18`). "
           f"PYTHONPYCACHEPREFIX: {os.environ.get('PYTHONPYCACHEPREFIX') or 'unset'}. "
-          f"For scale, `python -c 'import torch'` alone: {torch_import_s:.2f} s.\n"]
+          f"For scale, `python -c 'import torch'` alone, interleaved with those runs: {torch_import_s:.2f} s (median of 3: "
+          f"{', '.join(f'{c:.2f}' for c in torch_imports)}).\n"]
     print("\n".join(md))
     if args.out:
         import torch

@@ -18,7 +18,7 @@ from snac_fast.encoding import GraphedEncode, encode_padded, encoder_reach, padd
 from snac_fast.graphs import GraphedDecode
 from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
 from snac_fast.noise import check_seed, injected_noise, keyed_noise
-from snac_fast.ops._runtime import device_scope
+from snac_fast.ops._runtime import device_scope, finish_runtime_warmup, start_runtime_warmup
 from snac_fast.surgery import SurgeryReport, accelerate
 
 DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
@@ -73,6 +73,7 @@ class FastSNAC:
         self.device = torch.device(device) if device is not None else default_device()
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError(f"device {self.device} requested but CUDA is not available; use device='cpu'")
+        start_runtime_warmup(self.device)
         self.dtype = parse_dtype(dtype, self.device)
         self.config = dict(config) if config is not None else _config_of(model)
         self.source = source
@@ -95,6 +96,7 @@ class FastSNAC:
         self.encode_graphs = GraphedEncode(self.model, self.device, max_graphs=max_graphs) if cuda_graphs else None
         self.lock = threading.RLock()  # decodes and stream steps patch the model's noise and share graph buffers
         self._stream_engines: dict = {}
+        finish_runtime_warmup()
 
     @classmethod
     def from_pretrained(
@@ -119,6 +121,8 @@ class FastSNAC:
         Raises :class:`snac_fast.loading.CheckpointError` (a ValueError) saying what to do."""
         checkpoint = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir,
                                         local_files_only=local_files_only, token=token)
+        if torch.cuda.is_available():  # CUDA and Triton warm up while the model is built on the CPU
+            start_runtime_warmup(torch.device(device) if device is not None else default_device())
         with torch.inference_mode(False):  # servers build models inside inference_mode
             model = build_upstream(checkpoint)
         return cls(model, device=device, dtype=dtype, accelerate_encoder=accelerate_encoder, fuse=fuse,

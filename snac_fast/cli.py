@@ -4,6 +4,7 @@ the kernel cache."""
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -231,8 +232,6 @@ def cmd_profile(args: argparse.Namespace) -> None:
 
 
 def cmd_warmup(args: argparse.Namespace) -> None:
-    import os
-
     batch, frames = _int_list(args.batch, "--batch"), _int_list(args.frames, "--frames")
     if args.streams < 0:
         raise UsageError("--streams must be >= 0")
@@ -276,16 +275,32 @@ COMMANDS = {"decode": cmd_decode, "encode": cmd_encode, "fidelity": cmd_fidelity
             "warmup": cmd_warmup, "encode-dataset": cmd_encode_dataset, "decode-dataset": cmd_decode_dataset}
 
 
-def main(argv: list[str] | None = None) -> int:
+# one-shot commands that leave nothing running and every file closed when they return
+EXIT_AT_ONCE = frozenset({"decode", "encode"})
+
+
+def main(argv: list[str] | None = None, exit_at_once: bool = False) -> int:
+    """Run a command; returns the exit status. ``exit_at_once`` (the console script): after decode
+    and encode, end the process without tearing down the CUDA context and the interpreter's
+    modules, which costs ~0.8 s after the work is done (H100 machine, 2026-11-23)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        result = COMMANDS[args.command](args)
+        status = int(COMMANDS[args.command](args) or 0)
     except (UsageError, ValueError, OSError) as e:  # bad input: one line, no traceback
         print(f"snac-fast {args.command}: error: {e}", file=sys.stderr)
-        return 2
-    return int(result or 0)
+        status = 2
+    if exit_at_once and args.command in EXIT_AT_ONCE:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
+
+
+def entry() -> None:
+    """The ``snac-fast`` console script."""
+    sys.exit(main(exit_at_once=True))
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -470,9 +470,17 @@ class StreamEngine:
                 if held % self.frames_per_group:
                     raise ValueError(f"a stream of this model must end on a multiple of {self.frames_per_group} frames "
                                      f"(its attention windows); this one ends with {s.frames + held}")
+            streams = list(checked)
+            if not finish and len({c.frames for c in checked.values()}) == 1:
+                codes = list(checked.values())
+                rows = np.concatenate([level for c in codes for level in c]).reshape(len(codes), -1)
+                arrays = np.split(rows, np.cumsum([len(level) for level in codes[0]])[:-1], axis=1)
+                audio = self._direct_step(streams, _slots_of(streams), arrays, codes[0].frames)
+                if audio is not None:
+                    return dict(zip(streams, audio))
             for s, codes in checked.items():
                 self._pending.put(s.slot, codes)
-            return self._decode_pending(list(checked), finish)
+            return self._decode_pending(streams, finish)
 
     def step(self, streams: Sequence[StreamSlot], codes: Sequence[Tensor]) -> list[Tensor]:
         """The batched form of :meth:`advance` for servers whose model emits the codes of many
@@ -493,11 +501,26 @@ class StreamEngine:
         self._check_ids([arrays])
         with self._lock:
             self._check_streams(streams)
-            if len({id(s) for s in streams}) != len(streams):
+            slots = _slots_of(streams)
+            if len(np.unique(slots)) != len(streams):
                 raise ValueError("step got the same stream twice")
-            self._pending.put_rows(np.fromiter((s.slot for s in streams), np.int64, len(streams)), arrays, frames)
+            audio = self._direct_step(streams, slots, arrays, frames)
+            if audio is not None:
+                return audio
+            self._pending.put_rows(slots, arrays, frames)
             audio = self._decode_pending(streams, [])
         return [audio[s] for s in streams]
+
+    def _direct_step(self, streams: list[StreamSlot], slots: np.ndarray, codes: list[np.ndarray],
+                     frames: int) -> list[Tensor] | None:
+        """The steady state of a server, under the lock: every stream started, holding nothing, and
+        ``frames`` one step's worth. Then the codes (per level [len(streams), L_i]) go straight into one
+        batched step, without the pending buffers; returns each stream's audio. Otherwise None."""
+        if (len(streams) > self.max_streams or self._step_frames(frames) != frames
+                or (self._pending.tail[slots] != self._pending.head[slots]).any() or not all(s.started for s in streams)):
+            return None
+        with torch.inference_mode(), device_scope(self.device):
+            return list(self._run(STEP, streams, frames, slots, codes))
 
     def _check_streams(self, streams: list[StreamSlot]) -> None:
         for s in streams:
@@ -537,23 +560,27 @@ class StreamEngine:
 
     def _step_frames(self, pending: int) -> int:
         """The largest step of a power-of-two number of groups that fits what a stream holds."""
-        groups = min(pending, self.max_frames_per_step) // self.frames_per_group
-        return (1 << (groups.bit_length() - 1)) * self.frames_per_group if groups else 0
+        return int(self._step_frames_of(np.array([pending]))[0])
+
+    def _step_frames_of(self, pending: np.ndarray) -> np.ndarray:
+        """:meth:`_step_frames` of every entry of an int array (0 where not a group is held)."""
+        groups = np.minimum(pending, self.max_frames_per_step) // self.frames_per_group
+        bits = np.frexp(groups.astype(np.float64))[1]  # bit_length, exact for these small counts
+        return np.where(groups > 0, np.left_shift(1, np.maximum(bits - 1, 0)) * self.frames_per_group, 0)
 
     def _run_steps(self, streams: list[StreamSlot], pieces) -> None:
         while streams:
-            by_frames: dict[int, list[StreamSlot]] = {}
-            held = self._pending.tail - self._pending.head
-            for s in streams:
-                k = self._step_frames(int(held[s.slot]))
-                if k:
-                    by_frames.setdefault(k, []).append(s)
-            for k, group in sorted(by_frames.items()):
+            slots = _slots_of(streams)
+            frames = self._step_frames_of(self._pending.tail[slots] - self._pending.head[slots])
+            for k in np.unique(frames[frames > 0]).tolist():
+                picked = np.flatnonzero(frames == k)
+                group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
                 for chunk in self._chunks(group):
                     for s, a in zip(chunk, self._run(STEP, chunk, k)):
                         pieces[s].append(a)
-            held = self._pending.tail - self._pending.head  # streams that pushed more than one step's frames
-            streams = [s for group in by_frames.values() for s in group if held[s.slot] >= self.frames_per_group]
+            # streams that pushed more than one step's frames go round again
+            more = (frames > 0) & (self._pending.tail[slots] - self._pending.head[slots] >= self.frames_per_group)
+            streams = [streams[i] for i in np.flatnonzero(more)]
 
     def _run_finishes(self, streams: list[StreamSlot], pieces) -> None:
         started = [s for s in streams if s.started]
@@ -585,25 +612,27 @@ class StreamEngine:
         """Rows of the batch that runs n streams: the next power of two (at most max_streams) under CUDA graphs."""
         return min(1 << (n - 1).bit_length(), self.max_streams) if self.cuda_graphs else n
 
-    def _run(self, kind: str, streams: list[StreamSlot], frames: int) -> Sequence[Tensor]:
-        """Run one kind of step for ``streams``, each taking its next ``frames`` pending frames
-        (none for a flush); returns each stream's new audio (1-D views of one new buffer)."""
+    def _run(self, kind: str, streams: list[StreamSlot], frames: int, slots: np.ndarray | None = None,
+             codes: list[np.ndarray] | None = None) -> Sequence[Tensor]:
+        """Run one kind of step for ``streams`` (state ``slots``), each taking its next ``frames``
+        pending frames (none for a flush), or ``codes`` (per level [len(streams), L_i]) when given
+        instead; returns each stream's new audio (1-D views of one new buffer)."""
         n = len(streams)
         bucket = self._bucket(n)
-        slots = np.fromiter((s.slot for s in streams), np.int64, n)
-        keys = np.zeros((4, bucket), np.int64)  # state slot, frames consumed, seed, row; padding rows: the scratch slot
+        slots = _slots_of(streams) if slots is None else slots
+        keys = np.empty((4, bucket), np.int64)  # state slot, frames consumed, seed, row; padding rows: the scratch slot
+        keys[:, n:] = 0
         keys[0, n:] = self.max_streams
         keys[0, :n] = slots
         keys[1, :n] = self._consumed[slots]
         keys[2, :n] = self._seeds[slots]
         keys[3, :n] = self._rows[slots]
-        codes = []
         if kind != FLUSH:
-            for taken in self._pending.take(slots, frames):
-                level = np.zeros((bucket, taken.shape[1]), np.int64)
-                level[:n] = taken
-                codes.append(level)
+            taken = self._pending.take(slots, frames) if codes is None else codes
+            codes = taken if n == bucket else [np.pad(level, ((0, bucket - n), (0, 0))) for level in taken]
             self._consumed[slots] += frames
+        else:
+            codes = []
         if self.cuda_graphs:
             key = (kind, bucket, frames)
             graph = self._graphs.get(key)
@@ -656,6 +685,11 @@ class StreamEngine:
                     x = layer(x.contiguous())
                 new = x
         return new
+
+
+def _slots_of(streams: Sequence[StreamSlot]) -> np.ndarray:
+    """The state slots of ``streams``, int64 [len(streams)]."""
+    return np.fromiter((s.slot for s in streams), np.int64, len(streams))
 
 
 class _StepGraph:

@@ -151,3 +151,53 @@ def test_weights_only_refuses_pickled_code(tmp_path, checkpoint_dir):
     torch.save({"x": Evil()}, tmp_path / "pytorch_model.bin")
     with pytest.raises(CheckpointError, match="corrupt or not a SNAC checkpoint"):
         FastSNAC.from_pretrained(Path(tmp_path), device="cpu")
+
+
+def test_built_model_takes_every_tensor_from_the_checkpoint():
+    """build_upstream skips weight init (every weight is loaded right after): all parameters and
+    buffers, the attention's non-persistent ones included, equal those of the seeded model."""
+    from snac_fast.loading import Checkpoint, build_upstream
+
+    overrides = {"decoder_dim": 64, "encoder_dim": 8}
+    source = synthetic_model("snac_32khz", seed=3, **overrides)
+    config = _config_of("snac_32khz", overrides)
+    built = build_upstream(Checkpoint.in_memory("seeded", config, source.state_dict()))
+    expected = {**dict(source.named_parameters()), **dict(source.named_buffers())}
+    got = {**dict(built.named_parameters()), **dict(built.named_buffers())}
+    assert got.keys() == expected.keys() and any("scale" in k for k in got)
+    for name, tensor in expected.items():
+        assert torch.equal(got[name], tensor), name
+
+
+def _config_of(model, overrides):
+    from snac_fast.configs import published_config
+
+    return {**published_config(model), **overrides}
+
+
+def test_weight_init_is_skipped_on_the_building_thread_only():
+    import threading
+
+    import torch.nn.init as init
+
+    from snac_fast.loading import _without_weight_init
+
+    original = init.uniform_
+    seen = {}
+
+    def other_thread():
+        torch.manual_seed(5)
+        seen["other"] = torch.nn.Linear(8, 8).weight.detach().clone()
+
+    torch.manual_seed(5)
+    expected = torch.nn.Linear(8, 8).weight.detach().clone()
+    with _without_weight_init():
+        assert init.uniform_ is not original
+        marker = torch.full((4,), 7.0)
+        assert torch.equal(init.uniform_(marker), torch.full((4,), 7.0))  # skipped here
+        worker = threading.Thread(target=other_thread)
+        worker.start()
+        worker.join()
+    assert init.uniform_ is original
+    assert torch.equal(seen["other"], expected)
+    assert not torch.equal(init.uniform_(torch.full((4,), 7.0)), torch.full((4,), 7.0))

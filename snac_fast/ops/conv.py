@@ -425,10 +425,11 @@ def _dw_config(n_rows: int, T: int, halo: int, device: torch.device) -> tuple[in
     as one tile each, 16 outputs per thread, in runs of 16 where the halo spans more than two
     chunks (dilation 9); longer rows in 2048-step tiles of 32 outputs per thread. Other T: per-tap loads (RUN = 0), 512-element tiles of one warp, or of
     four while the grid is small."""
-    if TRITON_INTERPRET:  # few, big programs: the interpreter pays per program
+    if TRITON_INTERPRET:  # few, big programs of per-tap loads: the interpreter pays per program and per
+        # op (the runs' register shuffles cost it 15-40% more); tests cover the runs with explicit configs
         block_t = min(triton.next_power_of_2(T), 1 << 16)
         rows = min(triton.next_power_of_2(n_rows), max(1, (1 << 16) // block_t))
-        return rows, block_t, 4, int(T % 8 == 0)
+        return rows, block_t, 4, 0
     waves = wave_programs(device)
     if T % 8:
         block_t = min(triton.next_power_of_2(T), 512)
