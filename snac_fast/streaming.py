@@ -471,13 +471,12 @@ class StreamEngine:
                     raise ValueError(f"a stream of this model must end on a multiple of {self.frames_per_group} frames "
                                      f"(its attention windows); this one ends with {s.frames + held}")
             streams = list(checked)
-            if not finish and len({c.frames for c in checked.values()}) == 1:
-                codes = list(checked.values())
+            codes = list(checked.values())
+            slots = _slots_of(streams)
+            if not finish and len({c.frames for c in codes}) == 1 and self._in_steady_state(streams, slots, codes[0].frames):
                 rows = np.concatenate([level for c in codes for level in c]).reshape(len(codes), -1)
                 arrays = np.split(rows, np.cumsum([len(level) for level in codes[0]])[:-1], axis=1)
-                audio = self._direct_step(streams, _slots_of(streams), arrays, codes[0].frames)
-                if audio is not None:
-                    return dict(zip(streams, audio))
+                return dict(zip(streams, self._direct_step(streams, slots, arrays, codes[0].frames)))
             for s, codes in checked.items():
                 self._pending.put(s.slot, codes)
             return self._decode_pending(streams, finish)
@@ -504,21 +503,23 @@ class StreamEngine:
             slots = _slots_of(streams)
             if len(np.unique(slots)) != len(streams):
                 raise ValueError("step got the same stream twice")
-            audio = self._direct_step(streams, slots, arrays, frames)
-            if audio is not None:
-                return audio
+            if self._in_steady_state(streams, slots, frames):
+                return self._direct_step(streams, slots, arrays, frames)
             self._pending.put_rows(slots, arrays, frames)
             audio = self._decode_pending(streams, [])
         return [audio[s] for s in streams]
 
+    def _in_steady_state(self, streams: list[StreamSlot], slots: np.ndarray, frames: int) -> bool:
+        """A server's steady state, under the lock: every stream started and holding nothing, and
+        ``frames`` one step's worth for one batch."""
+        return (len(streams) <= self.max_streams and self._step_frames(frames) == frames
+                and not (self._pending.tail[slots] != self._pending.head[slots]).any()
+                and all(s.started for s in streams))
+
     def _direct_step(self, streams: list[StreamSlot], slots: np.ndarray, codes: list[np.ndarray],
-                     frames: int) -> list[Tensor] | None:
-        """The steady state of a server, under the lock: every stream started, holding nothing, and
-        ``frames`` one step's worth. Then the codes (per level [len(streams), L_i]) go straight into one
-        batched step, without the pending buffers; returns each stream's audio. Otherwise None."""
-        if (len(streams) > self.max_streams or self._step_frames(frames) != frames
-                or (self._pending.tail[slots] != self._pending.head[slots]).any() or not all(s.started for s in streams)):
-            return None
+                     frames: int) -> list[Tensor]:
+        """In the steady state, the codes (per level [len(streams), L_i]) go straight into one
+        batched step, without the pending buffers; returns each stream's audio."""
         with torch.inference_mode(), device_scope(self.device):
             return list(self._run(STEP, streams, frames, slots, codes))
 
@@ -620,8 +621,7 @@ class StreamEngine:
         n = len(streams)
         bucket = self._bucket(n)
         slots = _slots_of(streams) if slots is None else slots
-        keys = np.empty((4, bucket), np.int64)  # state slot, frames consumed, seed, row; padding rows: the scratch slot
-        keys[:, n:] = 0
+        keys = np.zeros((4, bucket), np.int64)  # state slot, frames consumed, seed, row; padding rows: the scratch slot
         keys[0, n:] = self.max_streams
         keys[0, :n] = slots
         keys[1, :n] = self._consumed[slots]
