@@ -5,26 +5,58 @@ about 30 variants for a 24 kHz decode, 25 s on an H100 host. Inside :func:`compi
 the calling thread's launches compile without running (Triton's ``AsyncCompileMode``), so one pass
 over a decode's shapes hands every variant to a thread pool at once, and each job also builds its
 kernel's C launcher (a gcc run per kernel signature that Triton would otherwise do at the first
-launch). Triton's front end holds the GIL, but its LLVM passes, ptxas and gcc run in parallel:
-30 variants compile in 5.6 s on 16 threads (H100 host, 2026-11-22). Worker processes were tried
-and lost (8.6 s): each must import torch to reach the kernels, and the cache keys they wrote did
-not always match the parent's.
+launch). Triton's front end holds the GIL, so on Linux each job compiles in a forked child process
+(a copy of this one: the same kernels, options and cache keys, no imports) that writes Triton's
+persistent cache, and the job then loads the result from there. Worker processes started afresh
+were tried and lost: each must import torch to reach the kernels, and the cache keys they wrote
+did not always match the parent's. ``SNAC_FAST_COMPILE_FORK=0`` compiles on the threads instead.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
+import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET
 
+# a forked child runs only the compiler (no CUDA, no locks of other threads); Python 3.12 warns on
+# any fork of a multi-threaded process
+warnings.filterwarnings("ignore", message=r".*fork\(\) may lead to deadlocks", category=DeprecationWarning,
+                        module=r"snac_fast\.compiling")
+COMPILE_IN_FORKS = sys.platform == "linux" and os.environ.get("SNAC_FAST_COMPILE_FORK", "1") != "0"
+FORK_TIMEOUT_S = 120.0  # a child past this is killed and its kernel compiled in this process
+
 _patch_lock = threading.Lock()
 _patch_users = 0  # threads inside compiling_concurrently(): the launch patch stays while any is
 _unpatched_run = None
 _this_thread = threading.local()
+_unpatched_cache_manager: dict = {}
+
+
+class _CacheMiss(Exception):
+    """Raised by a probing thread's cache lookup where Triton would start compiling."""
+
+
+def _probing_cache_manager(key):
+    """Triton's cache manager for one kernel key; on a thread that probes, a lookup that finds no
+    compiled kernel raises :class:`_CacheMiss` instead of letting ``triton.compile`` go on."""
+    manager = _unpatched_cache_manager["get"](key)
+    if getattr(_this_thread, "probe", False):
+        get_group = manager.get_group
+
+        def probe(filename):
+            group = get_group(filename)
+            if not group or filename not in group:
+                raise _CacheMiss(filename)
+            return group
+        manager.get_group = probe
+    return manager
 
 
 def _run_or_compile_only(self, *args, grid, warmup, **kwargs):
@@ -44,12 +76,14 @@ def compiling_concurrently(workers: int | None = None) -> Iterator[None]:
     if not HAS_TRITON or TRITON_INTERPRET or getattr(_this_thread, "compile_only", False):
         yield
         return
+    from triton.compiler import compiler
     from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime.jit import JITFunction
 
     with _patch_lock:
         if _patch_users == 0:
             _unpatched_run, JITFunction.run = JITFunction.run, _run_or_compile_only
+            _unpatched_cache_manager["get"], compiler.get_cache_manager = compiler.get_cache_manager, _probing_cache_manager
         _patch_users += 1
     _this_thread.compile_only = True
     try:
@@ -61,15 +95,17 @@ def compiling_concurrently(workers: int | None = None) -> Iterator[None]:
             _patch_users -= 1
             if _patch_users == 0:
                 JITFunction.run = _unpatched_run
+                compiler.get_cache_manager = _unpatched_cache_manager.pop("get")
 
 
 class _CompileAndBuildLauncher(ThreadPoolExecutor):
     """A thread pool whose compile jobs also build their kernel's C launcher (cached in Triton's
     cache; the first launch loads it): 13 launchers, 4.5 s of a 24 kHz decode's cold start when
-    built one by one (H100 host)."""
+    built one by one (H100 host). With :data:`COMPILE_IN_FORKS` the compilation runs in a child."""
 
     def submit(self, fn, /, *args, **kwargs):
-        return super().submit(_compiled_with_launcher, fn, *args, **kwargs)
+        job = _compiled_in_child if COMPILE_IN_FORKS else _compiled_with_launcher
+        return super().submit(job, fn, *args, **kwargs)
 
 
 def _compiled_with_launcher(compile_fn, *args, **kwargs):
@@ -80,3 +116,34 @@ def _compiled_with_launcher(compile_fn, *args, **kwargs):
     if launcher is not None:
         launcher(kernel.src, kernel.metadata)
     return kernel
+
+
+def _compiled_in_child(compile_fn, *args, **kwargs):
+    """A kernel already in Triton's cache loads here. Else a forked child compiles it, writes the
+    kernel and its launcher to the cache and exits without cleanup, and this thread loads both
+    from there. Should the child fail or hang, this process compiles the kernel itself and reports
+    any error as Triton would."""
+    _this_thread.probe = True
+    try:
+        return _compiled_with_launcher(compile_fn, *args, **kwargs)
+    except _CacheMiss:
+        pass
+    finally:
+        _this_thread.probe = False
+    pid = os.fork()
+    if pid == 0:
+        status = 1
+        try:
+            _compiled_with_launcher(compile_fn, *args, **kwargs)
+            status = 0
+        except BaseException:  # the parent recompiles and raises the error where it can be seen
+            pass
+        os._exit(status)
+    deadline = time.monotonic() + FORK_TIMEOUT_S
+    while os.waitpid(pid, os.WNOHANG) == (0, 0):
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            break
+        time.sleep(0.005)
+    return _compiled_with_launcher(compile_fn, *args, **kwargs)

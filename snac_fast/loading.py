@@ -30,6 +30,7 @@ class Checkpoint:
     config: dict
     load_state_dict: Callable[[], dict]  # re-readable, so a reference copy can be rebuilt later
     weights_path: str | None = None
+    build_model: Callable[[], "torch.nn.Module"] | None = None  # builds the weights in place (synthetic)
 
     @classmethod
     def in_memory(cls, source: str, config: dict, state: dict) -> "Checkpoint":
@@ -118,7 +119,8 @@ def _synthetic(name: str) -> Checkpoint:
         config = published_config(model)
     except KeyError as e:
         raise CheckpointError(str(e.args[0])) from e
-    return Checkpoint(name, config, lambda: synthetic_model(model).state_dict())
+    return Checkpoint(name, config, lambda: synthetic_model(model).state_dict(),
+                      build_model=lambda: synthetic_model(model))
 
 
 def resolve_checkpoint(
@@ -185,8 +187,12 @@ def _without_weight_init():
 
 def build_upstream(checkpoint: Checkpoint, state_dict: dict | None = None):
     """The original ``snac.SNAC`` (float32, CPU, eval) of a checkpoint, weights loaded and checked
-    (every parameter and persistent buffer comes from the checkpoint, so none is initialised)."""
+    (every parameter and persistent buffer comes from the checkpoint, so none is initialised).
+    A synthetic checkpoint builds its seeded model once, weights and all."""
     import snac
+
+    if state_dict is None and checkpoint.build_model is not None:
+        return checkpoint.build_model().eval()
 
     try:
         with _without_weight_init():

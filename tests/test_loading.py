@@ -169,6 +169,18 @@ def test_built_model_takes_every_tensor_from_the_checkpoint():
         assert torch.equal(got[name], tensor), name
 
 
+def test_synthetic_checkpoint_builds_its_seeded_model_once():
+    """A synthetic checkpoint's model is built with its seeded weights (no empty build plus load),
+    equal to the weights a folder written from it holds."""
+    from snac_fast.loading import build_upstream, resolve_checkpoint
+
+    checkpoint = resolve_checkpoint("synthetic:snac_24khz")
+    built, state = build_upstream(checkpoint), checkpoint.load_state_dict()
+    assert built.state_dict().keys() == state.keys() and not built.training
+    for name, tensor in state.items():
+        assert torch.equal(built.state_dict()[name], tensor), name
+
+
 def _config_of(model, overrides):
     from snac_fast.configs import published_config
 

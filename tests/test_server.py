@@ -84,11 +84,13 @@ def test_compile_only_launches_stay_in_the_entering_thread(monkeypatch):
     """compiling_concurrently() turns launches into compile-only warm-ups for its own thread only,
     while other threads (a server decoding) launch as usual; overlapping blocks in two threads put
     Triton's launch back as it was."""
+    from triton.compiler import compiler
     from triton.runtime.jit import JITFunction
 
     import snac_fast.compiling as compiling
 
     seen = []
+    original_manager = compiler.get_cache_manager
     monkeypatch.setattr(JITFunction, "run", lambda self, *args, grid, warmup, **kw: seen.append((self, warmup)))
     original = JITFunction.run
     monkeypatch.setattr(compiling, "TRITON_INTERPRET", False)  # the patch logic, without a GPU
@@ -110,6 +112,59 @@ def test_compile_only_launches_stay_in_the_entering_thread(monkeypatch):
         t.join()
     assert sorted(seen) == [("a", True), ("b", True), ("server", False)]
     assert JITFunction.run is original
+    assert compiler.get_cache_manager is original_manager
+
+
+def test_cache_misses_compile_in_a_forked_child(monkeypatch, tmp_path):
+    """A compile job loads a cached kernel in this process; a missing one is compiled by a forked
+    child (writing the cache) and then loaded here; a child that fails leaves the compilation and
+    its error to this process."""
+    import snac_fast.compiling as compiling
+
+    calls = []
+
+    def compile_kernel(path, fail=False):  # stands in for Triton's compile: a cache file per kernel
+        probing = getattr(compiling._this_thread, "probe", False)
+        calls.append(probing)
+        if not path.exists():
+            if probing:
+                raise compiling._CacheMiss(path.name)
+            if fail:
+                raise RuntimeError("ptxas failed")
+            path.write_text(str(os.getpid()))
+        return path.read_text()
+
+    monkeypatch.setattr(compiling, "_compiled_with_launcher", lambda fn, *args, **kw: fn(*args, **kw))
+    kernel = tmp_path / "kernel"
+    compiled_by = compiling._compiled_in_child(compile_kernel, kernel)
+    assert compiled_by != str(os.getpid())  # the child wrote it
+    assert calls == [True, False]  # here: the probe missed, then the load hit (the child's call is its own)
+    calls.clear()
+    assert compiling._compiled_in_child(compile_kernel, kernel) == compiled_by
+    assert calls == [True]  # cached: no child
+    with pytest.raises(RuntimeError, match="ptxas failed"):
+        compiling._compiled_in_child(compile_kernel, tmp_path / "broken", fail=True)
+
+
+def test_probing_cache_lookup_raises_on_a_miss_only_where_asked(monkeypatch):
+    import snac_fast.compiling as compiling
+
+    class Manager:  # Triton's FileCacheManager: get_group(filename) -> {filename: path, ...} or None
+        def __init__(self, key):
+            self.key = key
+
+        def get_group(self, filename):
+            return {filename: "/cache/" + filename} if self.key == "hit" else None
+
+    monkeypatch.setitem(compiling._unpatched_cache_manager, "get", Manager)
+    assert compiling._probing_cache_manager("miss").get_group("k.json") is None  # other threads compile as usual
+    compiling._this_thread.probe = True
+    try:
+        assert compiling._probing_cache_manager("hit").get_group("k.json") == {"k.json": "/cache/k.json"}
+        with pytest.raises(compiling._CacheMiss):
+            compiling._probing_cache_manager("miss").get_group("k.json")
+    finally:
+        compiling._this_thread.probe = False
 
 
 @pytest.mark.gpu

@@ -50,18 +50,28 @@ _runtime_warmup_lock = threading.Lock()
 
 def start_runtime_warmup(device: torch.device) -> None:
     """Once per process, on two background threads while the caller builds a model on the CPU:
-    initialise CUDA, and compute Triton's cache key (``triton_key``, a sha256 of its ~400 MB
-    compiler library that the first kernel launch of a process needs to find its compiled
-    kernels: 0.35-1.1 s depending on the CPU). Both release the GIL. :func:`finish_runtime_warmup`
-    waits for them. A no-op off CUDA."""
+    start CUDA on ``device`` (its context, 0.1 s, and cuDNN's libraries and handle, which the
+    transposed convs' first call would load: 0.07 s; H100 host), and compute Triton's cache key
+    (``triton_key``, a sha256 of its ~400 MB compiler library that the first kernel launch of a
+    process needs to find its compiled kernels: 0.35-1.1 s depending on the CPU). Both release the
+    GIL. :func:`finish_runtime_warmup` waits for them. A no-op off CUDA."""
     if device.type != "cuda" or not HAS_TRITON or TRITON_INTERPRET:
         return
     with _runtime_warmup_lock:
         if not _runtime_warmup:
-            for target in (torch.cuda.init, _triton_key):
+            for target in (functools.partial(_start_cuda, device), _triton_key):
                 thread = threading.Thread(target=_quietly, args=(target,), name="snac-fast warm-up", daemon=True)
                 thread.start()
                 _runtime_warmup.append(thread)
+
+
+def _start_cuda(device: torch.device) -> None:
+    torch.cuda.init()
+    with torch.cuda.device(device):
+        tiny = torch.zeros((1, 1, 2), device=device, dtype=torch.float16)
+        # cuDNN's handle goes back to torch's pool when this thread ends: the caller's thread takes it
+        torch.nn.functional.conv_transpose1d(tiny, tiny)
+        torch.cuda.synchronize()
 
 
 TRITON_KEY_FILE = "snac_fast_triton_key.json"
