@@ -1,7 +1,8 @@
 """Cold start of a fresh process: import, load, first decode (24 kHz streaming chunk, B=1, 4 frames),
 second decode, each in a new Python process, with an empty and with a warm Triton cache, with and
 without the concurrent kernel warm-up (:mod:`snac_fast.warmup`); then the ``snac-fast decode`` CLI's
-whole wall clock on a warm cache. Where site-packages hold no compiled bytecode and
+whole wall clock on a warm cache, with the synthetic model and with the published id read from a
+filled hub cache (seeded weights), interleaved with bare ``import torch`` runs. Where site-packages hold no compiled bytecode and
 ``PYTHONDONTWRITEBYTECODE`` is set (as on the project's GPU machine: ``import torch`` then takes
 6.5 s instead of 2.4 s in every process), unset it and set ``PYTHONPYCACHEPREFIX`` to a writable
 folder, so that only the first process compiles the bytecode, as after a normal ``pip install``:
@@ -68,6 +69,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="synthetic:snac_24khz")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cli-runs", type=int, default=5)
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     def import_torch() -> float:  # the floor of any process that uses torch, for scale
@@ -85,21 +87,29 @@ def main() -> None:
             rows += [{"mode": mode, "cache": "empty", **empty}, {"mode": mode, "cache": "warm", **warm}]
             print(rows[-2], rows[-1], flush=True)
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as tmp:
-        env = {**os.environ, "TRITON_CACHE_DIR": cache}
+        # the published model's path as a user runs it offline: its hub cache (seeded weights here)
+        from snac_fast.testing import fill_hub_cache, make_checkpoint
+
+        hub_id = "hubertsiuzdak/snac_24khz"
+        fill_hub_cache(f"{tmp}/hub", hub_id, make_checkpoint(f"{tmp}/checkpoint", "snac_24khz"))
+        env = {**os.environ, "TRITON_CACHE_DIR": cache, "HF_HUB_CACHE": f"{tmp}/hub", "HF_HUB_OFFLINE": "1"}
         # the sample holds 18 frames: warm the shapes you will serve
         subprocess.run([sys.executable, "-m", "snac_fast.cli", "warmup", "--model", args.model, "--frames", "4,18"],
                        env=env, check=True)
-        cli_runs, torch_imports = [], []
-        for _ in range(3):  # interleaved with bare torch imports: the same state of the page cache
-            torch_imports.append(import_torch())
-            t = time.perf_counter()
-            subprocess.run([sys.executable, "-m", "snac_fast.cli", "decode", "samples/snac_24khz.pt", f"{tmp}/out.wav",
-                            "--model", args.model], env=env, check=True)
-            cli_runs.append(time.perf_counter() - t)
-        cli, torch_import_s = statistics.median(cli_runs), statistics.median(torch_imports)
-    print("cli decode, warm cache:", cli_runs)
+        runs = {"torch": [], "cli": [], "cli_hub": []}
+        for _ in range(args.cli_runs):  # interleaved: the same state of the page cache
+            runs["torch"].append(import_torch())
+            for key, model in (("cli", args.model), ("cli_hub", hub_id)):
+                t = time.perf_counter()
+                subprocess.run([sys.executable, "-m", "snac_fast.cli", "decode", "samples/snac_24khz.pt", f"{tmp}/out.wav",
+                                "--model", model], env=env, check=True)
+                runs[key].append(time.perf_counter() - t)
+        cli, cli_hub, torch_import_s = (statistics.median(runs[k]) for k in ("cli", "cli_hub", "torch"))
+    cli_runs, torch_imports = runs["cli"], runs["torch"]
+    print("cli decode, warm cache:", runs)
     results = {"environment": environment(), "model": args.model, "rows": rows, "cli_decode_warm_cache_s": cli,
-               "cli_decode_runs_s": cli_runs, "python_import_torch_runs_s": torch_imports,
+               "cli_decode_runs_s": cli_runs, "cli_decode_hub_cache_s": cli_hub, "cli_decode_hub_runs_s": runs["cli_hub"],
+               "python_import_torch_runs_s": torch_imports,
                "threads": os.cpu_count(),
                "python_import_torch_process_s": torch_import_s, "dont_write_bytecode": sys.flags.dont_write_bytecode,
                "pythonpycacheprefix": os.environ.get("PYTHONPYCACHEPREFIX")}
@@ -112,10 +122,12 @@ def main() -> None:
                          [[r["mode"], r["cache"]] + [f"{r[k]:.2f}" for k in keys] + [r["modules_imported_by_first_decode"]]
                           for r in rows]),
           f"\n`snac-fast decode samples/snac_24khz.pt out.wav --model {args.model}` after `snac-fast warmup`: "
-          f"{cli:.2f} s of wall clock in total, median of 3 runs ({', '.join(f'{c:.2f}' for c in cli_runs)}; "
-          f"after `snac-fast warmup --frames 4,18`). "
+          f"{cli:.2f} s of wall clock in total, median of {len(cli_runs)} runs ({', '.join(f'{c:.2f}' for c in cli_runs)}; "
+          f"after `snac-fast warmup --frames 4,18`). With `--model {hub_id}` read from a filled hub cache "
+          f"(`HF_HUB_OFFLINE=1`, seeded weights in the published layout), as a user runs it: {cli_hub:.2f} s "
+          f"({', '.join(f'{c:.2f}' for c in runs['cli_hub'])}). "
           f"PYTHONPYCACHEPREFIX: {os.environ.get('PYTHONPYCACHEPREFIX') or 'unset'}. "
-          f"For scale, `python -c 'import torch'` alone, interleaved with those runs: {torch_import_s:.2f} s (median of 3: "
+          f"For scale, `python -c 'import torch'` alone, interleaved with those runs: {torch_import_s:.2f} s (median of {len(torch_imports)}: "
           f"{', '.join(f'{c:.2f}' for c in torch_imports)}).\n"]
     print("\n".join(md))
     if args.out:
