@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -142,7 +143,7 @@ def _compiled_in_child(compile_fn, *args, **kwargs):
     deadline = time.monotonic() + FORK_TIMEOUT_S
     while os.waitpid(pid, os.WNOHANG) == (0, 0):
         if time.monotonic() > deadline:
-            os.kill(pid, 9)
+            os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             break
         time.sleep(0.005)
