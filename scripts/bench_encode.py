@@ -106,35 +106,95 @@ def bench_workload(name: str, seconds: float, batch: int, rounds: int) -> dict:
     return out
 
 
-def bench_corpus(name: str, files: int, batch_seconds: float) -> dict:
-    """Hours of audio per minute: the local dataset engine vs the codec's own encode of the same
-    clips (resampled already) in the same batches."""
-    codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16, source=f"synthetic:{name}")
+def write_corpus(folder: Path, files: int) -> None:
+    """``files`` speech-like 16 kHz WAV files of 2-12 s (200 distinct clips, repeated)."""
     rng = np.random.default_rng(1)
+    clips = [speech_like(rng.uniform(2, 12), 16000, int(rng.integers(1 << 30))) for _ in range(min(files, 200))]
+    folder.mkdir()
+    for n in range(files):
+        soundfile.write(folder / f"{n:06d}.wav", clips[n % len(clips)], 16000)
+
+
+def steady_rate(shards: list[dict]) -> float | None:
+    """Audio hours per minute between the first and the last shard finished (start-up excluded)."""
+    ends = sorted((d["finished_at"], d["audio_seconds"]) for d in shards)
+    if len(ends) < 2 or ends[-1][0] <= ends[0][0]:
+        return None
+    return sum(a for _, a in ends[1:]) / 3600 / (ends[-1][0] - ends[0][0]) * 60
+
+
+def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int]) -> dict:
+    """Hours of audio per minute: the local dataset engine vs the codec's own encode of the same
+    clips (resampled already) in the same shards and batches; then the Ray engine on 1..n GPUs."""
+    codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16, source=f"synthetic:{name}")
+    per_shard = 256  # encode_dataset's default
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "corpus"
-        folder.mkdir()
-        for n in range(files):
-            clip = speech_like(rng.uniform(2, 12), 16000, int(rng.integers(1 << 30)))
-            soundfile.write(folder / f"{n:05d}.wav", clip, 16000)
-        warm = datasets.encode_dataset(folder, Path(tmp) / "warm", codec, files_per_shard=64, batch_seconds=batch_seconds,
-                                       progress=False)  # compiles, caches: not timed
-        summary = datasets.encode_dataset(folder, Path(tmp) / "out", codec, files_per_shard=64,
-                                          batch_seconds=batch_seconds, progress=False)
-        clips = [datasets.read_clip(i, codec.sampling_rate) for i in datasets.list_inputs(folder)]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for k in range(0, len(clips), 64):  # the same shards and batches, no reading or writing
-            datasets.encode_clips(codec, clips[k:k + 64], 1.0, batch_seconds)
-        torch.cuda.synchronize()
-        own_s = time.perf_counter() - t0
-    hours = summary["audio_seconds"] / 3600
-    result = {"files": files, "audio_hours": hours, "pipeline_s": summary["wall_seconds"], "own_encode_s": own_s,
-              "pipeline_hours_per_minute": hours / summary["wall_seconds"] * 60,
-              "own_hours_per_minute": hours / own_s * 60, "warm_run_s": warm["wall_seconds"]}
-    result["pipeline_vs_own"] = result["pipeline_hours_per_minute"] / result["own_hours_per_minute"]
-    print("corpus:", {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, flush=True)
+        write_corpus(folder, files)
+        run = {"files_per_shard": per_shard, "batch_seconds": batch_seconds, "progress": False}
+        print(f"corpus of {files} files written", flush=True)
+        warm = datasets.encode_dataset(folder, Path(tmp) / "warm", codec, **run)  # compiles, caches: not timed
+        summary = datasets.encode_dataset(folder, Path(tmp) / "out", codec, **run)
+        items = datasets.list_inputs(folder)
+        with datasets._Readers(16, codec.sampling_rate, codec.dtype) as readers:
+            clips = readers.collect(items, readers.submit(items))
+        own_s = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            previous = None  # the same shards and batches, no reading or writing; a shard queued before the last is fetched
+            for k in range(0, len(clips), per_shard):
+                shard = clips[k:k + per_shard]
+                launched = datasets.launch_clips(codec, shard, 1.0, batch_seconds)
+                if previous is not None:
+                    datasets.finish_clips(codec, *previous)
+                previous = (shard, launched)
+            datasets.finish_clips(codec, *previous)
+            torch.cuda.synchronize()
+            own_s.append(time.perf_counter() - t0)
+        hours = summary["audio_seconds"] / 3600
+        result = {"files": files, "audio_hours": hours, "pipeline_s": summary["wall_seconds"],
+                  "own_encode_s": min(own_s), "warm_run_s": warm["wall_seconds"],
+                  "pipeline_hours_per_minute": hours / summary["wall_seconds"] * 60,
+                  "own_hours_per_minute": hours / min(own_s) * 60}
+        result["pipeline_vs_own"] = result["pipeline_hours_per_minute"] / result["own_hours_per_minute"]
+        print("corpus:", {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, flush=True)
+        del codec, clips
+        torch.cuda.empty_cache()
+        result["ray"] = {}
+        for gpus in ray_gpus:
+            import ray
+
+            (Path(tmp) / f"ray{gpus}").mkdir()
+            ray.init(num_gpus=gpus, log_to_driver=False)
+            try:
+                t0 = time.perf_counter()
+                shards = datasets._encode_with_ray(  # what encode_dataset(engine="ray") runs, with the shard timings
+                    *_ray_plan(folder, per_shard), load={"model": f"synthetic:{name}", "dtype": "float16"},
+                    settings={"out": str(Path(tmp) / f"ray{gpus}"), "pad_seconds": 1.0, "batch_seconds": batch_seconds},
+                    address=None, cpu_actors=1)
+                wall = time.perf_counter() - t0
+            finally:
+                ray.shutdown()
+            same = same_shards(Path(tmp) / f"ray{gpus}", Path(tmp) / "out")
+            result["ray"][gpus] = {"wall_s": wall, "hours_per_minute": hours / wall * 60,
+                                   "steady_hours_per_minute": steady_rate(shards), "shards_equal_local": same}
+            print(f"ray {gpus} GPU(s):", result["ray"][gpus], flush=True)
     return result
+
+
+def same_shards(a: Path, b: Path) -> bool:
+    import pyarrow.parquet as pq
+
+    names = sorted(p.name for p in a.glob("shard-*.parquet"))
+    return names == sorted(p.name for p in b.glob("shard-*.parquet")) and all(
+        pq.read_table(a / n).equals(pq.read_table(b / n)) for n in names)
+
+
+def _ray_plan(folder: Path, per_shard: int):
+    inputs = datasets.list_inputs(folder)
+    shards = [inputs[k:k + per_shard] for k in range(0, len(inputs), per_shard)]
+    return shards, list(range(len(shards)))
 
 
 def main() -> None:
@@ -143,12 +203,15 @@ def main() -> None:
     ap.add_argument("--no-corpus", action="store_true", help="skip the dataset throughput run")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/encode"))
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--files", type=int, default=300, help="corpus files (2-12 s each)")
+    ap.add_argument("--no-workloads", action="store_true", help="only the dataset throughput run")
+    ap.add_argument("--files", type=int, default=2000, help="corpus files (2-12 s each)")
     ap.add_argument("--batch-seconds", type=float, default=300.0)
+    ap.add_argument("--ray-gpus", default="", help="also run the Ray engine on these GPU counts, e.g. 1,2")
     args = ap.parse_args()
-    loads = [(10.0, 1), (10.0, 32), (60.0, 1)]
+    loads = [] if args.no_workloads else [(10.0, 1), (10.0, 32), (60.0, 1)]
     results = {f"{s:g} s B={b}": bench_workload(args.model, s, b, args.rounds) for s, b in loads}
-    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds)
+    ray_gpus = [int(g) for g in args.ray_gpus.split(",") if g]
+    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds, ray_gpus)
     env = environment()
     rows = []
     for label, by_mode in results.items():
@@ -158,21 +221,33 @@ def main() -> None:
             rows.append([label, mode, f"{r['median_ms']:.3f}", f"{r['gpu_median_ms']:.3f}",
                          f"{min(peers) / r['median_ms']:.2f}x" if peers else "-", agree or "-",
                          f"{r['build_and_warmup_s']:.1f}"])
+    command = " ".join(["python scripts/bench_encode.py"] + sys.argv[1:])
     md = (f"# Encode benchmark: {args.model}\n\n{env['device']}, {env['date']}, torch {env['torch']}. "
-          f"`python scripts/bench_encode.py --model {args.model} --rounds {args.rounds} "
-          f"{'--no-corpus' if args.no_corpus else f'--files {args.files}'}`. "
-          "Modes built afresh per workload (compile: reduce-overhead, fp16 autocast, `dynamic=False`), timed in "
-          "interleaved rounds; per call = wall clock with a synchronize, GPU = CUDA events; medians. "
-          "'vs best peer': the faster compile peer's per-call time over this mode's. Code agreement: snac-fast "
-          "fp16 codes equal to upstream eager fp32 codes on speech-like input, % per level.\n\n"
-          + markdown_table(["workload", "mode", "per call ms", "GPU ms", "vs best peer", "code agreement %",
-                            "build + warm-up s"], rows))
+          f"`{command}`. "
+          + ("Modes built afresh per workload (compile: reduce-overhead, fp16 autocast, `dynamic=False`), timed in "
+             "interleaved rounds; per call = wall clock with a synchronize, GPU = CUDA events; medians. "
+             "'vs best peer': the faster compile peer's per-call time over this mode's. Code agreement: snac-fast "
+             "fp16 codes equal to upstream eager fp32 codes on speech-like input, % per level." if rows else "")
+          + "\n\n"
+          + (markdown_table(["workload", "mode", "per call ms", "GPU ms", "vs best peer", "code agreement %",
+                             "build + warm-up s"], rows) if rows else ""))
     if corpus is not None:
         md += (f"\nCorpus, local engine, one GPU: {corpus['files']} speech-like WAV files (16 kHz, 2-12 s, "
-               f"{corpus['audio_hours']:.2f} h): {corpus['pipeline_hours_per_minute']:.1f} h of audio per minute "
-               f"({corpus['pipeline_s']:.1f} s); the codec's own batched encode of the same clips: "
-               f"{corpus['own_hours_per_minute']:.1f} h/min; pipeline / own = {corpus['pipeline_vs_own']:.2f}. "
-               "Ray engine: not run on the GPU machine (the Ray wheel is larger than what a run can carry).\n")
+               f"{corpus['audio_hours']:.2f} h), 256 files per shard: {corpus['pipeline_hours_per_minute']:.1f} h of "
+               f"audio per minute ({corpus['pipeline_s']:.1f} s); the codec's own batched encode of the same clips "
+               f"in the same batches: {corpus['own_hours_per_minute']:.1f} h/min; pipeline / own = "
+               f"{corpus['pipeline_vs_own']:.2f}.\n")
+        if corpus["ray"]:
+            base = corpus["ray"].get(1)
+            md += ("\nRay engine (a local Ray cluster on this machine; wall = the whole run, Ray start-up and actor "
+                   "model loads included; steady = audio per minute between the first and the last shard "
+                   "finished):\n\n" + markdown_table(
+                       ["GPUs", "wall s", "h/min (wall)", "h/min (steady)", "steady vs 1 GPU", "shards equal local"],
+                       [[g, f"{r['wall_s']:.1f}", f"{r['hours_per_minute']:.1f}",
+                         f"{r['steady_hours_per_minute']:.1f}" if r["steady_hours_per_minute"] else "-",
+                         f"{r['steady_hours_per_minute'] / base['steady_hours_per_minute']:.2f}x"
+                         if base and base["steady_hours_per_minute"] and r["steady_hours_per_minute"] else "-",
+                         r["shards_equal_local"]] for g, r in corpus["ray"].items()]))
     write_results(args.out.parent, args.out.name, {"environment": env, "model": args.model, "encode": results,
                                                    "corpus": corpus}, md)
     print(md)

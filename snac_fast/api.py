@@ -255,7 +255,8 @@ class FastSNAC:
 
         return profile(self, codes, **options)
 
-    def encode(self, audio: Tensor, *, chunk_seconds: float | None = 60.0, cuda_graphs: bool | None = None) -> list[Tensor]:
+    def encode(self, audio: Tensor, *, chunk_seconds: float | None = 60.0, cuda_graphs: bool | None = None,
+               check_finite: bool = True) -> list[Tensor]:
         """Audio [B, 1, T] (floating, at :attr:`sampling_rate`, any device) -> codes, one int64
         [B, L_i] per level, as upstream's ``encode`` (audio right-padded with zeros to a multiple of
         :func:`snac_fast.encoding.padding_unit`). Audio longer than ``chunk_seconds`` (plus two
@@ -264,8 +265,10 @@ class FastSNAC:
         (identical codes in float32, see :mod:`snac_fast.encoding`). None: always whole.
         cuda_graphs: replay a CUDA graph per input shape (a codec built with CUDA graphs only); None:
         for inputs up to ``encode_graph_samples`` samples (B x chunk). Pass False for a stream of
-        ever-new shapes (each capture costs about three encodes)."""
-        audio = validate_audio(audio)
+        ever-new shapes (each capture costs about three encodes). check_finite=False skips the scan for
+        NaN and infinite samples (for audio on the GPU, a wait for everything queued before it), for
+        audio the caller has checked already."""
+        audio = validate_audio(audio, check_finite)
         if chunk_seconds is not None and not chunk_seconds > 0:
             raise ValueError(f"chunk_seconds must be positive or None, got {chunk_seconds}")
         unit = padding_unit(self.config)

@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="pad clips to multiples of this, so clips of similar length batch together (0: exact lengths)")
     p.add_argument("--suffixes", help="comma-separated file suffixes to take from a folder (default: every file)")
     p.add_argument("--loaders", type=int,
-                   help="threads reading audio (local engine; default one per CPU up to 16), CPU actors at most (ray)")
+                   help="processes reading audio (local engine; default one per CPU up to 16), CPU actors at most (ray)")
     p.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="local: this process; ray: Ray Data, an actor per GPU (pip install 'snac-fast[ray]')")
     p.add_argument("--address", help="with --engine ray: join this Ray cluster (default: start a local one)")
