@@ -136,20 +136,15 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
         warm = datasets.encode_dataset(folder, Path(tmp) / "warm", codec, **run)  # compiles, caches: not timed
         summary = datasets.encode_dataset(folder, Path(tmp) / "out", codec, **run)
         items = datasets.list_inputs(folder)
-        with datasets._Readers(16, codec.sampling_rate, codec.dtype) as readers:
+        with datasets._Readers(16, codec.sampling_rate, datasets._batch_dtype(codec)) as readers:
             clips = readers.collect(items, readers.submit(items))
+        shards = list(enumerate(clips[k:k + per_shard] for k in range(0, len(clips), per_shard)))
         own_s = []
-        for _ in range(2):
+        for _ in range(2):  # the same shards and batches, queued back to back, no reading or writing
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            previous = None  # the same shards and batches, no reading or writing; a shard queued before the last is fetched
-            for k in range(0, len(clips), per_shard):
-                shard = clips[k:k + per_shard]
-                launched = datasets.launch_clips(codec, shard, 1.0, batch_seconds)
-                if previous is not None:
-                    datasets.finish_clips(codec, *previous)
-                previous = (shard, launched)
-            datasets.finish_clips(codec, *previous)
+            for _ in datasets.encode_back_to_back(codec, shards, 1.0, batch_seconds):
+                pass
             torch.cuda.synchronize()
             own_s.append(time.perf_counter() - t0)
         hours = summary["audio_seconds"] / 3600
@@ -159,26 +154,22 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
                   "own_hours_per_minute": hours / min(own_s) * 60}
         result["pipeline_vs_own"] = result["pipeline_hours_per_minute"] / result["own_hours_per_minute"]
         print("corpus:", {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, flush=True)
-        del codec, clips
+        del codec, clips, shards
         torch.cuda.empty_cache()
         result["ray"] = {}
         for gpus in ray_gpus:
             import ray
 
-            (Path(tmp) / f"ray{gpus}").mkdir()
-            ray.init(num_gpus=gpus, log_to_driver=False)
+            ray.init(num_gpus=gpus, log_to_driver=False)  # encode_dataset joins it: the actors see `gpus` GPUs
             try:
-                t0 = time.perf_counter()
-                shards = datasets._encode_with_ray(  # what encode_dataset(engine="ray") runs, with the shard timings
-                    *_ray_plan(folder, per_shard), load={"model": f"synthetic:{name}", "dtype": "float16"},
-                    settings={"out": str(Path(tmp) / f"ray{gpus}"), "pad_seconds": 1.0, "batch_seconds": batch_seconds},
-                    address=None, cpu_actors=1)
-                wall = time.perf_counter() - t0
+                ray_run = datasets.encode_dataset(folder, Path(tmp) / f"ray{gpus}", engine="ray", model=f"synthetic:{name}",
+                                                  dtype="float16", loaders=1, **run)
             finally:
                 ray.shutdown()
-            same = same_shards(Path(tmp) / f"ray{gpus}", Path(tmp) / "out")
+            wall = ray_run["wall_seconds"]
             result["ray"][gpus] = {"wall_s": wall, "hours_per_minute": hours / wall * 60,
-                                   "steady_hours_per_minute": steady_rate(shards), "shards_equal_local": same}
+                                   "steady_hours_per_minute": steady_rate(ray_run["per_shard"]),
+                                   "shards_equal_local": same_shards(Path(tmp) / f"ray{gpus}", Path(tmp) / "out")}
             print(f"ray {gpus} GPU(s):", result["ray"][gpus], flush=True)
     return result
 
@@ -189,12 +180,6 @@ def same_shards(a: Path, b: Path) -> bool:
     names = sorted(p.name for p in a.glob("shard-*.parquet"))
     return names == sorted(p.name for p in b.glob("shard-*.parquet")) and all(
         pq.read_table(a / n).equals(pq.read_table(b / n)) for n in names)
-
-
-def _ray_plan(folder: Path, per_shard: int):
-    inputs = datasets.list_inputs(folder)
-    shards = [inputs[k:k + per_shard] for k in range(0, len(inputs), per_shard)]
-    return shards, list(range(len(shards)))
 
 
 def main() -> None:

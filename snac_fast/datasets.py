@@ -46,7 +46,7 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -268,7 +268,8 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
                    device: str | None = None, dtype: str | None = None) -> dict:
     """Encode every input of ``source`` (see :func:`list_inputs`) into Parquet shards in ``out``
     (see the module docstring). Returns a summary: files, shards written and skipped, seconds of
-    audio, errors, wall seconds.
+    audio, errors, wall seconds, and ``per_shard``: each shard written (index, audio seconds,
+    errors, ``finished_at`` as ``time.time()``).
 
     engine "local": this process encodes with ``codec`` (a FastSNAC; default: ``model`` loaded by
     ``FastSNAC.from_pretrained(model, device=, dtype=, **model_options)``). engine "ray" (needs
@@ -304,7 +305,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
         done = _encode_here(shards, todo, codec, settings, loaders, progress, start)
     return {"files": len(inputs), "shards": len(shards), "shards_skipped": len(shards) - len(todo),
             "audio_seconds": sum(d["audio_seconds"] for d in done), "errors": sum(d["errors"] for d in done),
-            "wall_seconds": time.perf_counter() - start}
+            "wall_seconds": time.perf_counter() - start, "per_shard": done}
 
 
 def encode_shard(codec, clips: Sequence[Clip], index: int, settings: dict) -> dict:
@@ -321,30 +322,38 @@ def write_shard(codec, clips: Sequence[Clip], codes: Sequence[list[np.ndarray] |
             "errors": sum(c.error is not None for c in clips), "finished_at": time.time()}
 
 
+def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_seconds: float,
+                        batch_seconds: float) -> Iterator[tuple[int, list[Clip], list[list[np.ndarray] | None]]]:
+    """(index, clips, codes) of each (index, clips) shard, in order: each shard's batches are queued
+    on the device before the previous shard's codes are fetched, so that host work between shards
+    (reading, fetching, writing) overlaps the device's."""
+    previous = None
+    for index, clips in shards:
+        launched = launch_clips(codec, clips, pad_seconds, batch_seconds)
+        if previous is not None:
+            yield previous[0], previous[1], finish_clips(codec, previous[1], previous[2])
+        previous = (index, clips, launched)
+    if previous is not None:
+        yield previous[0], previous[1], finish_clips(codec, previous[1], previous[2])
+
+
 def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> list[dict]:
-    """The local engine: reader processes one shard ahead; each shard's batches are queued on the
-    GPU before the previous shard's codes are fetched and written, so that host work overlaps the
-    GPU's."""
+    """The local engine: reader processes one shard ahead of :func:`encode_back_to_back`."""
     done = []
-    with _Readers(loaders, codec.sampling_rate, codec.dtype) as readers, \
+    with _Readers(loaders, codec.sampling_rate, _batch_dtype(codec)) as readers, \
             _progress(sum(len(shards[n]) for n in todo), progress) as bar:
-        def finish(n: int, clips: list[Clip], launched) -> None:
-            done.append(write_shard(codec, clips, finish_clips(codec, clips, launched), n, settings))
+        def read_ahead() -> Iterator[tuple[int, list[Clip]]]:
+            pending = readers.submit(shards[todo[0]]) if todo else []
+            for k, n in enumerate(todo):
+                clips = readers.collect(shards[n], pending)
+                pending = readers.submit(shards[todo[k + 1]]) if k + 1 < len(todo) else []
+                yield n, clips
+
+        for n, clips, codes in encode_back_to_back(codec, read_ahead(), settings["pad_seconds"], settings["batch_seconds"]):
+            done.append(write_shard(codec, clips, codes, n, settings))
             bar.update(len(clips))
             hours = sum(d["audio_seconds"] for d in done) / 3600
             bar.set_postfix_str(f"{hours / (time.perf_counter() - start):.4f} h audio/s")
-
-        pending = readers.submit(shards[todo[0]]) if todo else []
-        previous = None
-        for k, n in enumerate(todo):
-            clips = readers.collect(shards[n], pending)
-            pending = readers.submit(shards[todo[k + 1]]) if k + 1 < len(todo) else []
-            launched = launch_clips(codec, clips, settings["pad_seconds"], settings["batch_seconds"])
-            if previous is not None:
-                finish(*previous)
-            previous = (n, clips, launched)
-        if previous is not None:
-            finish(*previous)
     return done
 
 
@@ -383,12 +392,12 @@ class _Readers:
     A task's audio comes back through a file in a spool folder on /dev/shm (memory), which this
     process maps: through the pool's pipe, its result thread spent about as long unpickling 2 GB
     of audio as the encode took, holding the GIL the launching thread needs. Audio is sent in the
-    codec's dtype where numpy has it (float16: half the bytes; the model casts to it anyway, with
-    the same rounding)."""
+    dtype batches are built in (float16 for a float16 codec: half the bytes)."""
 
     def __init__(self, processes: int, rate: int, dtype: torch.dtype = torch.float32) -> None:
+        """dtype: the audio's on the way back (:func:`_batch_dtype`)."""
         self.processes, self.rate = processes, rate
-        self.dtype = "float16" if dtype == torch.float16 else "float32"
+        self.dtype = torch.empty(0, dtype=dtype).numpy().dtype.name
         # fork: no re-import of torch per worker; the children never touch CUDA
         self.context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
         shm = Path("/dev/shm")
