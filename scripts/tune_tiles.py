@@ -2,6 +2,7 @@
 configs against the current default (what the launch heuristics in snac_fast/ops were set from).
 
     python scripts/tune_tiles.py --batch 1 32 --frames 4 --only convt pw dw tanh
+    python scripts/tune_tiles.py --batch 1 --frames 704 --only pw-order   # 60 s at 24 kHz
 """
 
 from __future__ import annotations
@@ -72,6 +73,21 @@ def sweep_pw(shapes, batches):
             call = lambda h, cfg=None: pw_into(h, w, b, res, a, cfg)  # noqa: E731
             sweep(f"pw C_out={C_out} C_in={C_in} T={T} B={B}", call, call,
                   [c for c in cfgs if c[2] <= C_in and c[1] <= max(16, pow2(T))], h)
+
+
+def pw_order(shapes, batches):
+    """The GEMM's program order at its default tiles: output-channel blocks fastest (the programs of
+    one time tile together, sharing its input columns through L2) against time tiles fastest."""
+    for C, T in shapes:
+        w, b, a = rnd(C, C, 1) / C**0.5, rnd(C), torch.rand(C, device=DEV) + 0.5
+        for B in batches:
+            h, res = rnd(B, C, T), rnd(B, C, T)
+            out, pair = torch.empty_like(h), torch.empty_like(h)
+            cfg = conv_ops._pw_config(B, C, C, T, h.device)
+            times = {order: timed(lambda h, rows=rows: conv_ops._pointwise_conv_triton(
+                h, w, b, res, None, None, None, out, a, pair, config=cfg, rows_fastest=rows), h) * 1e3
+                for order, rows in (("time tiles fastest", False), ("channel blocks fastest", True))}
+            print(f"  pw order C={C} T={T} B={B} {cfg}: " + ", ".join(f"{k} {v:.1f}us" for k, v in times.items()), flush=True)
 
 
 def dw_configs(T: int, rows_max: int) -> list[tuple[int, int, int, int]]:
@@ -172,6 +188,9 @@ def main() -> None:
         elif part == "pw":
             sweep_pw([(1024, 768, T0), (512, 512, 8 * T0), (256, 256, 64 * T0), (128, 128, 256 * T0),
                       (64, 64, 512 * T0)], args.batch)
+        elif part == "pw-order":  # the 24 kHz units' widths, then the 32/44 kHz ones (T0 latent steps)
+            pw_order([(512, 8 * T0), (256, 64 * T0), (128, 256 * T0), (64, 512 * T0),
+                      (768, 8 * T0), (384, 64 * T0), (192, 192 * T0), (96, 384 * T0)], args.batch)
         elif part == "dw":
             sweep_dw([(768, T0), (512, 8 * T0), (256, 64 * T0), (128, 256 * T0), (64, 512 * T0)], args.batch)
         elif part == "convt-paths":

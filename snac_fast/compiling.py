@@ -78,7 +78,6 @@ def compiling_concurrently(workers: int | None = None) -> Iterator[None]:
         yield
         return
     from triton.compiler import compiler
-    from triton.runtime._async_compile import AsyncCompileMode
     from triton.runtime.jit import JITFunction
 
     with _patch_lock:
@@ -88,7 +87,7 @@ def compiling_concurrently(workers: int | None = None) -> Iterator[None]:
         _patch_users += 1
     _this_thread.compile_only = True
     try:
-        with _CompileAndBuildLauncher(workers or min(16, os.cpu_count() or 1)) as pool, AsyncCompileMode(pool):
+        with _CompileAndBuildLauncher(workers or min(16, os.cpu_count() or 1)) as pool, _async_compile_mode(pool):
             yield
     finally:
         _this_thread.compile_only = False
@@ -97,6 +96,26 @@ def compiling_concurrently(workers: int | None = None) -> Iterator[None]:
             if _patch_users == 0:
                 JITFunction.run = _unpatched_run
                 compiler.get_cache_manager = _unpatched_cache_manager.pop("get")
+
+
+@contextlib.contextmanager
+def _async_compile_mode(pool) -> Iterator[None]:
+    """Triton's AsyncCompileMode on ``pool``; at the exit every compile is waited for and the first
+    failure raised. Triton raises it before it clears its active mode, which then stayed set: every
+    later compiling_concurrently() of the thread failed with 'Another AsyncCompileMode is already
+    active' and the compile error was lost. Here the mode is cleared whatever happens."""
+    from triton.runtime._async_compile import AsyncCompileMode, active_mode
+
+    mode = AsyncCompileMode(pool)
+    mode.__enter__()
+    try:
+        yield
+    finally:
+        try:
+            mode.__exit__(None, None, None)
+        finally:
+            if active_mode.get() is mode:
+                active_mode.set(None)
 
 
 class _CompileAndBuildLauncher(ThreadPoolExecutor):

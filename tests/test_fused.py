@@ -233,6 +233,30 @@ def test_pointwise_conv_rectangular_and_poisoned(poisoned_empty):
     close(got, pointwise_conv_reference(h.double(), w.double()), torch.float32)
 
 
+@pytest.mark.parametrize("config", [(16, 16, 16, 2, 3), (32, 64, 32, 4, 3)], ids=["tiles16", "tiles32x64"])
+def test_pointwise_conv_program_order(config, poisoned_empty):
+    """Output-channel blocks fastest (the default wherever there are several) or time tiles
+    fastest: the same tiles, every one written, the same values, over ragged row and time blocks
+    and several batches."""
+    from snac_fast.ops.conv import _pointwise_conv_triton
+
+    gen = torch.Generator().manual_seed(config[0])
+    h = torch.randn(3, 40, 75, generator=gen)
+    res = torch.randn(3, 72, 75, generator=gen)
+    w = torch.randn(72, 40, 1, generator=gen) / 6
+    b = torch.randn(72, generator=gen)
+    a = log_uniform_alpha(72, gen)
+    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(res), alpha=d(a))
+    results = []
+    for rows_fastest in (False, True):
+        y, s = torch.empty_like(res), torch.empty_like(res)
+        _pointwise_conv_triton(h, w, b, res, None, None, None, y, a, s, config=config, rows_fastest=rows_fastest)
+        close(y, ref_y, torch.float32)
+        close(s, ref_s, torch.float32)
+        results.append((y, s))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("C", [512, 96, 64])
 def test_pointwise_conv_pair_in_place(dtype, C):

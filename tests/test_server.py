@@ -261,3 +261,26 @@ def test_triton_key_is_kept_beside_the_kernels(tmp_path, monkeypatch):
         assert cache.triton_key() == original() and json.loads(stored.read_text())["key"] == original()
     finally:
         cache.triton_key = original
+
+
+def test_failed_compile_clears_async_compile_mode():
+    """A compile that fails inside compiling_concurrently() raises its own error, and the thread
+    can compile concurrently again (Triton's AsyncCompileMode left itself active on such a failure,
+    and every later warm-up then failed with 'Another AsyncCompileMode is already active')."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from triton.runtime._async_compile import active_mode
+
+    import snac_fast.compiling as compiling
+
+    def failing_compile():
+        raise RuntimeError("the compiler's own error")
+
+    with ThreadPoolExecutor(1) as pool:
+        with pytest.raises(RuntimeError, match="compiler's own error"):
+            with compiling._async_compile_mode(pool):
+                active_mode.get().submit("kernel", failing_compile, lambda kernel: None)
+        assert active_mode.get() is None
+        with compiling._async_compile_mode(pool):
+            assert active_mode.get() is not None
+    assert active_mode.get() is None
