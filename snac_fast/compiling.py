@@ -107,15 +107,12 @@ def _async_compile_mode(pool) -> Iterator[None]:
     from triton.runtime._async_compile import AsyncCompileMode, active_mode
 
     mode = AsyncCompileMode(pool)
-    mode.__enter__()
     try:
-        yield
+        with mode:
+            yield
     finally:
-        try:
-            mode.__exit__(None, None, None)
-        finally:
-            if active_mode.get() is mode:
-                active_mode.set(None)
+        if active_mode.get() is mode:
+            active_mode.set(None)
 
 
 class _CompileAndBuildLauncher(ThreadPoolExecutor):
