@@ -17,6 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 from snac_fast import FastSNAC
 from snac_fast.streaming import STEP
 
+from kernel_timeline import print_timeline
+
 
 def gpu_ms(fn, rounds=20):
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -47,6 +49,7 @@ def main() -> None:
     parser.add_argument("--model", default="snac_24khz")
     parser.add_argument("--streams", default="1,64")
     parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--timeline", action="store_true", help="also list the step's kernels in launch order")
     args = parser.parse_args()
     codec = FastSNAC.from_pretrained(f"synthetic:{args.model}", device="cuda")
     strides = codec.config["vq_strides"]
@@ -93,12 +96,14 @@ def main() -> None:
         with torch.inference_mode():
             engine._forward(STEP, keys, lv, g)
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=args.timeline) as prof:
                 engine._forward(STEP, keys, lv, g)
                 torch.cuda.synchronize()
         for t, s in zip(engine.state, saved):
             t.copy_(s)
         print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=60))
+        if args.timeline:
+            print_timeline(prof, f"{args.model}, {S} streams, eager step")
         for s in slots:
             engine.close(s)
 

@@ -38,6 +38,9 @@ _patch_users = 0  # threads inside compiling_concurrently(): the launch patch st
 _unpatched_run = None
 _this_thread = threading.local()
 _unpatched_cache_manager: dict = {}
+# one fork at a time: filelock (imported by huggingface_hub and torch's Inductor) vetoes an os.fork
+# made while another thread of the process is inside one ("os.fork is unsafe while filelock is ...")
+_fork_lock = threading.Lock()
 
 
 class _CacheMiss(Exception):
@@ -147,7 +150,11 @@ def _compiled_in_child(compile_fn, *args, **kwargs):
         pass
     finally:
         _this_thread.probe = False
-    pid = os.fork()
+    try:
+        with _fork_lock:
+            pid = os.fork()
+    except RuntimeError:  # a fork vetoed by an audit hook (filelock's, while another thread forks): compile here
+        return _compiled_with_launcher(compile_fn, *args, **kwargs)
     if pid == 0:
         status = 1
         try:

@@ -474,8 +474,9 @@ class FusedResidualVectorQuantize(_upstream_quantizer()):
 
     def float32_weights(self) -> tuple[list[Tensor], ...]:
         """(in-projection weights, biases, codebooks, out-projection weights, biases, L2-normalised
-        codebooks) per level in float32, cached while the parameters are unchanged: the encoding
-        runs in float32, and a cast per level and call would be 18 more kernels per encode."""
+        codebooks, their squared row norms) per level in float32, cached while the parameters are
+        unchanged: the encoding runs in float32, and a cast per level and call would be 24 more
+        kernels per encode."""
         qs = self.quantizers
         params = [(q.in_proj.weight, q.in_proj.bias, q.codebook.weight, q.out_proj.weight, q.out_proj.bias) for q in qs]
         key = tuple((p.data_ptr(), p._version, p.device) for level in params for p in level)
@@ -484,6 +485,7 @@ class FusedResidualVectorQuantize(_upstream_quantizer()):
             with torch.no_grad():
                 lists = [[p.detach().float() for p in column] for column in zip(*params)]
                 lists.append([F.normalize(table) for table in lists[2]])
+                lists.append([table.pow(2).sum(1) for table in lists[-1]])
             self.__dict__["_float32"] = cached = (key, tuple(lists))
         return cached[1]
 

@@ -76,7 +76,21 @@ def test_nearest_codeword_matches_float64(rows, codes, splits):
     gen = torch.Generator().manual_seed(rows)
     e = F.normalize(torch.randn(rows, 8, generator=gen))
     table = F.normalize(torch.randn(codes, 8, generator=gen))
-    assert torch.equal(_nearest_codeword(e, table, splits), nearest_codeword_reference(e.double(), table.double()))
+    assert torch.equal(_nearest_codeword(e, table, splits=splits), nearest_codeword_reference(e.double(), table.double()))
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_nearest_codeword_first_of_equal_scores(splits):
+    """Codewords repeated across lanes, tiles and slices: the lowest index wins, as upstream's max."""
+    gen = torch.Generator().manual_seed(7)
+    table = F.normalize(torch.randn(512, 8, generator=gen))
+    e = F.normalize(torch.randn(20, 8, generator=gen))
+    for i, row in enumerate(e):  # row i's own codeword sits at 3 + i, 3 + i + 130 and 3 + i + 400
+        for at in (3 + i + 400, 3 + i + 130, 3 + i):
+            table[at] = row
+    expected = torch.arange(3, 23)
+    assert torch.equal(nearest_codeword_reference(e, table), expected)
+    assert torch.equal(_nearest_codeword(e, table, splits=splits), expected)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
@@ -95,7 +109,7 @@ def test_quantize_computes_in_float32(dtype):
         qs = quantizer.quantizers
         z_q, codes = quantize(z, [q.in_proj.weight.to(dtype) for q in qs], [q.in_proj.bias.to(dtype) for q in qs],
                               [q.codebook.weight.to(dtype) for q in qs], [q.out_proj.weight.to(dtype) for q in qs],
-                              [q.out_proj.bias.to(dtype) for q in qs], None, [q.stride for q in qs])
+                              [q.out_proj.bias.to(dtype) for q in qs], None, None, [q.stride for q in qs])
     assert z_q.dtype == dtype and z_q.shape == z.shape
     assert all(torch.equal(a, b) for a, b in zip(codes, expected))
     torch.testing.assert_close(z_q.float(), expected_zq, rtol=0, atol=TOLERANCE[dtype] * expected_zq.abs().max().item())

@@ -1,11 +1,14 @@
 """Server contexts: building and decoding under inference_mode / no_grad, threads sharing one codec,
 the caller's CUDA stream, GPU out-of-memory during graph capture."""
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -144,6 +147,43 @@ def test_cache_misses_compile_in_a_forked_child(monkeypatch, tmp_path):
     assert calls == [True]  # cached: no child
     with pytest.raises(RuntimeError, match="ptxas failed"):
         compiling._compiled_in_child(compile_kernel, tmp_path / "broken", fail=True)
+
+
+def test_concurrent_compile_jobs_fork_one_at_a_time(monkeypatch, tmp_path):
+    """filelock (imported by huggingface_hub and Inductor) vetoes an os.fork made while another
+    thread is inside one: the jobs of the pool fork one at a time, so every kernel still compiles
+    in a child; a vetoed fork compiles the kernel in this process instead of failing the job."""
+    import snac_fast.compiling as compiling
+
+    inside, guard, real_fork = [0], threading.Lock(), os.fork
+
+    def vetoing_fork():  # filelock's audit hook, with a fork slow enough for threads to collide
+        with guard:
+            if inside[0]:
+                raise RuntimeError("os.fork is unsafe while filelock is changing descriptor ownership")
+            inside[0] += 1
+        try:
+            time.sleep(0.02)
+            return real_fork()
+        finally:
+            with guard:
+                inside[0] -= 1
+
+    def compile_kernel(path):
+        if not path.exists():
+            if getattr(compiling._this_thread, "probe", False):
+                raise compiling._CacheMiss(path.name)
+            path.write_text(str(os.getpid()))
+        return path.read_text()
+
+    monkeypatch.setattr(compiling, "_compiled_with_launcher", lambda fn, *args, **kw: fn(*args, **kw))
+    monkeypatch.setattr(compiling.os, "fork", vetoing_fork)
+    with ThreadPoolExecutor(6) as pool:
+        compiled_by = list(pool.map(lambda i: compiling._compiled_in_child(compile_kernel, tmp_path / f"k{i}"), range(12)))
+    assert str(os.getpid()) not in compiled_by  # no fork was vetoed
+    monkeypatch.setattr(compiling, "_fork_lock", contextlib.nullcontext())
+    inside[0] = 1  # another thread is inside a fork: this one's is vetoed
+    assert compiling._compiled_in_child(compile_kernel, tmp_path / "vetoed") == str(os.getpid())
 
 
 def test_probing_cache_lookup_raises_on_a_miss_only_where_asked(monkeypatch):

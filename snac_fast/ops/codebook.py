@@ -72,18 +72,23 @@ if HAS_TRITON:
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=c_ok[:, None] & t_ok[None, :])
 
     @triton.jit
-    def _nearest_codeword_kernel(e_ptr, e_sq_ptr, table_ptr, table_sq_ptr, best_ptr, best_idx_ptr, N,
+    def _nearest_codeword_kernel(e_ptr, table_ptr, table_sq_ptr, best_ptr, best_idx_ptr, N,
                                  CODES_PER_SPLIT: tl.constexpr, D: tl.constexpr, BLOCK_R: tl.constexpr,
                                  BLOCK_C: tl.constexpr):
         """Rows x one slice of the codebook: per row the best score -(|e|^2 - 2 e.c + |c|^2)
         (upstream's float32 formula) and its index, over the slice's codewords; distances of a
-        [rows, codewords] tile in registers, never a [N, codebook] matrix."""
+        [rows, codewords] tile in registers, never a [N, codebook] matrix. Each lane of the tile
+        keeps its own best while the slice is scanned (no reduction per tile); the lanes are
+        reduced once at the end, the lowest index winning among equal scores, as in a row scan."""
         rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
         split = tl.program_id(1)
         r_ok = rows < N
-        e_sq = tl.load(e_sq_ptr + rows, mask=r_ok, other=0.0)
-        best = tl.full((BLOCK_R,), float("-inf"), tl.float32)
-        best_idx = tl.zeros((BLOCK_R,), tl.int32)
+        e_sq = tl.zeros((BLOCK_R,), tl.float32)
+        for d in tl.static_range(D):
+            e = tl.load(e_ptr + rows * D + d, mask=r_ok, other=0.0)
+            e_sq += e * e
+        best = tl.full((BLOCK_R, BLOCK_C), float("-inf"), tl.float32)
+        best_idx = tl.zeros((BLOCK_R, BLOCK_C), tl.int32)
         for c0 in range(0, CODES_PER_SPLIT, BLOCK_C):
             cols = split * CODES_PER_SPLIT + c0 + tl.arange(0, BLOCK_C)
             dot = tl.zeros((BLOCK_R, BLOCK_C), tl.float32)
@@ -92,14 +97,14 @@ if HAS_TRITON:
                 t = tl.load(table_ptr + cols * D + d)
                 dot += e[:, None] * t[None, :]
             score = -((e_sq[:, None] - 2 * dot) + tl.load(table_sq_ptr + cols)[None, :])
-            block_best = tl.max(score, axis=1)
-            block_idx = tl.argmax(score, axis=1) + split * CODES_PER_SPLIT + c0
-            take = block_best > best  # strictly: the first of equal scores wins, as in a row scan
-            best = tl.where(take, block_best, best)
-            best_idx = tl.where(take, block_idx, best_idx)
+            take = score > best  # strictly: a lane keeps its first of equal scores
+            best = tl.where(take, score, best)
+            best_idx = tl.where(take, cols[None, :], best_idx)
+        row_best = tl.max(best, axis=1)
+        first = tl.min(tl.where(best == row_best[:, None], best_idx, 2147483647), axis=1)
         out = split.to(tl.int64) * N + rows
-        tl.store(best_ptr + out, best, mask=r_ok)
-        tl.store(best_idx_ptr + out, best_idx.to(tl.int64), mask=r_ok)
+        tl.store(best_ptr + out, row_best, mask=r_ok)
+        tl.store(best_idx_ptr + out, first.to(tl.int64), mask=r_ok)
 
 
 def codes_to_latent_reference(codes: list[Tensor], codebooks: list[Tensor], weights: list[Tensor],
@@ -205,9 +210,11 @@ def nearest_codeword_reference(encodings: Tensor, table: Tensor) -> Tensor:
     return (-dist).max(1)[1]
 
 
-def _nearest_codeword(encodings: Tensor, table: Tensor, splits: int | None = None) -> Tensor:
-    """splits: codebook slices across programs (default: 1 under the interpreter, else enough for
-    about 2048 (row, slice) pairs: a streaming-size encode has ~100 rows)."""
+def _nearest_codeword(encodings: Tensor, table: Tensor, table_sq: Tensor | None = None,
+                      splits: int | None = None) -> Tensor:
+    """table_sq: the table's squared row norms (computed when None). splits: codebook slices across
+    programs (default: 1 under the interpreter, else enough for about 2048 (row, slice) pairs: a
+    streaming-size encode has ~100 rows)."""
     n_codes = table.shape[0]
     if encodings.dtype != torch.float32 or not runs_triton(encodings) or n_codes % 128:
         return nearest_codeword_reference(encodings, table)
@@ -215,6 +222,7 @@ def _nearest_codeword(encodings: Tensor, table: Tensor, splits: int | None = Non
     if N == 0:
         return torch.empty(0, dtype=torch.int64, device=encodings.device)
     encodings, table = encodings.contiguous(), table.contiguous()
+    table_sq = table.pow(2).sum(1) if table_sq is None else table_sq.contiguous()
     block_r = 16 if TRITON_INTERPRET else 32
     if splits is None:
         splits = 1 if TRITON_INTERPRET else max(1, min(n_codes // 256, 2048 // N))
@@ -224,8 +232,8 @@ def _nearest_codeword(encodings: Tensor, table: Tensor, splits: int | None = Non
     # zeros: a compile-only pass (snac_fast.compiling) skips the kernel, and the gather after it must stay in bounds
     best_idx = torch.zeros((splits, N), dtype=torch.int64, device=encodings.device)
     _nearest_codeword_kernel[(triton.cdiv(N, block_r), splits)](
-        encodings, encodings.pow(2).sum(1), table, table.pow(2).sum(1), best, best_idx, N,
-        CODES_PER_SPLIT=n_codes // splits, D=D, BLOCK_R=block_r, BLOCK_C=128, num_warps=4)
+        encodings, table, table_sq, best, best_idx, N,
+        CODES_PER_SPLIT=n_codes // splits, D=D, BLOCK_R=block_r, BLOCK_C=128, num_warps=8)
     if splits == 1:
         return best_idx[0]
     return best_idx.gather(0, best.argmax(0, keepdim=True))[0]
@@ -235,22 +243,23 @@ _nearest_codeword_op = torch.library.custom_op("snac_fast::nearest_codeword", _n
 
 
 @_nearest_codeword_op.register_fake
-def _(encodings, table):
+def _(encodings, table, table_sq=None, splits=None):
     return encodings.new_empty(encodings.shape[0], dtype=torch.int64)
 
 
-def nearest_codeword(encodings: Tensor, table: Tensor) -> Tensor:
+def nearest_codeword(encodings: Tensor, table: Tensor, table_sq: Tensor | None = None) -> Tensor:
     """Index of the nearest codeword per row (:func:`nearest_codeword_reference`'s formula); the
-    Triton kernel for float32 CUDA (or interpreted) inputs. encodings [N, D], table [K, D]."""
+    Triton kernel for float32 CUDA (or interpreted) inputs. encodings [N, D], table [K, D],
+    table_sq: float32 [K], the table's squared row norms when the caller keeps them."""
     if encodings.dim() != 2 or table.dim() != 2 or encodings.shape[1] != table.shape[1]:
         raise ValueError(f"need encodings [N, D] and a table [K, D], got {tuple(encodings.shape)} and {tuple(table.shape)}")
     check_same_device(encodings.device, table)
-    return (_nearest_codeword_op if through_op(encodings, table) else _nearest_codeword)(encodings, table)
+    return (_nearest_codeword_op if through_op(encodings, table) else _nearest_codeword)(encodings, table, table_sq)
 
 
 def quantize(z: Tensor, in_weights: list[Tensor], in_biases: list[Tensor], codebooks: list[Tensor],
              out_weights: list[Tensor], out_biases: list[Tensor], unit_codebooks: list[Tensor] | None,
-             strides: list[int]) -> tuple[Tensor, list[Tensor]]:
+             unit_norms: list[Tensor] | None, strides: list[int]) -> tuple[Tensor, list[Tensor]]:
     """Upstream ``ResidualVectorQuantize.forward`` (the encoder's quantizer) computed in float32
     whatever z's dtype, with the same operations in the same order: per level, average pooling by
     the stride, the in-projection, L2-normalised nearest codeword, the codeword's out-projection
@@ -260,7 +269,7 @@ def quantize(z: Tensor, in_weights: list[Tensor], in_biases: list[Tensor], codeb
 
     z: [B, latent_dim, T]; in_weights [D, latent_dim, 1]; codebooks [N, D]; out_weights
     [latent_dim, D, 1]; biases per output channel; unit_codebooks: the codebooks L2-normalised in
-    float32 (None: computed here); T divisible by every stride. Weights not in float32 are cast per
+    float32, unit_norms: their squared row norms (None: computed here); T divisible by every stride. Weights not in float32 are cast per
     call. Returns (the quantized latent in z's dtype [B, latent_dim, T], codes: int64 [B, T // stride]
     per level).
     Torch operations around the :func:`nearest_codeword` kernel (small launches per level; CUDA
@@ -272,13 +281,15 @@ def quantize(z: Tensor, in_weights: list[Tensor], in_biases: list[Tensor], codeb
     codes = []
     if unit_codebooks is None:
         unit_codebooks = [F.normalize(table.float()) for table in codebooks]
-    for w_in, b_in, table, w_out, b_out, unit_table, stride in zip(in_weights, in_biases, codebooks, out_weights,
-                                                                   out_biases, unit_codebooks, strides):
+    if unit_norms is None:
+        unit_norms = [table.pow(2).sum(1) for table in unit_codebooks]
+    for w_in, b_in, table, w_out, b_out, unit_table, unit_sq, stride in zip(
+            in_weights, in_biases, codebooks, out_weights, out_biases, unit_codebooks, unit_norms, strides):
         pooled = F.avg_pool1d(residual, stride, stride) if stride > 1 else residual
         # [B, L, D] rows: matmuls, not conv1d (cuDNN may run float32 convs in TF32, matmuls stay float32)
         z_e = F.linear(pooled.transpose(1, 2), w_in.float().squeeze(-1), b_in.float())
         encodings = F.normalize(z_e.reshape(-1, z_e.shape[-1]))
-        indices = nearest_codeword(encodings, unit_table).view(B, -1)
+        indices = nearest_codeword(encodings, unit_table, unit_sq).view(B, -1)
         chosen = F.embedding(indices, table.float())
         chosen = z_e + (chosen - z_e)  # upstream's straight-through sum, rounding included
         level = F.linear(chosen, w_out.float().squeeze(-1), b_out.float()).transpose(1, 2)  # [B, C, L]
