@@ -448,6 +448,66 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
         return pointwise_conv(*args)
 
 
+def _upstream_attention():
+    from snac.attention import LocalMHA
+
+    return LocalMHA
+
+
+class HalfLocalMHA(_upstream_attention()):
+    """Upstream's LocalMHA (32/44 kHz: windows of ``window_size`` steps, rotary embedding, softmax)
+    in the model's half dtype, which upstream cannot run (its rotary scale makes q and k float32
+    while v stays half). LayerNorm on half input (float32 statistics inside); QKV and output
+    projections as half GEMMs (float32 accumulation); the rotary embedding computed in float32 from
+    a cached cos/sin table and rounded once; ``scaled_dot_product_attention`` in half (its softmax
+    in float32); the residual add in half. Same parameters and module names; set by surgery on a
+    half model (a class swap). Input and output: [B, C, T], T a multiple of ``window_size``.
+    """
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, C, T = x.shape
+        n = self.window_size
+        if T % n:
+            raise ValueError(f"local attention needs a length divisible by its window {n}, got {T}")
+        d = C // self.heads
+        h = F.layer_norm(x.transpose(1, 2), (C,), self.norm.weight, self.norm.bias, self.norm.eps)
+        qkv = F.linear(h, self.to_qkv.weight).view(B, T // n, n, 3, self.heads, d).permute(3, 0, 4, 1, 2, 5)
+        q, k, v = qkv.unbind(0)  # [B, heads, windows, n, d] each
+        if self.rel_pos is not None:
+            cos, sin = self._rotary_table(n, x.device)
+            q, k = (_rotate(t, cos, sin).to(x.dtype) for t in (q, k))
+        shape = (B, self.heads * (T // n), n, d)
+        out = F.scaled_dot_product_attention(q.reshape(shape), k.reshape(shape), v.reshape(shape))
+        out = out.view(B, self.heads, T // n, n, d).permute(0, 2, 3, 1, 4).reshape(B, T, C)
+        return F.linear(out, self.to_out.weight).transpose(1, 2) + x
+
+    def _rotary_table(self, n: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """float32 cos and sin [n, d] of upstream's SinusoidalEmbeddings for a window of n steps."""
+        key = (n, device)
+        cached = self.__dict__.get("_rotary")
+        if cached is None or cached[0] != key:
+            t = torch.arange(n, device=device, dtype=torch.float32)
+            freqs = torch.outer(t, self.rel_pos.inv_freq.to(device=device, dtype=torch.float32))
+            freqs = torch.cat((freqs, freqs), dim=-1)
+            self.__dict__["_rotary"] = cached = (key, (freqs.cos(), freqs.sin()))
+        return cached[1]
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> "HalfLocalMHA":
+        """Turn an upstream LocalMHA into this class in place (its rotary embedding without xpos)."""
+        if type(module) is not _upstream_attention() or getattr(module.rel_pos, "use_xpos", False):
+            raise ValueError("needs an upstream LocalMHA whose rotary embedding has no xpos scale")
+        module.__class__ = cls
+        return module
+
+
+def _rotate(t: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Upstream's apply_rotary_pos_emb (unit scale) in float32: t * cos + rotate_half(t) * sin."""
+    t = t.float()
+    half = t.shape[-1] // 2
+    return t * cos + torch.cat((-t[..., half:], t[..., :half]), dim=-1) * sin
+
+
 def _upstream_quantizer():
     from snac.vq import ResidualVectorQuantize
 

@@ -10,7 +10,7 @@ from snac_fast import FastSNAC, FastSnake1d, accelerate
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
 from snac_fast.fidelity import decode_with_noise
-from snac_fast.modules import FusedConvTranspose1d
+from snac_fast.modules import FusedConvTranspose1d, HalfLocalMHA
 from snac_fast.noise import decode_with_keyed_noise, noise_blocks
 from snac_fast.testing import synthetic_model
 
@@ -245,15 +245,17 @@ def test_gpu_compile_reduce_overhead_matches_eager(cuda):
         torch.testing.assert_close(g, w, atol=2e-3, rtol=0)
 
 
-def test_half_precision_attention_runs_in_float32():
+def test_half_precision_attention_runs_in_half():
     """Upstream's 32/44 kHz attention fails in half precision (float32 rotary scale promotes q, k);
-    snac-fast keeps that one module in float32."""
+    snac-fast runs it as HalfLocalMHA (rotary in float32, rounded once)."""
     codes = random_codes(published_config("snac_32khz"), 4, seed=2)
     plain = synthetic_model("snac_32khz", **NARROW).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="same dtype"):
         decode_with_noise(plain, codes, 0, torch.device("cpu"))
     fast = FastSNAC(synthetic_model("snac_32khz", **NARROW), device="cpu", dtype=torch.bfloat16)
-    assert fast.report.float32_attention == ["encoder.block.5", "decoder.model.2"]
+    assert fast.report.half_attention == ["encoder.block.5", "decoder.model.2"]
+    assert all(type(fast.model.get_submodule(n)) is HalfLocalMHA for n in fast.report.half_attention)
+    assert fast.model.decoder.model[2].to_qkv.weight.dtype == torch.bfloat16
     out = fast.decode(codes, seed=0)
     assert out.dtype == torch.bfloat16
     expected = decode_with_keyed_noise(fast.reference_model(), codes, 0)  # the noise decode(seed=0) feeds

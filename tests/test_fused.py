@@ -729,3 +729,31 @@ def test_gpu_graphs_match_eager_and_keep_outputs(cuda, name):
         graphed.decode(random_codes(graphed.config, n), seed=0)
     assert len(graphed.graphs) == 2
     assert not torch.equal(graphed.decode(codes), graphed.decode(codes))  # no seed: fresh noise
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, windows", [(1, 1), (3, 3), (2, 5)])
+def test_half_local_mha_matches_float64_upstream(dtype, batch, windows):
+    """The 32/44 kHz LocalMHA in the model's dtype against upstream's in float64 (random, non-zero
+    norm and weights), odd batch sizes and window counts; the output is poisoned-free (a new tensor)."""
+    import copy
+
+    from snac.attention import LocalMHA
+
+    from snac_fast.modules import HalfLocalMHA
+
+    torch.manual_seed(batch * 10 + windows)
+    upstream = LocalMHA(dim=128, window_size=32, dim_head=64)
+    with torch.no_grad():
+        upstream.norm.weight.uniform_(0.5, 1.5)
+        upstream.norm.bias.uniform_(-0.2, 0.2)
+    x = torch.randn(batch, 128, 32 * windows)
+    expected = copy.deepcopy(upstream).double()(x.double())
+    half = HalfLocalMHA.convert(copy.deepcopy(upstream).to(dtype))
+    y = half(x.to(dtype))
+    assert y.dtype == dtype and torch.isfinite(y).all()
+    close(y, expected, dtype)
+    with pytest.raises(ValueError, match="divisible by its window 32"):
+        half(x.to(dtype)[..., 1:])
+    with pytest.raises(ValueError, match="upstream LocalMHA"):
+        HalfLocalMHA.convert(half)

@@ -206,6 +206,26 @@ def test_fast_stream_equals_fast_decode(name):
     assert snr >= 100
 
 
+def test_half_stream_with_half_attention_is_as_faithful_as_half_decode():
+    """32 kHz in bfloat16 (HalfLocalMHA in the attention stage, kernels through the interpreter):
+    the stream is as close to the float32 decode as the bfloat16 decode is."""
+    name, seed = "snac_32khz", 5
+    half = FastSNAC(synthetic_model(name, **NARROW), device="cpu", dtype=torch.bfloat16)
+    assert half.report.half_attention
+    full = FastSNAC(synthetic_model(name, **NARROW), device="cpu", dtype=torch.float32)
+    stream = half.stream(seed=seed)
+    g, strides = stream.engine.frames_per_group, half.config["vq_strides"]
+    frames = stream.engine.prefill_frames + 2 * g
+    codes = random_codes(half.config, frames, seed=3)
+    reference = full.decode(codes, seed=seed)[0, 0].float()
+    pieces = [stream.push(frames_of(codes, strides, 0, stream.engine.prefill_frames)),
+              stream.push(frames_of(codes, strides, stream.engine.prefill_frames, frames)), stream.flush()]
+    streamed = snr_db(reference, torch.cat(pieces).float())
+    decoded = snr_db(reference, half.decode(codes, seed=seed)[0, 0].float())
+    print(f"bf16 stream {streamed:.1f} dB, bf16 decode {decoded:.1f} dB against float32")
+    assert streamed >= decoded - 1.0 and decoded > 25
+
+
 def test_reduced_lookahead_is_shorter_and_close():
     name = "snac_24khz"
     config, strides = published_config(name), published_config(name)["vq_strides"]
