@@ -269,9 +269,9 @@ def quantize(z: Tensor, in_weights: list[Tensor], in_biases: list[Tensor], codeb
 
     z: [B, latent_dim, T]; in_weights [D, latent_dim, 1]; codebooks [N, D]; out_weights
     [latent_dim, D, 1]; biases per output channel; unit_codebooks: the codebooks L2-normalised in
-    float32, unit_norms: their squared row norms (None: computed here); T divisible by every stride. Weights not in float32 are cast per
-    call. Returns (the quantized latent in z's dtype [B, latent_dim, T], codes: int64 [B, T // stride]
-    per level).
+    float32, unit_norms: their squared row norms (either None: computed here); T divisible by
+    every stride. Weights not in float32 are cast per call. Returns (the quantized latent in z's
+    dtype [B, latent_dim, T], codes: int64 [B, T // stride] per level).
     Torch operations around the :func:`nearest_codeword` kernel (small launches per level; CUDA
     graphs remove their launch cost).
     """
