@@ -2,7 +2,8 @@
 the bytes of that op's tensor inputs (so a kernel's effective bandwidth can be read off).
 
 Used by profile_stream.py and profile_kernels.py (``--timeline``); needs a torch.profiler run with
-``record_shapes=True``.
+CPU activity and ``record_shapes=True``. snac-fast's Triton kernels launch outside any torch op in
+eager mode, so their op shows as '?' and their bandwidth as 0: read their shapes off the grid.
 """
 
 from __future__ import annotations

@@ -307,8 +307,6 @@ def test_failed_compile_clears_async_compile_mode():
     """A compile that fails inside compiling_concurrently() raises its own error, and the thread
     can compile concurrently again (Triton's AsyncCompileMode left itself active on such a failure,
     and every later warm-up then failed with 'Another AsyncCompileMode is already active')."""
-    from concurrent.futures import ThreadPoolExecutor
-
     from triton.runtime._async_compile import active_mode
 
     import snac_fast.compiling as compiling
