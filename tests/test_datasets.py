@@ -229,3 +229,27 @@ def test_readers_run_at_the_lowest_priority():
     with ds._Readers(1, 24000) as readers:
         niceness = readers.pool.submit(os.nice, 0).result()
     assert niceness == min(19, os.nice(0) + 19)
+
+
+def test_read_mono_mixes_down_and_refuses_non_finite_samples(tmp_path):
+    from snac_fast.codes import read_mono
+
+    rng = np.random.default_rng(3)
+    mono, stereo = rng.uniform(-1, 1, 301).astype(np.float32), rng.uniform(-1, 1, (257, 2)).astype(np.float32)
+    soundfile.write(tmp_path / "mono.wav", mono, 16000, subtype="FLOAT")
+    soundfile.write(tmp_path / "stereo.wav", stereo, 16000, subtype="FLOAT")
+    got, rate = read_mono(tmp_path / "mono.wav")
+    assert rate == 16000 and torch.equal(got, torch.from_numpy(mono))
+    assert torch.equal(read_mono(tmp_path / "stereo.wav")[0], torch.from_numpy(stereo).mean(dim=1))
+    bad = {"nan": (mono, 17, np.nan), "inf": (mono, 300, np.inf), "opposite_infs": (stereo, 5, None)}
+    for name, (samples, at, value) in bad.items():
+        samples = samples.copy()
+        if value is None:  # +inf and -inf in one frame: their mean is NaN
+            samples[at] = (np.inf, -np.inf)
+        else:
+            samples[at] = value
+        soundfile.write(tmp_path / f"{name}.wav", samples, 16000, subtype="FLOAT")
+        with pytest.raises(ValueError, match="non-finite"):
+            read_mono(tmp_path / f"{name}.wav")
+        clip = ds.read_clip(ds.AudioInput(name, str(tmp_path / f"{name}.wav")), 24000)
+        assert clip.audio is None and "non-finite" in clip.error
