@@ -228,7 +228,7 @@ def launch_batches(codec, batches: list[tuple[list[int], Tensor]]) -> LaunchedSh
     copied = None
     if cuda:
         copied = torch.cuda.Event()
-        copied.record()
+        copied.record(torch.cuda.current_stream(codec.device))  # the codec's GPU, not the current one
     return LaunchedShard(launched, copied)
 
 
