@@ -253,3 +253,19 @@ def test_read_mono_mixes_down_and_refuses_non_finite_samples(tmp_path):
             read_mono(tmp_path / f"{name}.wav")
         clip = ds.read_clip(ds.AudioInput(name, str(tmp_path / f"{name}.wav")), 24000)
         assert clip.audio is None and "non-finite" in clip.error
+
+
+@pytest.mark.gpu
+def test_gpu_engine_codes_equal_each_clips_own_encode(cuda, corpus, tmp_path):
+    # the GPU path: pinned batches, codes back through asynchronous copies and one event per shard,
+    # several shards in flight; every clip's codes must be its own encode's (pad_seconds=0)
+    fast = FastSNAC(synthetic_model("snac_24khz"), device=cuda, dtype=torch.float16, source="synthetic:snac_24khz")
+    ds.encode_dataset(corpus, tmp_path / "out", fast, files_per_shard=2, pad_seconds=0, progress=False)
+    rows = rows_of(tmp_path / "out")
+    assert sum(r["error"] is None for r in rows.values()) == 4
+    for name, row in rows.items():
+        if row["error"] is None:
+            clip = ds.read_clip(ds.AudioInput(name, row["path"]), 24000)
+            audio = torch.from_numpy(clip.audio).view(1, 1, -1).to(cuda, torch.float16)
+            for level, want in enumerate(fast.encode(audio)):
+                assert row[f"codes_{level}"] == want[0].tolist(), (name, level)
