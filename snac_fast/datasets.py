@@ -250,7 +250,7 @@ def finish_clips(codec, clips: Sequence[Clip], launched: LaunchedShard) -> list[
         launched.copied.synchronize()
     codes: list[list[np.ndarray] | None] = [None] * len(clips)
     for batch, batch_codes in launched.batches:
-        levels = [c.cpu().numpy().astype(np.int16) for c in batch_codes]
+        levels = [c.numpy().astype(np.int16) for c in batch_codes]  # host tensors (launch_batches)
         for row, i in enumerate(batch):
             codes[i] = [level[row, :n] for level, n in zip(levels, code_lengths(clips[i].audio.size, codec.config))]
     return codes

@@ -307,7 +307,7 @@ class StreamEngine:
             for stage in stages:
                 unit = window if stage.post else 1
                 stage.right = int(stage.right * fraction) // unit * unit
-        _align_contexts(stages, Geometry.of(stages, self.strides[0], window))
+        _align_contexts(stages, exact)  # its a and group: neither depends on the contexts
         self.geometry = Geometry.of(stages, self.strides[0], window)
         self.max_streams = max_streams
         self.max_frames_per_step = max(self.geometry.group, max_frames_per_step // self.geometry.group * self.geometry.group)

@@ -269,7 +269,7 @@ def quantize(z: Tensor, in_weights: list[Tensor], in_biases: list[Tensor], codeb
 
     z: [B, latent_dim, T]; in_weights [D, latent_dim, 1]; codebooks [N, D]; out_weights
     [latent_dim, D, 1]; biases per output channel; unit_codebooks: the codebooks L2-normalised in
-    float32, unit_norms: their squared row norms (either None: computed here); T divisible by
+    float32, unit_norms: their squared row norms (either None: computed per call); T divisible by
     every stride. Weights not in float32 are cast per call. Returns (the quantized latent in z's
     dtype [B, latent_dim, T], codes: int64 [B, T // stride] per level).
     Torch operations around the :func:`nearest_codeword` kernel (small launches per level; CUDA
@@ -281,8 +281,8 @@ def quantize(z: Tensor, in_weights: list[Tensor], in_biases: list[Tensor], codeb
     codes = []
     if unit_codebooks is None:
         unit_codebooks = [F.normalize(table.float()) for table in codebooks]
-    if unit_norms is None:
-        unit_norms = [table.pow(2).sum(1) for table in unit_codebooks]
+    if unit_norms is None:  # nearest_codeword computes them
+        unit_norms = [None] * len(unit_codebooks)
     for w_in, b_in, table, w_out, b_out, unit_table, unit_sq, stride in zip(
             in_weights, in_biases, codebooks, out_weights, out_biases, unit_codebooks, unit_norms, strides):
         pooled = F.avg_pool1d(residual, stride, stride) if stride > 1 else residual
