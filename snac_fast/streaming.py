@@ -317,10 +317,10 @@ class StreamEngine:
         self._free = list(range(max_streams - 1, -1, -1))
         self._ratios = [self.strides[0] // s for s in self.strides]
         self._pending = _PendingCodes(max_streams, self._ratios)
-        # per slot, for the key rows of a step: frames consumed, seed, row
-        self._consumed = np.zeros(max_streams + 1, np.int64)
-        self._seeds = np.zeros(max_streams + 1, np.int64)
-        self._rows = np.zeros(max_streams + 1, np.int64)
+        # per slot, the key rows of a step (frames consumed, seed, row): one gather for all three
+        self._slot_keys = np.zeros((3, max_streams + 1), np.int64)
+        self._consumed, self._seeds, self._rows = self._slot_keys
+        self._step_config = {**config, "attn_window_size": None}  # step takes any frame count; groups are the engine's
         self._lock = lock or threading.RLock()  # a codec's: its decodes patch the same NoiseBlocks
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -441,12 +441,12 @@ class StreamEngine:
         for i, c in enumerate(codes):
             if c.dtype not in _INTEGER_DTYPES:
                 raise ValueError(f"codes level {i} must be an integer tensor, got {c.dtype}")
-            a = c.numpy() if c.is_cpu else c.detach().cpu().numpy()
+            a = _int64_numpy(c)
             if a.ndim == 2 and a.shape[0] == 1:
                 a = a[0]
             if a.ndim != 1:
                 raise ValueError(f"codes level {i} must be [L] or [1, L] for one stream, got {tuple(c.shape)}")
-            checked.append(a if a.dtype == np.int64 else a.astype(np.int64))
+            checked.append(a)
         frames = len(checked[0])
         want = [frames * r for r in self._ratios]
         if frames == 0 or [len(c) for c in checked] != want:
@@ -507,17 +507,16 @@ class StreamEngine:
         streams = list(streams)
         if not streams:
             raise ValueError("step needs at least one stream")
-        # [B, L_i] following vq_strides; any number of frames (the engine groups attention windows)
-        checked = validate_codes(codes, {**self.config, "attn_window_size": None}, check_ids=False)
+        checked = validate_codes(codes, self._step_config, check_ids=False)  # [B, L_i] following vq_strides
         if checked[0].shape[0] != len(streams):
             raise ValueError(f"codes hold {checked[0].shape[0]} rows for {len(streams)} streams")
-        arrays = [np.asarray(c.detach().cpu().numpy(), np.int64) for c in checked]
+        arrays = [_int64_numpy(c) for c in checked]
         frames = arrays[0].shape[1] // self._ratios[0]
         self._check_ids([arrays])
         with self._lock:
             self._check_streams(streams)
             slots = _slots_of(streams)
-            if len(np.unique(slots)) != len(streams):
+            if len(set(slots.tolist())) != len(streams):
                 raise ValueError("step got the same stream twice")
             if self._in_steady_state(streams, slots, frames):
                 return self._direct_step(streams, slots, arrays, frames)
@@ -577,7 +576,8 @@ class StreamEngine:
 
     def _step_frames(self, pending: int) -> int:
         """The largest step of a power-of-two number of groups that fits what a stream holds."""
-        return int(self._step_frames_of(np.array([pending]))[0])
+        groups = min(int(pending), self.max_frames_per_step) // self.frames_per_group
+        return (1 << groups.bit_length() - 1) * self.frames_per_group if groups > 0 else 0
 
     def _step_frames_of(self, pending: np.ndarray) -> np.ndarray:
         """:meth:`_step_frames` of every entry of an int array (0 where not a group is held)."""
@@ -640,9 +640,7 @@ class StreamEngine:
         keys = np.zeros((4, bucket), np.int64)  # state slot, frames consumed, seed, row; padding rows: the scratch slot
         keys[0, n:] = self.max_streams
         keys[0, :n] = slots
-        keys[1, :n] = self._consumed[slots]
-        keys[2, :n] = self._seeds[slots]
-        keys[3, :n] = self._rows[slots]
+        keys[1:, :n] = self._slot_keys[:, slots]
         if kind != FLUSH:
             taken = self._pending.take(slots, frames) if codes is None else codes
             codes = taken if n == bucket else [np.pad(level, ((0, bucket - n), (0, 0))) for level in taken]
@@ -701,6 +699,12 @@ class StreamEngine:
                     x = layer(x.contiguous())
                 new = x
         return new
+
+
+def _int64_numpy(codes: Tensor) -> np.ndarray:
+    """An integer tensor's values as an int64 numpy array (a view where it already is one on the CPU)."""
+    a = codes.numpy() if codes.is_cpu else codes.cpu().numpy()
+    return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
 def _slots_of(streams: Sequence[StreamSlot]) -> np.ndarray:

@@ -270,6 +270,22 @@ def test_stream_input_errors():
         engine.open(seed=1.5)
 
 
+@pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz"])
+def test_step_sizes_scalar_and_vectorised_agree(name):
+    """A step takes the largest power-of-two number of groups a stream holds, capped by
+    max_frames_per_step; the per-call (scalar) rule and the per-batch (numpy) rule agree."""
+    import numpy as np
+
+    engine = engine64(name, max_frames_per_step=12)
+    group = engine.frames_per_group
+    held = np.arange(-2, 40)
+    vectorised = engine._step_frames_of(held)
+    for pending, frames in zip(held.tolist(), vectorised.tolist()):
+        assert engine._step_frames(pending) == frames
+        groups = min(pending, engine.max_frames_per_step) // group
+        assert frames == (0 if groups < 1 else group * 2 ** int(np.log2(groups)))
+
+
 # --- token layouts ----------------------------------------------------------------------------
 
 def test_orpheus_layout_round_trip_and_errors():

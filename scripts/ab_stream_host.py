@@ -1,0 +1,122 @@
+"""A/B of the stream engine's host path: this tree's ``StreamEngine.step`` against an older
+``snac_fast/streaming.py`` (``--against``, e.g. ``git show REV:snac_fast/streaming.py > old.py``),
+both on one float16 codec with CUDA graphs, steady state (every stream started, one new frame per
+step). Per step, interleaved rounds, medians: the call with sync, the host time until ``step``
+returns, the GPU time between events around the call; then 100 steps back to back (the host's rate
+when the GPU keeps up), and the pieces of one graph call (filling the inputs, launching the replay,
+cloning and splitting the output).
+
+    python scripts/ab_stream_host.py --against old_streaming.py [--rounds 300]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+from snac_fast import FastSNAC
+from snac_fast import streaming
+
+
+def load_engine_module(path: str):
+    spec = importlib.util.spec_from_file_location("snac_fast.streaming_against", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+def median_ms(seconds: list[float]) -> float:
+    return statistics.median(seconds) * 1e3
+
+
+def pieces_of_a_graph_call(engine, streams: int, codes: list[np.ndarray]) -> dict[str, float]:
+    graph = engine._graphs[("step", engine._bucket(streams), 1)]
+    keys = np.zeros((4, engine._bucket(streams)), np.int64)
+    keys[0, :streams] = np.arange(streams)
+    times: dict[str, list[float]] = {"fill": [], "replay launch": [], "clone + unbind": []}
+    for _ in range(100):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph._fill(keys, codes)
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        graph.graph.replay()
+        t3 = time.perf_counter()
+        graph.output[:streams, 0].clone().unbind(0)
+        t4 = time.perf_counter()
+        torch.cuda.synchronize()
+        for name, t in zip(times, (t1 - t0, t3 - t2, t4 - t3)):
+            times[name].append(t)
+    return {name: median_ms(t) for name, t in times.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--against", required=True, help="an older snac_fast/streaming.py")
+    parser.add_argument("--model", default="snac_24khz")
+    parser.add_argument("--streams", default="1,64")
+    parser.add_argument("--rounds", type=int, default=300)
+    args = parser.parse_args()
+    codec = FastSNAC.from_pretrained(f"synthetic:{args.model}", device="cuda")
+    strides = codec.config["vq_strides"]
+    sizes = [int(s) for s in args.streams.split(",")]
+    modules = {"this tree": streaming, "against": load_engine_module(args.against)}
+    engines = {name: m.StreamEngine(codec.model, codec.config, max(sizes), device=codec.device, dtype=codec.dtype,
+                                    cuda_graphs=True, lock=codec.lock) for name, m in modules.items()}
+    gen = torch.Generator().manual_seed(0)
+    print(f"{torch.cuda.get_device_name()}, {args.model}, torch {torch.__version__}; ms, medians", flush=True)
+    for S in sizes:
+        runs = {}
+        for name, engine in engines.items():
+            slots = [engine.open(seed=i) for i in range(S)]
+            total = engine.prefill_frames + args.rounds + 150
+            codes = [torch.randint(0, codec.config["codebook_size"], (S, total * strides[0] // s), generator=gen)
+                     for s in strides]
+            steps = [[c[:, f * strides[0] // s:(f + 1) * strides[0] // s] for c, s in zip(codes, strides)]
+                     for f in range(engine.prefill_frames, total)]
+            engine.step(slots, [c[:, :engine.prefill_frames * strides[0] // s] for c, s in zip(codes, strides)])
+            runs[name] = {"engine": engine, "slots": slots, "steps": iter(steps), "call": [], "host": [], "gpu": []}
+            for _ in range(5):
+                engine.step(slots, next(runs[name]["steps"]))
+        for _ in range(args.rounds):
+            for run in runs.values():
+                step = next(run["steps"])
+                torch.cuda.synchronize()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                t0 = time.perf_counter()
+                start.record()
+                run["engine"].step(run["slots"], step)
+                t1 = time.perf_counter()
+                end.record()
+                torch.cuda.synchronize()
+                run["call"].append(time.perf_counter() - t0)
+                run["host"].append(t1 - t0)
+                run["gpu"].append(start.elapsed_time(end) / 1e3)
+        for name, run in runs.items():
+            engine, slots = run["engine"], run["slots"]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(100):
+                engine.step(slots, next(run["steps"]))
+            host_rate = (time.perf_counter() - t0) * 10
+            torch.cuda.synchronize()
+            with_gpu = (time.perf_counter() - t0) * 10
+            pieces = pieces_of_a_graph_call(engine, S, [c.numpy() for c in next(run["steps"])])
+            for s in slots:
+                engine.close(s)
+            print(f"{S:3d} streams, {name:9s}: call {median_ms(run['call']):.3f} | host until return "
+                  f"{median_ms(run['host']):.3f} | GPU {median_ms(run['gpu']):.3f} | back to back: host "
+                  f"{host_rate:.3f}/step, with GPU {with_gpu:.3f}/step | "
+                  + " | ".join(f"{k} {v:.3f}" for k, v in pieces.items()), flush=True)
+
+
+if __name__ == "__main__":
+    main()
