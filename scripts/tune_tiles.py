@@ -20,7 +20,9 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import median_ms  # noqa: E402
 
-from snac_fast.ops import conv as conv_ops  # noqa: E402
+from snac_fast.ops import conv_tanh as tanh_ops  # noqa: E402
+from snac_fast.ops import depthwise as dw_ops  # noqa: E402
+from snac_fast.ops import pointwise as pw_ops  # noqa: E402
 from snac_fast.ops import conv_transpose as ct  # noqa: E402
 
 DEV, DT = "cuda", torch.float16
@@ -58,7 +60,7 @@ def pw_into(h, w, b, res, alpha, cfg):
     """A residual unit's tail when there is a residual (the pair: output and next snake), else a plain 1x1 conv."""
     out = torch.empty((h.shape[0], w.shape[0], h.shape[2]), device=DEV, dtype=DT)
     pair = None if res is None else torch.empty_like(out)
-    conv_ops._pointwise_conv_triton(h, w, b, res, None, None, None, out, alpha if pair is not None else None, pair, config=cfg)
+    pw_ops._pointwise_conv_triton(h, w, b, res, None, None, None, out, alpha if pair is not None else None, pair, config=cfg)
     return out
 
 
@@ -83,8 +85,8 @@ def pw_order(shapes, batches):
         for B in batches:
             h, res = rnd(B, C, T), rnd(B, C, T)
             out, pair = torch.empty_like(h), torch.empty_like(h)
-            cfg = conv_ops._pw_config(B, C, C, T, h.device)
-            times = {order: timed(lambda h, rows=rows: conv_ops._pointwise_conv_triton(
+            cfg = pw_ops._pw_config(B, C, C, T, h.device)
+            times = {order: timed(lambda h, rows=rows: pw_ops._pointwise_conv_triton(
                 h, w, b, res, None, None, None, out, a, pair, config=cfg, rows_fastest=rows), h) * 1e3
                 for order, rows in (("time tiles fastest", False), ("channel blocks fastest", True))}
             print(f"  pw order C={C} T={T} B={B} {cfg}: " + ", ".join(f"{k} {v:.1f}us" for k, v in times.items()), flush=True)
@@ -108,7 +110,7 @@ def sweep_dw(shapes, batches):
         wt, b, a = rnd(C, 1, 7) * 0.3, rnd(C), torch.rand(C, device=DEV) + 0.5
         for B, dilation in itertools.product(batches, (1, 3, 9)):
             x = rnd(B, C, T)
-            call = lambda x, cfg=None: conv_ops._depthwise_conv_snake_triton(x, wt, b, dilation, a, cfg)  # noqa: E731
+            call = lambda x, cfg=None: dw_ops._depthwise_conv_snake_triton(x, wt, b, dilation, a, cfg)  # noqa: E731
             sweep(f"dw C={C} T={T} B={B} dilation={dilation}", call, call, dw_configs(T, pow2(B * C)), x)
 
 
@@ -167,8 +169,8 @@ def sweep_tanh(lengths, batches):
     for T in lengths:
         for B in batches:
             x = rnd(B, 64, T)
-            call = lambda x, cfg=None: conv_ops._conv_tanh_triton(x, w, b, cfg)  # noqa: E731
-            taps = ", ".join(f"{timed(lambda x: conv_ops._conv_tanh_by_taps(x, w, b, bt), x) * 1e3:.1f}us ({bt})"
+            call = lambda x, cfg=None: tanh_ops._conv_tanh_triton(x, w, b, cfg)  # noqa: E731
+            taps = ", ".join(f"{timed(lambda x: tanh_ops._conv_tanh_by_taps(x, w, b, bt), x) * 1e3:.1f}us ({bt})"
                              for bt in (64, 128, 256, 512))
             sweep(f"conv_tanh C=64 T={T} B={B} (tap GEMM by BLOCK_T: {taps})", call, call, cfgs, x)
 

@@ -168,7 +168,8 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
     def forward(self, x: Tensor | tuple[Tensor, Tensor]) -> Tensor | tuple[Tensor, Tensor]:
         """A pair input belongs to the unit: the previous layer made it for this call alone, so the
         unit's output overwrites it (no new activation buffers)."""
-        from snac_fast.ops.conv import depthwise_conv_snake, pointwise_conv, pointwise_conv_pair
+        from snac_fast.ops.depthwise import depthwise_conv_snake
+        from snac_fast.ops.pointwise import pointwise_conv, pointwise_conv_pair
 
         snake1, dw, snake2, pw = self.block
         if isinstance(x, tuple):
@@ -211,7 +212,8 @@ class DepthwisePointwiseConv1d(_SnakeOut, nn.Conv1d):
         return fused, absorbed
 
     def forward(self, x: Tensor) -> Tensor:
-        from snac_fast.ops.conv import depthwise_conv_snake, pointwise_conv
+        from snac_fast.ops.depthwise import depthwise_conv_snake
+        from snac_fast.ops.pointwise import pointwise_conv
 
         h = depthwise_conv_snake(x, self.weight, self.bias, self.dilation[0])
         return pointwise_conv(h, self._pointwise.weight, self._pointwise.bias, alpha_out=self.alpha_out,
@@ -248,7 +250,7 @@ class DepthwiseConv1d(_FromConv, nn.Conv1d):
         return is_same_padding_depthwise(conv)
 
     def forward(self, x: Tensor) -> Tensor:
-        from snac_fast.ops.conv import depthwise_conv_snake
+        from snac_fast.ops.depthwise import depthwise_conv_snake
 
         return depthwise_conv_snake(x, self.weight, self.bias, self.dilation[0])
 
@@ -318,7 +320,7 @@ class FusedConvTranspose1d(_FromConv, _PackedWeights, nn.ConvTranspose1d):
     """The decoder block's upsampling ConvTranspose1d (and the block's input Snake1d, when no layer
     before could absorb it, as after attention).
 
-    Reads its input fastest laid out [B, T, C] in memory (:func:`~snac_fast.ops.conv.is_channels_last`,
+    Reads its input fastest laid out [B, T, C] in memory (:func:`~snac_fast.ops.common.is_channels_last`,
     which surgery has the layer before write), and takes one of two paths:
 
     - outputs up to ``kernel_max_elements``: the Triton phase GEMM with the bias inside, output
@@ -397,7 +399,7 @@ class OutputConvTanh(_FromConv, nn.Conv1d):
                 and conv.dilation[0] == 1 and conv.groups == 1)
 
     def forward(self, x: Tensor) -> Tensor:
-        from snac_fast.ops.conv import conv_tanh
+        from snac_fast.ops.conv_tanh import conv_tanh
 
         return conv_tanh(x, self.weight, self.bias)
 
@@ -440,7 +442,7 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
         return torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
 
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
-        from snac_fast.ops.conv import pointwise_conv, pointwise_conv_pair
+        from snac_fast.ops.pointwise import pointwise_conv, pointwise_conv_pair
 
         args = (x, self.linear.weight, self.linear.bias, x, self.draw_noise(x), self.input_bias(x))
         if self._snake_pair is not None:

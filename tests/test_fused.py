@@ -13,10 +13,13 @@ from snac_fast.graphs import GraphedDecode
 from snac_fast.modules import (AbsorbedSnake1d, FastSnake1d, FusedConvTranspose1d, FusedNoiseBlock,
                                FusedResidualUnit)
 from snac_fast.ops.codebook import codes_to_latent, codes_to_latent_reference
-from snac_fast.ops.conv import (TAP_GEMM_MIN_SAMPLES, _conv_tanh_by_taps, _conv_tanh_triton, _depthwise_conv_snake_triton,
-                                _dw_config, conv_tanh, conv_tanh_reference, depthwise_conv_snake, depthwise_conv_snake_reference,
-                                is_channels_last, pointwise_conv, pointwise_conv_pair, pointwise_conv_pair_reference,
-                                pointwise_conv_reference, takes_tap_gemm)
+from snac_fast.ops.common import is_channels_last
+from snac_fast.ops.conv_tanh import (TAP_GEMM_MIN_SAMPLES, _conv_tanh_by_taps, _conv_tanh_triton, conv_tanh,
+                                     conv_tanh_reference, takes_tap_gemm)
+from snac_fast.ops.depthwise import (_depthwise_conv_snake_triton, _dw_config, depthwise_conv_snake,
+                                     depthwise_conv_snake_reference)
+from snac_fast.ops.pointwise import (pointwise_conv, pointwise_conv_pair, pointwise_conv_pair_reference,
+                                     pointwise_conv_reference)
 from snac_fast.ops.snake import snake
 from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference, folds_batches
 from snac_fast.surgery import fold_weight_norm, fuse_decoder
@@ -238,7 +241,7 @@ def test_pointwise_conv_program_order(config, poisoned_empty):
     """Output-channel blocks fastest (the default wherever there are several) or time tiles
     fastest: the same tiles, every one written, the same values, over ragged row and time blocks
     and several batches."""
-    from snac_fast.ops.conv import _pointwise_conv_triton
+    from snac_fast.ops.pointwise import _pointwise_conv_triton
 
     gen = torch.Generator().manual_seed(config[0])
     h = torch.randn(3, 40, 75, generator=gen)

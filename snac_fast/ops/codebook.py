@@ -17,7 +17,7 @@ from torch import Tensor
 
 from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
                                     wave_programs)
-from snac_fast.ops.conv import check_same_device
+from snac_fast.ops.common import check_same_device
 from snac_fast.ops.snake import KERNEL_DTYPES
 
 MAX_LEVELS = 4
@@ -27,7 +27,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.conv import _program_tile
+    from snac_fast.ops.common import _program_tile
 
     @triton.jit
     def _add_level(acc, codes_ptr, table_ptr, w_ptr, b_ptr, batch, L, offs_c, c_ok, offs_t, t_ok, N,

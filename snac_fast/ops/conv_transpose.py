@@ -26,7 +26,7 @@ from torch import Tensor
 
 from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
                                     wave_programs)
-from snac_fast.ops.conv import _block_k, _compute_dtype, _maybe_snake, check_floating, check_same_device, is_channels_last
+from snac_fast.ops.common import _compute_dtype, _maybe_snake, check_floating, check_same_device, is_channels_last
 from snac_fast.ops.snake import KERNEL_DTYPES
 
 if HAS_TRITON:
@@ -34,7 +34,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.conv import _dot_accumulate, _program_tile, _snake_rows
+    from snac_fast.ops.common import _dot_accumulate, _program_tile, _snake_rows
 
     @triton.jit
     def _shifted_input(x_rows, col_offset, offs_j, shift: tl.constexpr, time_stride, ch_ok, col_ok, T_in, alpha,
@@ -197,6 +197,14 @@ def conv_transpose_reference(x: Tensor, weight: Tensor, bias: Tensor | None, str
 # grid fills the GPU (H200, streaming chunk at B=1, channels-last input, the 24 kHz blocks 2-4:
 # 5.7/4.8/3.4 us against 7.0/5.5/3.9 on the 64-row tiles first; scripts/tune_tiles.py --only convt)
 _CONVT_TILES = ((128, 128), (128, 32), (128, 16), (64, 32), (32, 16), (16, 16))
+
+
+def _block_k(C_in: int) -> int:
+    """The largest power of two <= 64 that divides C_in (no ragged chunk), at least 16 (tl.dot)."""
+    block = 64
+    while block > 16 and C_in % block:
+        block //= 2
+    return block
 
 
 def _convt_config(C_out: int, phases: int, C_in: int, n_cols: int, batches: int, elem_bytes: int,

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
                                     wave_programs)
-from snac_fast.ops.conv import _compute_dtype, check_floating, check_same_device, is_channels_last
+from snac_fast.ops.common import _compute_dtype, check_floating, check_same_device, is_channels_last
 from snac_fast.ops.snake import KERNEL_DTYPES, snake_reference
 
 if HAS_TRITON:
@@ -27,7 +27,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.conv import _dot_accumulate, _gemm_tile, _store_with_pair
+    from snac_fast.ops.common import _dot_accumulate, _gemm_tile, _store_with_pair
 
     @triton.jit
     def _dense_conv_kernel(

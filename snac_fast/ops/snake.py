@@ -226,12 +226,12 @@ def _backward_triton(
     return dx, partial.view(B, C, n_t_blocks).sum(dim=(0, 2))
 
 
-def _kernel_applies(x: Tensor) -> bool:
+def kernel_applies(x: Tensor) -> bool:
     return x.dtype in KERNEL_DTYPES and runs_triton(x)
 
 
 def _forward(x: Tensor, alpha: Tensor) -> Tensor:
-    if _kernel_applies(x):
+    if kernel_applies(x):
         return _forward_triton(x, alpha)
     return snake_reference(x, alpha).contiguous()
 
@@ -248,7 +248,7 @@ def _snake_op_fake(x: Tensor, alpha: Tensor) -> Tensor:
 
 @torch.library.custom_op("snac_fast::snake_backward", mutates_args=())
 def _snake_backward_op(grad: Tensor, x: Tensor, alpha: Tensor) -> tuple[Tensor, Tensor]:
-    if _kernel_applies(x):
+    if kernel_applies(x):
         dx, dalpha = _backward_triton(grad, x, alpha)
     else:
         dx, dalpha = snake_backward_reference(grad, x, alpha)

@@ -1,0 +1,281 @@
+"""1x1 convolutions as a Triton GEMM with fused epilogues, beside their torch references.
+
+
+``pointwise_conv``: a 1x1 convolution as a GEMM with its epilogue fused,
+``out = snake_out(residual + scale * (W @ h + bias))``, each part optional: the residual unit's tail
+(conv + add, and the next layer's snake when that is absorbed) and the whole NoiseBlock
+(``x + noise * (W @ x)``) are one kernel each. ``input_bias`` adds a per-channel bias to h (and to
+the residual) as they are loaded: the NoiseBlock takes over the bias of a cuDNN transposed
+convolution before it, which saves cuDNN's separate bias pass over the block's largest tensor.
+``pointwise_conv_pair`` also stores ``snake(out)`` from the same tile: a residual unit's output and
+the next unit's input snake in one kernel. Both can write in place over the residual. Inputs may be
+laid out [B, C, T] or [B, T, C] in memory (``is_channels_last``: a cuDNN transposed conv's output);
+``pointwise_conv(..., channels_last=True)`` writes [B, T, C] for the transposed conv after a block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, through_op,
+                                    wave_programs)
+from snac_fast.ops.common import (_check_per_channel, _compute_dtype, _maybe_snake, _with_layout, check_floating,
+                                  check_same_device, is_channels_last)
+from snac_fast.ops.snake import kernel_applies, snake_reference
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from snac_fast.ops._runtime import await_previous_kernel
+    from snac_fast.ops.common import _dot_accumulate, _gemm_tile, _snake_rows, _store_with_pair
+
+    @triton.jit
+    def _pointwise_conv_kernel(
+        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, in_bias_ptr, alpha_out_ptr, out_ptr, pair_alpha_ptr, pair_out_ptr,
+        C_out, C_in, T, n_m_blocks, n_t_blocks, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_IN_BIAS: tl.constexpr,
+        SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr,
+        UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr,
+        ROWS_FASTEST: tl.constexpr = False,
+    ):
+        await_previous_kernel(PDL)
+        batch, offs_m, offs_n, offs_k, m_ok, n_ok = _gemm_tile(n_m_blocks, n_t_blocks, C_out, T, BLOCK_M, BLOCK_N, BLOCK_K,
+                                                               ROWS_FASTEST)
+        # strides (channel, time): (T, 1) for [B, C, T] memory, (1, C) for [B, T, C] (a stride of 1 is
+        # a compile-time constant to Triton, so either layout gets contiguous vector loads)
+        h_base = h_ptr + batch.to(tl.int64) * C_in * T
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(K_BLOCKS):  # a layer's C_in is fixed: a compile-time trip count
+            k = kb * BLOCK_K + offs_k
+            k_ok = k < C_in
+            a = tl.load(w_ptr + offs_m[:, None] * C_in + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(h_base + k[:, None].to(tl.int64) * h_stride_c + offs_n[None, :].to(tl.int64) * h_stride_t,
+                        mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            if HAS_IN_BIAS:
+                in_b = tl.load(in_bias_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+                b = tl.where(n_ok[None, :], b.to(tl.float32) + in_b[:, None], 0.0).to(b.dtype)
+            acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+        if HAS_SCALE:
+            acc *= tl.load(scale_ptr + batch.to(tl.int64) * T + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        batch_offset = batch.to(tl.int64) * C_out * T
+        out_offs = batch_offset + offs_m[:, None].to(tl.int64) * out_stride_c + offs_n[None, :].to(tl.int64) * out_stride_t
+        mask = m_ok[:, None] & n_ok[None, :]
+        if HAS_RES:
+            res_offs = batch_offset + offs_m[:, None].to(tl.int64) * res_stride_c + offs_n[None, :].to(tl.int64) * res_stride_t
+            res = tl.load(res_ptr + res_offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_IN_BIAS:
+                res += tl.load(in_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+            acc += res
+        if SNAKE_OUT:
+            acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
+        _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
+
+
+# --- references ------------------------------------------------------------------------------
+
+def _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias) -> Tensor:
+    compute = _compute_dtype(h)
+    hc = h.to(compute)
+    if input_bias is not None:
+        ib = input_bias.to(compute).reshape(1, -1, 1)
+        hc = hc + ib
+        residual = None if residual is None else residual.to(compute) + ib
+    y = F.conv1d(hc, weight.to(compute), None if bias is None else bias.to(compute))
+    if scale is not None:
+        y = y * scale.to(compute)
+    if residual is not None:
+        y = y + residual.to(compute)
+    return y
+
+
+def pointwise_conv_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
+                             residual: Tensor | None = None, scale: Tensor | None = None,
+                             input_bias: Tensor | None = None, alpha_out: Tensor | None = None) -> Tensor:
+    """``snake((residual + ib) + scale * (conv1d(h + ib, weight) + bias), alpha_out)`` in float32
+    (float64 for float64 input); ib = input_bias per channel."""
+    return _maybe_snake(_pointwise_conv_compute(h, weight, bias, residual, scale, input_bias), alpha_out).to(h.dtype)
+
+
+def pointwise_conv_pair_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
+                                  residual: Tensor | None = None, scale: Tensor | None = None,
+                                  input_bias: Tensor | None = None, *, alpha: Tensor) -> tuple[Tensor, Tensor]:
+    """(y, snake(y, alpha)) for y = :func:`pointwise_conv_reference` (no alpha_out); the snake is
+    taken of the unrounded float32 (float64) y."""
+    y = _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias)
+    return y.to(h.dtype), snake_reference(y, alpha).to(h.dtype)
+
+
+# --- launcher --------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N) in order of preference; small problems take the first that fills the GPU
+_PW_TILES = ((64, 128), (64, 64), (64, 32), (64, 16), (32, 16), (16, 16))
+
+
+def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device,
+               input_bias: bool = False) -> tuple[int, int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Long inputs and batches: 64 x 128 tiles,
+    and the whole of C_in <= 128 in one K step (the GEMM is bandwidth-bound there: on an H200 at a
+    B=32 chunk, 128 channels, 43 us against 54 us for 128 x 128 tiles in 64-deep steps; the whole
+    decode 0.99 against 1.05 ms). Streaming chunks: the biggest tile that still gives every SM a
+    program, and 128-deep K steps for the narrow ones (fewer serial iterations); 2-4x faster than
+    one big tile at those shapes (scripts/tune_tiles.py). With ``input_bias`` over several K steps
+    (a NoiseBlock after a cuDNN transposed conv, C_in > 128) every M block adds the bias to its h
+    tiles in registers: 128 x 64 tiles halve that work (H200: 256 channels, B=32 chunk 40 -> 34 us,
+    60 s 211 -> 166 us; 512 channels 19 -> 14 and 75 -> 61 us)."""
+    if TRITON_INTERPRET:
+        return (max(16, min(128, triton.next_power_of_2(C_out))), max(16, min(1024, triton.next_power_of_2(T))),
+                max(16, min(64, triton.next_power_of_2(C_in))), 4, 3)
+    cap_m, cap_n = max(16, triton.next_power_of_2(C_out)), max(16, triton.next_power_of_2(T))
+    preferred = ((128, 64),) if input_bias and C_in > 128 else ()
+    tiles = [(min(m, cap_m), min(n, cap_n)) for m, n in preferred + _PW_TILES]
+    block_m, block_n = first_filling(tiles, lambda t: B * triton.cdiv(C_out, t[0]) * triton.cdiv(T, t[1]),
+                                     wave_programs(device))
+    if C_in <= 128:  # the whole reduction in one K step
+        block_k = max(16, triton.next_power_of_2(C_in))
+    else:
+        block_k = 128 if C_in >= 512 and block_n <= 32 else 64
+    return block_m, block_n, block_k, 2 if block_m * block_n <= 512 else 4, 3
+
+
+def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out,
+                           pair_alpha=None, pair_out=None, out_channels_last=False, config=None, rows_fastest=None):
+    """Writes into out (and pair_out, in out's layout): [B, C_out, T], or [B, T, C_out] when
+    ``out_channels_last``. out may be residual itself in the same layout (each element is read
+    before it is written, by the same program). h and residual: contiguous or channels-last."""
+    B, C_in, T = h.shape
+    C_out = weight.shape[0]
+    if out.numel() == 0:
+        return
+    h, h_stride_c, h_stride_t = _with_layout(h)
+    w = weight.reshape(C_out, C_in).contiguous()
+    residual, res_stride_c, res_stride_t = (None, 0, 0) if residual is None else _with_layout(residual)
+    out_stride_c, out_stride_t = (1, C_out) if out_channels_last else (T, 1)
+    scale = None if scale is None else scale.contiguous()
+    block_m, block_n, block_k, warps, stages = config or _pw_config(B, C_out, C_in, T, h.device, input_bias is not None)
+    n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
+    if rows_fastest is None:
+        # the output-channel blocks of one time tile run together, so h's columns come from HBM once
+        # (H100, fp16, 60 s: the 32 kHz units' GEMMs 1.85 -> 1.36 ms, 24 kHz 0.98 -> 0.86 ms; chunks
+        # within +-5%; scripts/tune_tiles.py --only pw-order)
+        rows_fastest = n_m > 1
+    flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
+    _pointwise_conv_kernel[(B * n_m * n_t,)](
+        w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
+        flat(input_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
+        C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
+        HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
+        HAS_IN_BIAS=input_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
+        IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k), ROWS_FASTEST=rows_fastest,
+        num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t),
+    )
+
+
+# --- torch.library op (what torch.compile sees; plain inference calls its body) and the public functions 
+
+def _pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
+                       scale: Tensor | None, input_bias: Tensor | None, alpha_out: Tensor | None, out: Tensor,
+                       pair_alpha: Tensor | None, pair_out: Tensor | None, out_channels_last: bool) -> None:
+    """out (and pair_out): contiguous [B, C_out, T], or contiguous [B, T, C_out] when
+    ``out_channels_last`` (a flag, not a transposed view: mutated arguments stay plain tensors)."""
+    # here, not in the wrappers: torch.compile runs an op's body as it is, without tracing it
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    if storage(out) == storage(h) or pair_out is not None and storage(pair_out) == storage(h):
+        raise ValueError("out and snake_out must not share memory with h: the GEMM reads all of h's channels")
+    if pair_out is not None and storage(pair_out) == storage(out):
+        raise ValueError("out and snake_out must be different tensors")
+    if residual is not None and storage(out) == storage(residual) and (out_channels_last or not residual.is_contiguous()):
+        raise ValueError("out may overwrite the residual only when both are contiguous [B, C, T]")
+    if kernel_applies(h):
+        _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out,
+                               out_channels_last)
+        return
+    if pair_out is None:
+        results = [(out, pointwise_conv_reference(h, weight, bias, residual, scale, input_bias, alpha_out))]
+    else:
+        y, pair = pointwise_conv_pair_reference(h, weight, bias, residual, scale, input_bias, alpha=pair_alpha)
+        results = [(out, y), (pair_out, pair)]
+    for dest, value in results:
+        dest.copy_(value.transpose(1, 2) if out_channels_last else value)
+
+
+_pointwise_conv_op = torch.library.custom_op("snac_fast::pointwise_conv", _pointwise_conv, mutates_args=("out", "pair_out"))
+
+
+@_pointwise_conv_op.register_fake
+def _(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out, out_channels_last):
+    return None
+
+
+def _check_pointwise(h, weight, bias, residual, scale, input_bias, **alphas: Tensor | None) -> None:
+    check_floating(h, "h")
+    check_floating(weight, "weight")
+    B, C_in, T = h.shape
+    C_out = weight.shape[0]
+    if weight.shape[1:] != (C_in, 1):
+        raise ValueError(f"pointwise weight must be [C_out, {C_in}, 1], got {tuple(weight.shape)}")
+    if residual is not None and tuple(residual.shape) != (B, C_out, T):
+        raise ValueError(f"residual must be {(B, C_out, T)}, got {tuple(residual.shape)}")
+    if scale is not None and tuple(scale.shape) != (B, 1, T):
+        raise ValueError(f"scale must be {(B, 1, T)}, got {tuple(scale.shape)}")
+    _check_per_channel(C_out, bias=bias, **alphas)
+    _check_per_channel(C_in, input_bias=input_bias)
+    if input_bias is not None and residual is not None and C_in != C_out:
+        raise ValueError("input_bias with a residual needs C_in == C_out")
+    check_same_device(h.device, weight, bias, residual, scale, input_bias, *alphas.values())
+
+
+def _output_buffer(out: Tensor | None, h: Tensor, C_out: int, what: str, channels_last: bool = False) -> Tensor:
+    """``out`` checked as a destination for a [B, C_out, T] result of h (contiguous, or channels-last
+    when asked), or a new one."""
+    B, _, T = h.shape
+    if out is None:
+        return h.new_empty((B, T, C_out)).transpose(1, 2) if channels_last else h.new_empty((B, C_out, T))
+    layout_ok = is_channels_last(out) or out.is_contiguous() and (C_out == 1 or T == 1) if channels_last else out.is_contiguous()
+    if tuple(out.shape) != (B, C_out, T) or out.dtype != h.dtype or out.device != h.device or not layout_ok:
+        layout = "channels-last" if channels_last else "contiguous"
+        raise ValueError(f"{what} must be a {layout} {h.dtype} tensor {(B, C_out, T)} on {h.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    return out
+
+
+def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
+                   scale: Tensor | None = None, input_bias: Tensor | None = None,
+                   alpha_out: Tensor | None = None, *, out: Tensor | None = None,
+                   channels_last: bool = False) -> Tensor:
+    """``snake(residual + scale * (W @ h + bias), alpha_out)``: a 1x1 conv with its epilogue fused.
+
+    h: [B, C_in, T]; weight: [C_out, C_in, 1]; bias, alpha_out: [C_out]; residual: [B, C_out, T];
+    scale: [B, 1, T]; input_bias: [C_in], added to h and to the residual as they are loaded (needs
+    C_in == C_out when a residual is given). h and residual may be contiguous or channels-last
+    (:func:`is_channels_last`). Returns [B, C_out, T] in h's dtype: contiguous, or with
+    ``channels_last`` laid out [B, T, C_out] in memory (the layout a transposed conv reads fastest).
+    out: where to write, in that layout; a contiguous out may be the residual itself (an in-place
+    update); never h. Inference only.
+    """
+    _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha_out=alpha_out)
+    out = _output_buffer(out, h, weight.shape[0], "out", channels_last)
+    # the op takes the [B, T, C_out] tensor itself: mutated arguments stay plain contiguous tensors
+    run = _pointwise_conv_op if through_op(h, weight, bias, residual, scale, input_bias, alpha_out) else _pointwise_conv
+    run(h, weight, bias, residual, scale, input_bias, alpha_out, out.transpose(1, 2) if channels_last else out,
+        None, None, channels_last)
+    return out
+
+
+def pointwise_conv_pair(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
+                        scale: Tensor | None = None, input_bias: Tensor | None = None, *, alpha: Tensor,
+                        out: Tensor | None = None, snake_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """(y, snake(y, alpha)) with y = :func:`pointwise_conv` (no alpha_out), both from one kernel:
+    a residual unit's output and the next unit's input snake. out and snake_out: destinations (the
+    same rules as :func:`pointwise_conv`'s out; snake_out may be any tensor no longer needed)."""
+    _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha=alpha)
+    out = _output_buffer(out, h, weight.shape[0], "out")
+    snake_out = _output_buffer(snake_out, h, weight.shape[0], "snake_out")
+    run = _pointwise_conv_op if through_op(h, weight, bias, residual, scale, input_bias, alpha) else _pointwise_conv
+    run(h, weight, bias, residual, scale, input_bias, None, out, alpha, snake_out, False)
+    return out, snake_out
