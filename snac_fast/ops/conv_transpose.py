@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
-                                    wave_programs)
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, through_op, wave_programs
 from snac_fast.ops.common import _compute_dtype, _maybe_snake, check_floating, check_same_device, is_channels_last
-from snac_fast.ops.snake import KERNEL_DTYPES
+from snac_fast.ops.snake import kernel_applies
 
 if HAS_TRITON:
     import triton
@@ -265,7 +264,7 @@ def _conv_transpose_triton(x, packed, bias, stride, alpha_in, config=None):
 
 def _conv_transpose(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, stride: int,
                     alpha_in: Tensor | None) -> Tensor:
-    if x.dtype in KERNEL_DTYPES and runs_triton(x):
+    if kernel_applies(x):
         return _conv_transpose_triton(x, packed, bias, stride, alpha_in)
     return conv_transpose_reference(x, weight, bias, stride, alpha_in).contiguous()
 

@@ -17,10 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
-                                    wave_programs)
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, through_op, wave_programs
 from snac_fast.ops.common import _compute_dtype, check_floating, check_same_device, is_channels_last
-from snac_fast.ops.snake import KERNEL_DTYPES, snake_reference
+from snac_fast.ops.snake import kernel_applies, snake_reference
 
 if HAS_TRITON:
     import triton
@@ -127,7 +126,7 @@ def _dense_conv_triton(x, packed, bias, stride, padding, pair_alpha, config=None
 
 def _dense_conv(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | None, stride: int, padding: int,
                 pair_alpha: Tensor | None) -> list[Tensor]:
-    if x.dtype in KERNEL_DTYPES and runs_triton(x):
+    if kernel_applies(x):
         out = _dense_conv_triton(x, packed, bias, stride, padding, pair_alpha)
     else:
         out = dense_conv_reference(x, weight, bias, stride, padding, pair_alpha)
