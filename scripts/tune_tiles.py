@@ -139,7 +139,7 @@ def sweep_convt(shapes, batches):
         for B in batches:
             x = channels_last(rnd(B, C_in, T_in))
             cudnn = timed(cudnn_channels_last(x, wt, s), x)
-            call = lambda x, cfg=None: ct._conv_transpose_triton(x, packed, bias, s, None, cfg)  # noqa: E731
+            call = lambda x, cfg=None: ct._conv_transpose_triton(x, packed, bias, s, cfg)  # noqa: E731
             sweep(f"convT C_in={C_in} C_out={C_out} s={s} T_in={T_in} B={B} (cuDNN no bias {cudnn * 1e3:.1f}us)",
                   call, call, [c for c in cfgs if c[1] <= max(16, pow2(T_in))], x)
 
@@ -154,7 +154,7 @@ def convt_paths(shapes, batches):
         for B in batches:
             x = rnd(B, C_in, T_in)
             x_cl = channels_last(x)
-            ours = timed(lambda x: ct._conv_transpose_triton(x, packed, None, s, None), x_cl)
+            ours = timed(lambda x: ct._conv_transpose_triton(x, packed, None, s), x_cl)
             cudnn = timed(cudnn_channels_last(x_cl, wt, s), x_cl)
             cudnn_ncl = timed(lambda x: F.conv_transpose1d(x, wt, None, s, pad, opad), x)
             print(f"  convT C_in={C_in} s={s} T_in={T_in} B={B} out {B * C_out * T_in * s / 1e6:.2f} M: "
