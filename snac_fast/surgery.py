@@ -95,7 +95,8 @@ def keep_attention_float32(model: nn.Module, dtype: torch.dtype) -> list[str]:
     scale, so they become float32 while v stays half and scaled_dot_product_attention refuses the
     mix. This is how upstream baselines run in half (the fidelity check's plain upstream, the
     benchmarks' folded peer) and what ``accelerate(fuse=False)`` does; fused half models run
-    :class:`~snac_fast.modules.HalfLocalMHA` instead (11-17% faster 32/44 kHz decodes and encodes).
+    :class:`~snac_fast.modules.HalfLocalMHA` instead (20-37% faster 32 kHz decodes and encodes,
+    `benchmarks/attention_ab_h100.md`).
     """
     from snac.attention import LocalMHA
 
@@ -214,12 +215,27 @@ def _fuse_layers(order: list[tuple[str, nn.Sequential, int]], done: dict[str, li
             layer.pair_next_snake(unit.block[0])
             done["absorbed"].append(f"{next_name}.block.0")
     # transposed and dense convs read [B, T, C] memory fastest (aligned shifted loads; cuDNN without
-    # layout transforms): the layer before writes that layout
+    # layout transforms), and the attention's LayerNorm reads it without a transposing copy: the
+    # layer before writes that layout
     computing = [parent[i] for _, parent, i in order if not isinstance(parent[i], _Absorbed)]
+    reads_channels_last = (FusedConvTranspose1d, FusedDenseConv1d, _upstream_attention())
     for layer, after in zip(computing, computing[1:]):
-        if (isinstance(after, (FusedConvTranspose1d, FusedDenseConv1d)) and isinstance(layer, (FusedResidualUnit, DepthwisePointwiseConv1d))
+        if (isinstance(after, reads_channels_last) and isinstance(layer, (FusedResidualUnit, DepthwisePointwiseConv1d))
                 and layer._snake_pair is None):
             layer.write_channels_last()
+
+
+def _attention_applies_next_snake(seq: nn.Sequential, prefix: str) -> None:
+    """A HalfLocalMHA followed by a DecoderBlock whose transposed conv runs the block's input snake
+    takes that snake into its output projection's epilogue and writes the conv's input [B, T, C]
+    (32/44 kHz, B=1 chunk, H100: the conv 54 -> 26 us, and one snake launch less)."""
+    from snac.layers import DecoderBlock
+
+    for i, (layer, after) in enumerate(zip(seq, seq[1:])):
+        if type(layer) is HalfLocalMHA and isinstance(after, DecoderBlock) and layer.alpha_out is None:
+            conv = next((m for m in after.block if isinstance(m, FusedConvTranspose1d)), None)
+            if conv is not None and conv._snake_in is not None:
+                layer.take_snake_of(conv, f"{prefix}.{i}")
 
 
 def fuse_encoder(model: nn.Module) -> dict[str, list[str]]:
@@ -295,6 +311,8 @@ def accelerate(
         report.half_attention = [name for name, m in model.named_modules() if type(m) is _upstream_attention()]
         for name in report.half_attention:
             HalfLocalMHA.convert(model.get_submodule(name))
+        if fuse:
+            _attention_applies_next_snake(model.decoder.model, "decoder.model")
     elif device is not None or dtype is not None:
         report.float32_attention = to_device_dtype(model, device, dtype)
     for module in model.modules():  # on the final device and dtype, outside torch.compile

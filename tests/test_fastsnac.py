@@ -247,7 +247,8 @@ def test_gpu_compile_reduce_overhead_matches_eager(cuda):
 
 def test_half_precision_attention_runs_in_half():
     """Upstream's 32/44 kHz attention fails in half precision (float32 rotary scale promotes q, k);
-    snac-fast runs it as HalfLocalMHA (rotary in float32, rounded once)."""
+    snac-fast runs it as HalfLocalMHA (rotary in float32, rounded once), which in the decoder also
+    applies the next block's snake."""
     codes = random_codes(published_config("snac_32khz"), 4, seed=2)
     plain = synthetic_model("snac_32khz", **NARROW).to(torch.bfloat16)
     with pytest.raises(RuntimeError, match="same dtype"):
@@ -255,7 +256,12 @@ def test_half_precision_attention_runs_in_half():
     fast = FastSNAC(synthetic_model("snac_32khz", **NARROW), device="cpu", dtype=torch.bfloat16)
     assert fast.report.half_attention == ["encoder.block.5", "decoder.model.2"]
     assert all(type(fast.model.get_submodule(n)) is HalfLocalMHA for n in fast.report.half_attention)
-    assert fast.model.decoder.model[2].to_qkv.weight.dtype == torch.bfloat16
+    attention, block = fast.model.decoder.model[2], fast.model.decoder.model[3]
+    assert attention.to_qkv.weight.dtype == torch.bfloat16
+    # block 1's input snake moved into the attention's output projection, which writes [B, T, C]
+    conv = next(m for m in block.block if isinstance(m, FusedConvTranspose1d))
+    assert conv._snake_in is None and attention.alpha_out is block.block[0].alpha and attention.channels_last_out
+    assert block.block[0].absorbed_by == "decoder.model.2"
     out = fast.decode(codes, seed=0)
     assert out.dtype == torch.bfloat16
     expected = decode_with_keyed_noise(fast.reference_model(), codes, 0)  # the noise decode(seed=0) feeds

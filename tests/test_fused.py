@@ -760,3 +760,43 @@ def test_half_local_mha_matches_float64_upstream(dtype, batch, windows):
         half(x.to(dtype)[..., 1:])
     with pytest.raises(ValueError, match="upstream LocalMHA"):
         HalfLocalMHA.convert(half)
+
+
+def _float64_window_attention(qkv, heads, window, cos, sin):
+    """Upstream's LocalMHA core (rotate_half, apply_rotary_pos_emb, SDPA) in float64 from [B, T, 3C]."""
+    from einops import rearrange
+    from snac.attention import apply_rotary_pos_emb
+
+    q, k, v = qkv.double().chunk(3, dim=-1)
+    q, k, v = (rearrange(t, "b (w n) (h d) -> b h w n d", n=window, h=heads) for t in (q, k, v))
+    freqs = torch.atan2(sin.double(), cos.double())
+    q, k = apply_rotary_pos_emb(q, k, torch.cat((freqs, freqs), -1), torch.ones(1, dtype=torch.float64))
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v)
+    return rearrange(out, "b h w n d -> b (w n) (h d)")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch, windows, heads", [(1, 1, 2), (3, 3, 1), (2, 5, 3)])
+def test_local_attention_kernel_matches_float64(dtype, batch, windows, heads):
+    """The fused window-attention kernel against upstream's rotary + SDPA in float64, odd batch
+    sizes, window and head counts, a strided qkv (a view into a wider buffer), the output a new
+    tensor; and its errors."""
+    from snac_fast.ops.attention import local_attention, local_attention_reference
+
+    torch.manual_seed(batch * 100 + windows * 10 + heads)
+    d, n = 64, 32
+    wide = torch.randn(batch, n * windows, 3 * heads * d + 5, dtype=dtype)
+    qkv = wide[:, :, 5:]
+    angles = torch.outer(torch.arange(n, dtype=torch.float32), torch.rand(d // 2) * 2)
+    cos, sin = angles.cos(), angles.sin()
+    expected = _float64_window_attention(qkv, heads, n, cos, sin)
+    got = local_attention(qkv, heads, n, cos, sin)
+    assert got.dtype == dtype and got.shape == (batch, n * windows, heads * d) and got.is_contiguous()
+    close(got, expected, dtype)
+    close(local_attention_reference(qkv, heads, n, cos, sin), expected, dtype)
+    with pytest.raises(ValueError, match="divisible by its window 32"):
+        local_attention(qkv[:, 1:], heads, n, cos, sin)
+    with pytest.raises(ValueError, match=r"cos and sin must be \[32, 32\]"):
+        local_attention(qkv, heads, n, cos[:, :16], sin[:, :16])
+    with pytest.raises(ValueError, match="3 \\* heads \\* d"):
+        local_attention(qkv[:, :, 1:], heads, n, cos, sin)
