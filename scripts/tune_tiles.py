@@ -1,14 +1,23 @@
-"""Sweep launch tiles of the decoder kernels at the 24 kHz decoder's layer shapes; print the best
-configs against the current default (what the launch heuristics in snac_fast/ops were set from).
+"""Sweep launch tiles of the decoder kernels at a published decoder's layer shapes (24, 32 or 44
+kHz); print the best configs against the current default (what the launch rules in snac_fast/ops
+were set from).
 
     python scripts/tune_tiles.py --batch 1 32 --frames 4 --only convt pw dw tanh
+    python scripts/tune_tiles.py --model snac_32khz --batch 1 32 --frames 4 --only pw dw
     python scripts/tune_tiles.py --batch 1 --frames 704 --only pw-order   # 60 s at 24 kHz
+    python scripts/tune_tiles.py --only pw-calls --json pw_calls.json     # every model and workload
+
+``pw-calls`` records the 1x1-conv GEMM calls (shapes, layouts, epilogues) of real decodes, stream
+steps and encodes of all three models, then times each distinct call at every candidate tile: the
+data the one launch rule in ``ops/pointwise.py`` is checked against.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import itertools
+import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +29,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import median_ms  # noqa: E402
 
+from snac_fast.configs import published_config  # noqa: E402
 from snac_fast.ops import conv_tanh as tanh_ops  # noqa: E402
 from snac_fast.ops import depthwise as dw_ops  # noqa: E402
 from snac_fast.ops import pointwise as pw_ops  # noqa: E402
@@ -75,6 +85,128 @@ def sweep_pw(shapes, batches):
             call = lambda h, cfg=None: pw_into(h, w, b, res, a, cfg)  # noqa: E731
             sweep(f"pw C_out={C_out} C_in={C_in} T={T} B={B}", call, call,
                   [c for c in cfgs if c[2] <= C_in and c[1] <= max(16, pow2(T))], h)
+
+
+PW_CANDIDATES = [(bm, bn, bk, 2 if bm * bn <= 512 else 4, 3) for bm in (16, 32, 64, 128) for bn in (16, 32, 64, 128)
+                 for bk in (32, 64, 128) if bm * bn <= 8192]
+
+
+def harvest_pw_calls(workloads) -> tuple[dict, dict]:
+    """Run each (label, fn) workload eagerly once with the GEMM launcher patched to record its calls.
+    Returns {call key: recorded arguments} and {label: Counter of call keys}."""
+    calls, counts, original = {}, {}, pw_ops._pointwise_conv_triton
+
+    def describe(t):
+        return None if t is None else (tuple(t.shape), tuple(t.stride()))
+
+    for label, fn in workloads:
+        seen = counts[label] = collections.Counter()
+
+        def record(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha=None, pair_out=None,
+                   out_channels_last=False, config=None, rows_fastest=None):
+            key = (describe(h), tuple(weight.shape), bias is not None, describe(residual), scale is not None,
+                   input_bias is not None, alpha_out is not None, pair_out is not None, out_channels_last,
+                   str(h.dtype))
+            seen[key] += 1
+            if key not in calls:
+                keep = lambda t: None if t is None else t.clone()  # noqa: E731
+                calls[key] = dict(h=keep(h), weight=keep(weight), bias=keep(bias), residual=keep(residual),
+                                  scale=keep(scale), input_bias=keep(input_bias), alpha_out=keep(alpha_out),
+                                  out=torch.empty_like(out), pair_alpha=keep(pair_alpha),
+                                  pair_out=None if pair_out is None else torch.empty_like(pair_out),
+                                  out_channels_last=out_channels_last)
+            original(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out,
+                     out_channels_last, config, rows_fastest)
+
+        pw_ops._pointwise_conv_triton = record
+        try:
+            fn()
+        finally:
+            pw_ops._pointwise_conv_triton = original
+    return calls, counts
+
+
+def pw_workloads(models) -> list:
+    """(label, fn): decodes (4-frame chunk at B=1 and B=32, 5 s, 60 s), one-frame stream steps at 1
+    and 64 streams, and encodes (10 s at B=1 and B=32) of each model, eager (no CUDA graphs)."""
+    from snac_fast import FastSNAC
+
+    out = []
+    for name in models:
+        codec = FastSNAC.from_pretrained(f"synthetic:{name}", cuda_graphs=False)
+        cfg = codec.config
+        frame_s = cfg["vq_strides"][0] * codec.hop_length / cfg["sampling_rate"]
+        group = 4 if cfg.get("attn_window_size") else 1
+        frames = lambda s: max(group, round(s / frame_s / group) * group)  # noqa: E731
+
+        def codes(B, n, cfg=cfg):
+            return [torch.randint(0, cfg["codebook_size"], (B, n * cfg["vq_strides"][0] // k), device=DEV)
+                    for k in cfg["vq_strides"]]
+
+        for label, B, n in (("chunk B=1", 1, 4), ("chunk B=32", 32, 4), ("5 s B=1", 1, frames(5)), ("60 s B=1", 1, frames(60))):
+            out.append((f"{name} decode {label}", lambda codec=codec, c=codes(B, n): codec.decode(c, seed=0)))
+        for B in (1, 32):
+            audio = torch.randn(B, 1, 10 * cfg["sampling_rate"], device=DEV, dtype=DT) * 0.1
+            out.append((f"{name} encode 10 s B={B}", lambda codec=codec, a=audio: codec.encode(a, cuda_graphs=False)))
+        for S in (1, 64):
+            engine = codec.stream_engine(S, cuda_graphs=False)
+            slots = [engine.open(seed=i) for i in range(S)]
+            pre = codes(S, engine.prefill_frames)
+            engine.advance({s: [c[i] for c in pre] for i, s in enumerate(slots)})
+            step = codes(S, group)
+            out.append((f"{name} stream step {S} streams",
+                        lambda e=engine, sl=slots, c=step: e.step(sl, [x.cpu() for x in c])))
+    return out
+
+
+def pw_calls(models, json_path: str | None) -> None:
+    """Time every distinct recorded GEMM call at its default tile and at each candidate."""
+    from snac_fast.compiling import compiling_concurrently
+
+    calls, counts = harvest_pw_calls(pw_workloads(models))
+    print(f"{len(calls)} distinct 1x1-conv calls over {len(counts)} workloads", flush=True)
+
+    def launch(args, cfg):
+        return lambda h: pw_ops._pointwise_conv_triton(h, args["weight"], args["bias"], args["residual"], args["scale"],
+                                                       args["input_bias"], args["alpha_out"], args["out"],
+                                                       args["pair_alpha"], args["pair_out"],
+                                                       args["out_channels_last"], config=cfg)
+
+    def fits(args, cfg):  # no tile dimension past the problem's (rounded up to 16)
+        (_, C_in, T), C_out = args["h"].shape, args["weight"].shape[0]
+        return cfg[0] <= max(16, pow2(C_out)) and cfg[1] <= max(16, pow2(T)) and cfg[2] <= max(16, pow2(C_in))
+
+    with compiling_concurrently():  # every (call, tile) variant at once, on a process pool
+        for args in calls.values():
+            for cfg in [None] + PW_CANDIDATES:
+                if cfg is None or fits(args, cfg):
+                    launch(args, cfg)(args["h"])
+    rows = []
+    for key, args in calls.items():
+        B, C_in, T = args["h"].shape
+        default = pw_ops._pw_config(B, args["weight"].shape[0], C_in, T, args["h"].device, args["input_bias"] is not None)
+        times = {"default": timed(launch(args, None), args["h"]) * 1e3}
+        for cfg in PW_CANDIDATES:
+            if fits(args, cfg):
+                try:
+                    times[str(cfg)] = timed(launch(args, cfg), args["h"]) * 1e3
+                except triton.runtime.errors.OutOfResources:
+                    pass
+        best = min((t, c) for c, t in times.items())
+        rows.append({"B": B, "C_out": args["weight"].shape[0], "C_in": C_in, "T": T, "key": repr(key),
+                     "default": list(default), "us": {c: round(t, 2) for c, t in times.items()},
+                     "calls": {label: c[key] for label, c in counts.items() if key in c}})
+        print(f"  pw B={B} C_out={args['weight'].shape[0]} C_in={C_in} T={T}: default {default} {times['default']:.1f}us"
+              f" | best {best[1]} {best[0]:.1f}us", flush=True)
+    for label in counts:
+        total = lambda pick: sum(r["calls"][label] * pick(r) for r in rows if label in r["calls"])  # noqa: E731
+        print(f"  {label}: GEMMs at the default {total(lambda r: r['us']['default']):.1f}us, at each call's best "
+              f"{total(lambda r: min(r['us'].values())):.1f}us", flush=True)
+    if json_path:
+        from bench_common import environment
+
+        Path(json_path).write_text(json.dumps({"environment": environment(), "candidates": PW_CANDIDATES,
+                                               "rows": rows}))
 
 
 def pw_order(shapes, batches):
@@ -162,45 +294,62 @@ def convt_paths(shapes, batches):
                   flush=True)
 
 
-def sweep_tanh(lengths, batches):
+def sweep_tanh(shapes, batches):
     cfgs = [(bc, bt, w) for bc in (16, 32, 64) for bt in (32, 64, 128, 256, 512) for w in (2, 4, 8)
             if 2048 <= bc * bt <= 8192]
-    w, b = rnd(1, 64, 7) / 8, rnd(1)
-    for T in lengths:
+    for C, T in shapes:
+        w, b = rnd(1, C, 7) / C**0.5, rnd(1)
         for B in batches:
-            x = rnd(B, 64, T)
+            x = rnd(B, C, T)
             call = lambda x, cfg=None: tanh_ops._conv_tanh_triton(x, w, b, cfg)  # noqa: E731
             taps = ", ".join(f"{timed(lambda x: tanh_ops._conv_tanh_by_taps(x, w, b, bt), x) * 1e3:.1f}us ({bt})"
                              for bt in (64, 128, 256, 512))
-            sweep(f"conv_tanh C=64 T={T} B={B} (tap GEMM by BLOCK_T: {taps})", call, call, cfgs, x)
+            sweep(f"conv_tanh C={C} T={T} B={B} (tap GEMM by BLOCK_T: {taps})", call, call, cfgs, x)
+
+
+def decoder_shapes(name: str, frames: int) -> dict[str, list[tuple[int, ...]]]:
+    """Each kernel's layer shapes in a decode of ``frames`` coarse frames: transposed convs (C_in,
+    C_out, stride, T_in), 1x1 convs (C_out, C_in, T), depthwise convs and the output conv (C, T)."""
+    cfg = published_config(name)
+    latent = cfg["encoder_dim"] << len(cfg["encoder_rates"])
+    widths, lengths = [cfg["decoder_dim"]], [frames * cfg["vq_strides"][0]]
+    for r in cfg["decoder_rates"]:
+        widths.append(widths[-1] // 2)
+        lengths.append(lengths[-1] * r)
+    units = list(zip(widths[1:], lengths[1:]))
+    return {"convt": [(widths[i], widths[i + 1], r, lengths[i]) for i, r in enumerate(cfg["decoder_rates"])],
+            "pw": [(widths[0], latent, lengths[0])] + [(c, c, t) for c, t in units],
+            "units": units, "dw": [(latent, lengths[0])] + units, "tanh": units[-1:]}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="snac_24khz", help="whose layer shapes: snac_24khz, snac_32khz, snac_44khz")
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--frames", type=int, default=4)
     ap.add_argument("--only", nargs="+", default=["pw", "convt", "dw", "tanh"])
+    ap.add_argument("--models", nargs="+", default=["snac_24khz", "snac_32khz", "snac_44khz"], help="for pw-calls")
+    ap.add_argument("--json", help="pw-calls: write every timing here")
     args = ap.parse_args()
-    T0 = 4 * args.frames
+    shapes = decoder_shapes(args.model, args.frames)
     t0 = time.time()
     for part in args.only:
         if part == "convt":
-            sweep_convt([(1024, 512, 8, T0), (512, 256, 8, 8 * T0), (256, 128, 4, 64 * T0), (128, 64, 2, 256 * T0)],
-                        args.batch)
+            sweep_convt(shapes["convt"], args.batch)
         elif part == "pw":
-            sweep_pw([(1024, 768, T0), (512, 512, 8 * T0), (256, 256, 64 * T0), (128, 128, 256 * T0),
-                      (64, 64, 512 * T0)], args.batch)
-        elif part == "pw-order":  # the 24 kHz units' widths, then the 32/44 kHz ones (T0 latent steps)
-            pw_order([(512, 8 * T0), (256, 64 * T0), (128, 256 * T0), (64, 512 * T0),
-                      (768, 8 * T0), (384, 64 * T0), (192, 192 * T0), (96, 384 * T0)], args.batch)
+            sweep_pw(shapes["pw"], args.batch)
+        elif part == "pw-calls":
+            pw_calls(args.models, args.json)
+        elif part == "pw-order":
+            pw_order(shapes["units"], args.batch)
         elif part == "dw":
-            sweep_dw([(768, T0), (512, 8 * T0), (256, 64 * T0), (128, 256 * T0), (64, 512 * T0)], args.batch)
+            sweep_dw(shapes["dw"], args.batch)
         elif part == "convt-paths":
-            convt_paths([(1024, 512, 8, T0), (512, 256, 8, 8 * T0), (256, 128, 4, 64 * T0), (128, 64, 2, 256 * T0)],
-                        args.batch)
+            convt_paths(shapes["convt"], args.batch)
         elif part == "tanh":
-            sweep_tanh([512 * T0], args.batch)
-        print(f"[{part} done at {time.time() - t0:.0f}s]", flush=True)
+            sweep_tanh(shapes["tanh"], args.batch)
+        print(f"[{' '.join(args.models) if part == 'pw-calls' else args.model} {part} done at {time.time() - t0:.0f}s]",
+              flush=True)
 
 
 if __name__ == "__main__":
