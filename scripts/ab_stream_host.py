@@ -3,8 +3,8 @@
 both on one float16 codec with CUDA graphs, steady state (every stream started, one new frame per
 step). Per step, interleaved rounds, medians: the call with sync, the host time until ``step``
 returns, the GPU time between events around the call; then 100 steps back to back (the host's rate
-when the GPU keeps up), and the pieces of one graph call (filling the inputs, launching the replay,
-cloning and splitting the output).
+when the GPU keeps up), and the pieces of one graph call (filling and uploading the inputs and
+launching the replay; cloning and splitting the output).
 
     python scripts/ab_stream_host.py --against old_streaming.py [--rounds 300]
 """
@@ -37,23 +37,21 @@ def median_ms(seconds: list[float]) -> float:
 
 
 def pieces_of_a_graph_call(engine, streams: int, codes: list[np.ndarray]) -> dict[str, float]:
+    """Host time of a graph call's two halves: filling and uploading the inputs and launching the
+    replay (``graph(keys, codes)``), then cloning and splitting the output."""
     graph = engine._graphs[("step", engine._bucket(streams), 1)]
     keys = np.zeros((4, engine._bucket(streams)), np.int64)
     keys[0, :streams] = np.arange(streams)
-    times: dict[str, list[float]] = {"fill": [], "replay launch": [], "clone + unbind": []}
+    times: dict[str, list[float]] = {"inputs + replay launch": [], "clone + unbind": []}
     for _ in range(100):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        graph._fill(keys, codes)
+        output = graph(keys, codes)
         t1 = time.perf_counter()
-        torch.cuda.synchronize()
+        output[:streams, 0].clone().unbind(0)
         t2 = time.perf_counter()
-        graph.graph.replay()
-        t3 = time.perf_counter()
-        graph.output[:streams, 0].clone().unbind(0)
-        t4 = time.perf_counter()
         torch.cuda.synchronize()
-        for name, t in zip(times, (t1 - t0, t3 - t2, t4 - t3)):
+        for name, t in zip(times, (t1 - t0, t2 - t1)):
             times[name].append(t)
     return {name: median_ms(t) for name, t in times.items()}
 

@@ -216,13 +216,15 @@ class _PendingCodes:
     """Codes pushed but not decoded yet, for every state slot at once, so that a step gathers the
     codes of all its streams in one numpy indexing per level (no per-stream tensor work). Level i
     holds ``ratios[i]`` codes per frame in a buffer [slots, capacity * ratios[i]]; a slot's pending
-    frames are [head, tail) of its row."""
+    frames are [head, tail) of its row. ``frames_held``: the sum over slots (0 in a server's steady
+    state, which then skips a per-slot look)."""
 
     def __init__(self, slots: int, ratios: list[int], capacity: int = 32) -> None:
         self.ratios, self.capacity = ratios, capacity
         self.levels = [np.zeros((slots, capacity * r), np.int64) for r in ratios]
         self.head = np.zeros(slots, np.int64)
         self.tail = np.zeros(slots, np.int64)
+        self.frames_held = 0
 
     def held(self, slot: int) -> int:
         return int(self.tail[slot] - self.head[slot])
@@ -247,6 +249,7 @@ class _PendingCodes:
         for level, c, r in zip(self.levels, codes, self.ratios):
             level[slot, tail * r:(tail + frames) * r] = c
         self.tail[slot] = tail + frames
+        self.frames_held += frames
 
     def put_rows(self, slots: np.ndarray, codes: list[np.ndarray], frames: int) -> None:
         """``frames`` new frames for each of ``slots`` (distinct): per level int64 [len(slots), frames * ratio]."""
@@ -255,6 +258,7 @@ class _PendingCodes:
         for level, c, r in zip(self.levels, codes, self.ratios):
             level[slots[:, None], self.tail[slots, None] * r + np.arange(frames * r)] = c
         self.tail[slots] += frames
+        self.frames_held += frames * len(slots)
 
     def take(self, slots: np.ndarray, frames: int) -> list[np.ndarray]:
         """The next ``frames`` frames of every slot in ``slots``: per level int64 [len(slots), frames * ratio]."""
@@ -263,14 +267,17 @@ class _PendingCodes:
             columns = self.head[slots, None] * r + np.arange(frames * r)
             taken.append(level[slots[:, None], columns])
         self.head[slots] += frames
+        self.frames_held -= frames * len(slots)
         return taken
 
     def take_all(self, slot: int) -> list[np.ndarray]:
         head, tail = int(self.head[slot]), int(self.tail[slot])
         self.head[slot] = tail
+        self.frames_held -= tail - head
         return [level[slot, head * r:tail * r].copy() for level, r in zip(self.levels, self.ratios)]
 
     def clear(self, slot: int) -> None:
+        self.frames_held -= self.held(slot)
         self.head[slot] = self.tail[slot] = 0
 
 
@@ -321,6 +328,7 @@ class StreamEngine:
         self._slot_keys = np.zeros((3, max_streams + 1), np.int64)
         self._consumed, self._seeds, self._rows = self._slot_keys
         self._step_config = {**config, "attn_window_size": None}  # step takes any frame count; groups are the engine's
+        self._step_signatures: set[tuple] = set()  # (type, dtype, shape) per level of step's codes, validated
         self._lock = lock or threading.RLock()  # a codec's: its decodes patch the same NoiseBlocks
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -478,9 +486,8 @@ class StreamEngine:
         pushes = pushes or {}
         finish = list(dict.fromkeys(finish))
         checked = {s: self._check_shapes(c) for s, c in pushes.items()}
-        self._check_ids([c for c in checked.values() if not c.ids_checked])
         with self._lock:
-            self._check_streams(list(checked) + finish)
+            all_started = self._check_streams(list(checked) + finish)
             for s in finish:
                 held = s.pending_frames + (checked[s].frames if s in checked else 0)
                 if held % self.frames_per_group:
@@ -489,10 +496,11 @@ class StreamEngine:
             streams = list(checked)
             codes = list(checked.values())
             slots = _slots_of(streams)
-            if not finish and len({c.frames for c in codes}) == 1 and self._in_steady_state(streams, slots, codes[0].frames):
-                rows = np.concatenate([level for c in codes for level in c]).reshape(len(codes), -1)
-                arrays = np.split(rows, np.cumsum([len(level) for level in codes[0]])[:-1], axis=1)
-                return dict(zip(streams, self._direct_step(streams, slots, arrays, codes[0].frames)))
+            if (all_started and not finish and len({c.frames for c in codes}) == 1
+                    and self._in_steady_state(len(streams), slots, codes[0].frames)):
+                arrays = [level[None] for level in codes[0]] if len(codes) == 1 else [np.stack(c) for c in zip(*codes)]
+                return dict(zip(streams, self._direct_step(slots, arrays, codes[0].frames)))  # checks the ids
+            self._check_ids([c for c in codes if not c.ids_checked])
             for s, codes in checked.items():
                 self._pending.put(s.slot, codes)
             return self._decode_pending(streams, finish)
@@ -502,47 +510,87 @@ class StreamEngine:
         streams at once: k >= 1 new frames for each of ``streams`` (distinct, open), codes per level
         an integer tensor [len(streams), k * vq_strides[0] / vq_strides[i]] (row j: streams[j]),
         any device. Returns each stream's new final audio (1-D, same order)."""
-        from snac_fast.codes import validate_codes
-
         streams = list(streams)
         if not streams:
             raise ValueError("step needs at least one stream")
-        checked = validate_codes(codes, self._step_config, check_ids=False)  # [B, L_i] following vq_strides
-        if checked[0].shape[0] != len(streams):
-            raise ValueError(f"codes hold {checked[0].shape[0]} rows for {len(streams)} streams")
-        arrays = [_int64_numpy(c) for c in checked]
+        self._check_step_shapes(codes, len(streams))
+        arrays = [c.numpy() if c.is_cpu else c.cpu().numpy() for c in codes]  # [B, L_i], any integer dtype
         frames = arrays[0].shape[1] // self._ratios[0]
-        self._check_ids([arrays])
         with self._lock:
-            self._check_streams(streams)
+            all_started = self._check_streams(streams)
             slots = _slots_of(streams)
             if len(set(slots.tolist())) != len(streams):
                 raise ValueError("step got the same stream twice")
-            if self._in_steady_state(streams, slots, frames):
-                return self._direct_step(streams, slots, arrays, frames)
+            if all_started and self._in_steady_state(len(streams), slots, frames):
+                return self._direct_step(slots, arrays, frames)
+            self._check_ids([arrays])
             self._pending.put_rows(slots, arrays, frames)
             audio = self._decode_pending(streams, [])
         return [audio[s] for s in streams]
 
-    def _in_steady_state(self, streams: list[StreamSlot], slots: np.ndarray, frames: int) -> bool:
-        """A server's steady state, under the lock: every stream started and holding nothing, and
-        ``frames`` one step's worth for one batch."""
-        return (len(streams) <= self.max_streams and self._step_frames(frames) == frames
-                and not (self._pending.tail[slots] != self._pending.head[slots]).any()
-                and all(s.started for s in streams))
+    def _check_step_shapes(self, codes: Sequence[Tensor], rows: int) -> None:
+        """:func:`validate_codes`' checks of ``step``'s codes (ids aside), run once per distinct
+        (type, dtype, shape) of the levels: a server sends the same shapes every step."""
+        signature = None
+        if type(codes) in (list, tuple):
+            try:
+                signature = tuple((type(c), c.dtype, c.shape) for c in codes)
+            except AttributeError:
+                pass
+        if signature is None or signature not in self._step_signatures:
+            from snac_fast.codes import validate_codes
 
-    def _direct_step(self, streams: list[StreamSlot], slots: np.ndarray, codes: list[np.ndarray],
-                     frames: int) -> list[Tensor]:
-        """In the steady state, the codes (per level [len(streams), L_i]) go straight into one
-        batched step, without the pending buffers; returns each stream's audio."""
-        with torch.inference_mode(), device_scope(self.device):
-            return list(self._run(STEP, streams, frames, slots, codes))
+            validate_codes(codes, self._step_config, check_ids=False)  # [B, L_i] following vq_strides
+            if signature is not None and len(self._step_signatures) < 64:
+                self._step_signatures.add(signature)
+        if codes[0].shape[0] != rows:
+            raise ValueError(f"codes hold {codes[0].shape[0]} rows for {rows} streams")
 
-    def _check_streams(self, streams: list[StreamSlot]) -> None:
+    def _in_steady_state(self, streams: int, slots: np.ndarray, frames: int) -> bool:
+        """A server's steady state, under the lock, for ``streams`` started streams (``slots``):
+        none holding pending frames, and ``frames`` one step's worth for one batch."""
+        return (streams <= self.max_streams and self._step_frames(frames) == frames
+                and (self._pending.frames_held == 0 or not (self._pending.tail[slots] != self._pending.head[slots]).any()))
+
+    def _direct_step(self, slots: np.ndarray, codes: list[np.ndarray], frames: int,
+                     ids_checked: bool = False) -> list[Tensor]:
+        """In the steady state, the codes (per level [len(slots), L_i], any integer dtype) go
+        straight into one batched step, without the pending buffers; returns each stream's audio.
+        With a captured graph the codes and keys are written into its pinned inputs and the ids
+        checked there (one reduction), before any state changes."""
+        n, bucket = len(slots), self._bucket(len(slots))
+        graph = self._graphs.get((STEP, bucket, frames)) if self.cuda_graphs else None
+        if graph is None:
+            if not ids_checked:
+                self._check_ids([codes])
+            codes = [c.astype(np.int64, copy=False) for c in codes]
+            with torch.inference_mode(), device_scope(self.device):
+                return list(self._run(STEP, slots, frames, codes))
+        keys, *levels = graph.inputs()
+        keys[0, :n] = slots
+        keys[1:, :n] = self._slot_keys[:, slots]
+        for level, c in zip(levels, codes):
+            level[:n] = c
+        if n < bucket:  # padding rows: the scratch slot, code 0
+            keys[0, n:], keys[1:, n:] = self.max_streams, 0
+            for level in levels:
+                level[n:] = 0
+        if not ids_checked and graph.codes.view(np.uint64).max() >= self.codebook_size:  # negatives wrap high
+            self._check_ids([codes])  # names the level and the id
+            raise ValueError(f"codes hold ids outside [0, {self.codebook_size})")
+        self._consumed[slots] += frames
+        with device_scope(self.device):
+            return list(graph.launch()[:n, 0].clone().unbind(0))  # the next replay overwrites the graph's output
+
+    def _check_streams(self, streams: list[StreamSlot]) -> bool:
+        """ValueError for a stream that is closed or not this engine's; returns whether all have started."""
+        started = True
         for s in streams:
             if not isinstance(s, StreamSlot) or s.engine is not self or s.closed:
                 raise ValueError("that stream is closed (finished or released) or belongs to another engine; "
                                  "open a new one")
+            started = started and s.started
+        return started
 
     def _decode_pending(self, pushed: list[StreamSlot], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
         """Decode what ``pushed`` streams hold (prefills, steps) and end ``finish``; under the lock."""
@@ -569,7 +617,7 @@ class StreamEngine:
 
     def _run_prefills(self, streams: list[StreamSlot], pieces) -> None:
         for chunk in self._chunks(streams):
-            audio = self._run(PREFILL, chunk, self.prefill_frames)
+            audio = self._run(PREFILL, _slots_of(chunk), self.prefill_frames)
             for s, a in zip(chunk, audio):
                 s.started = True
                 pieces[s].append(a)
@@ -593,7 +641,7 @@ class StreamEngine:
                 picked = np.flatnonzero(frames == k)
                 group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
                 for chunk in self._chunks(group):
-                    for s, a in zip(chunk, self._run(STEP, chunk, k)):
+                    for s, a in zip(chunk, self._run(STEP, _slots_of(chunk), k)):
                         pieces[s].append(a)
             # streams that pushed more than one step's frames go round again
             more = (frames > 0) & (self._pending.tail[slots] - self._pending.head[slots] >= self.frames_per_group)
@@ -602,7 +650,7 @@ class StreamEngine:
     def _run_finishes(self, streams: list[StreamSlot], pieces) -> None:
         started = [s for s in streams if s.started]
         for chunk in self._chunks(started):
-            for s, a in zip(chunk, self._run(FLUSH, chunk, 0)):
+            for s, a in zip(chunk, self._run(FLUSH, _slots_of(chunk), 0)):
                 pieces[s].append(a)
         for s in streams:
             if not s.started and s.pending_frames:  # shorter than a prefill: decode it whole
@@ -629,14 +677,12 @@ class StreamEngine:
         """Rows of the batch that runs n streams: the next power of two (at most max_streams) under CUDA graphs."""
         return min(1 << (n - 1).bit_length(), self.max_streams) if self.cuda_graphs else n
 
-    def _run(self, kind: str, streams: list[StreamSlot], frames: int, slots: np.ndarray | None = None,
-             codes: list[np.ndarray] | None = None) -> Sequence[Tensor]:
-        """Run one kind of step for ``streams`` (state ``slots``), each taking its next ``frames``
-        pending frames (none for a flush), or ``codes`` (per level [len(streams), L_i]) when given
-        instead; returns each stream's new audio (1-D views of one new buffer)."""
-        n = len(streams)
+    def _run(self, kind: str, slots: np.ndarray, frames: int, codes: list[np.ndarray] | None = None) -> Sequence[Tensor]:
+        """Run one kind of step for the streams of state ``slots``, each taking its next ``frames``
+        pending frames (none for a flush), or ``codes`` (per level int64 [len(slots), L_i]) when
+        given instead; returns each stream's new audio (1-D views of one new buffer)."""
+        n = len(slots)
         bucket = self._bucket(n)
-        slots = _slots_of(streams) if slots is None else slots
         keys = np.zeros((4, bucket), np.int64)  # state slot, frames consumed, seed, row; padding rows: the scratch slot
         keys[0, n:] = self.max_streams
         keys[0, :n] = slots
@@ -713,7 +759,8 @@ def _slots_of(streams: Sequence[StreamSlot]) -> np.ndarray:
 
 
 class _StepGraph:
-    """One captured step: static keys and codes in (one pinned host buffer, one copy), static audio out."""
+    """One captured step: static keys and codes in (one pinned host buffer, one copy), static audio
+    out. Call it with new inputs, or write them into :meth:`inputs` and :meth:`launch` it."""
 
     def __init__(self, engine: StreamEngine, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int) -> None:
         device = engine.device
@@ -726,8 +773,10 @@ class _StepGraph:
             self.host_views.append(self.host.numpy()[offset:offset + size].reshape(array.shape))
             self.static_views.append(self.static[offset:offset + size].view(array.shape))
             offset += size
+        self.codes = self.host.numpy()[keys.size:]  # every level's codes, flat
         self.copied = torch.cuda.Event()
         self._fill(keys, codes)
+        self.static.copy_(self.host)
         # warm up on a scratch copy of the state: compile kernels without touching any stream's context
         saved = [t.clone() for t in engine.state]
         stream = torch.cuda.Stream(device)
@@ -744,17 +793,27 @@ class _StepGraph:
         for t, s in zip(engine.state, saved):
             t.copy_(s)
 
-    def _fill(self, keys: np.ndarray, codes: list[np.ndarray]) -> None:
-        self.copied.synchronize()  # the previous call's copy has left the pinned buffer
-        for view, array in zip(self.host_views, [keys, *codes]):
-            view[...] = array
+    def inputs(self) -> list[np.ndarray]:
+        """The pinned host views to write a call's inputs into: keys int64 [4, B], then per level
+        the codes int64 [B, L_i]; free once the previous call's copy has left them."""
+        self.copied.synchronize()
+        return self.host_views
+
+    def launch(self) -> Tensor:
+        """Upload what :meth:`inputs` holds and replay (on the current stream, device current);
+        returns the static output (audio [B, 1, samples]) that the next replay overwrites."""
         self.static.copy_(self.host, non_blocking=True)
         self.copied.record()
+        self.graph.replay()
+        return self.output
+
+    def _fill(self, keys: np.ndarray, codes: list[np.ndarray]) -> None:
+        for view, array in zip(self.inputs(), [keys, *codes]):
+            view[...] = array
 
     def __call__(self, keys: np.ndarray, codes: list[np.ndarray]) -> Tensor:
         self._fill(keys, codes)
-        self.graph.replay()
-        return self.output
+        return self.launch()
 
 
 class DecoderStream:

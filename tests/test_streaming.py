@@ -424,3 +424,59 @@ def test_gpu_streams_equal_decode(cuda, name, dtype):
         assert len(engine._graphs) >= 3
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def steady_steps_with_bad_ids(engine, config, seed=20):
+    """Three started streams stepped one frame at a time, alternately through step (int32 codes)
+    and advance (per-stream pushes); before every good step, bad ids (too large, negative) in both
+    must raise naming their level and leave every stream as it was. Returns the codes and each
+    stream's audio (stream b: row b under ``seed``)."""
+    strides, size = config["vq_strides"], config["codebook_size"]
+    frames = engine.prefill_frames + 12
+    codes = random_codes(config, frames, batch=3, seed=5)
+    streams = [engine.open(seed=seed, row=b) for b in range(3)]
+    pieces = [list(engine.step(streams, frames_of_rows(codes, strides, 0, engine.prefill_frames)))]
+    for f in range(engine.prefill_frames, frames):
+        step = frames_of_rows(codes, strides, f, f + 1)
+        consumed = engine._consumed.copy()
+        for level, value in ((2, size), (0, -1)):
+            bad = [c.clone() for c in step]
+            bad[level][1, 0] = value
+            with pytest.raises(ValueError, match=f"level {level} holds id {value}"):
+                engine.step(streams, bad)
+            with pytest.raises(ValueError, match=f"level {level} holds id {value}"):
+                engine.advance({s: [c[b] for c in bad] for b, s in enumerate(streams)})
+        assert (engine._consumed == consumed).all() and engine._pending.frames_held == 0
+        if f % 2:
+            pieces.append(engine.step(streams, [c.to(torch.int32) for c in step]))
+        else:
+            out = engine.advance({s: [c[b:b + 1] for c in step] for b, s in enumerate(streams)})
+            pieces.append([out[s] for s in streams])
+    ends = engine.advance(finish=streams)
+    return codes, [torch.cat([p[b] for p in pieces] + [ends[s]]) for b, s in enumerate(streams)]
+
+
+def test_steady_steps_check_ids_before_any_state_changes():
+    config = published_config("snac_24khz")
+    codes, audio = steady_steps_with_bad_ids(engine64("snac_24khz", streams=8), config)
+    expected = decode_with_keyed_noise(upstream64("snac_24khz"), codes, 20)
+    for b, got in enumerate(audio):
+        assert (got - expected[b, 0]).abs().max().item() < 1e-12
+
+
+@pytest.mark.gpu
+def test_gpu_steady_steps_check_ids_before_any_state_changes(cuda):
+    """On CUDA the steady state writes codes and keys straight into a graph's pinned inputs and
+    checks the ids there; 3 streams run in the graph of 4 rows."""
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        engine = fast.stream_engine(8)
+        codes, audio = steady_steps_with_bad_ids(engine, fast.config)
+        assert ("step", 4, 1) in engine._graphs
+        expected = fast.decode(codes, seed=20)
+        for b, got in enumerate(audio):
+            assert snr_db(expected[b, 0], got) >= 100
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
