@@ -514,7 +514,7 @@ class StreamEngine:
         if not streams:
             raise ValueError("step needs at least one stream")
         self._check_step_shapes(codes, len(streams))
-        arrays = [c.numpy() if c.is_cpu else c.cpu().numpy() for c in codes]  # [B, L_i], any integer dtype
+        arrays = [_host_numpy(c) for c in codes]  # [B, L_i], any integer dtype
         frames = arrays[0].shape[1] // self._ratios[0]
         with self._lock:
             all_started = self._check_streams(streams)
@@ -567,13 +567,10 @@ class StreamEngine:
             with torch.inference_mode(), device_scope(self.device):
                 return list(self._run(STEP, slots, frames, codes))
         keys, *levels = graph.inputs()
-        keys[0, :n] = slots
-        keys[1:, :n] = self._slot_keys[:, slots]
+        self._write_keys(keys, slots)
         for level, c in zip(levels, codes):
             level[:n] = c
-        if n < bucket:  # padding rows: the scratch slot, code 0
-            keys[0, n:], keys[1:, n:] = self.max_streams, 0
-            for level in levels:
+            if n < bucket:  # padding rows: code 0
                 level[n:] = 0
         if not ids_checked and graph.codes.view(np.uint64).max() >= self.codebook_size:  # negatives wrap high
             self._check_ids([codes])  # names the level and the id
@@ -677,16 +674,23 @@ class StreamEngine:
         """Rows of the batch that runs n streams: the next power of two (at most max_streams) under CUDA graphs."""
         return min(1 << (n - 1).bit_length(), self.max_streams) if self.cuda_graphs else n
 
+    def _write_keys(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Fill a step's keys, int64 [4, bucket]: per row the state slot, frames consumed, seed and
+        noise row of ``slots``; the padding rows past len(slots) get the scratch slot and zeros."""
+        n = len(slots)
+        keys[0, :n] = slots
+        keys[1:, :n] = self._slot_keys[:, slots]
+        if n < keys.shape[1]:
+            keys[0, n:], keys[1:, n:] = self.max_streams, 0
+
     def _run(self, kind: str, slots: np.ndarray, frames: int, codes: list[np.ndarray] | None = None) -> Sequence[Tensor]:
         """Run one kind of step for the streams of state ``slots``, each taking its next ``frames``
         pending frames (none for a flush), or ``codes`` (per level int64 [len(slots), L_i]) when
         given instead; returns each stream's new audio (1-D views of one new buffer)."""
         n = len(slots)
         bucket = self._bucket(n)
-        keys = np.zeros((4, bucket), np.int64)  # state slot, frames consumed, seed, row; padding rows: the scratch slot
-        keys[0, n:] = self.max_streams
-        keys[0, :n] = slots
-        keys[1:, :n] = self._slot_keys[:, slots]
+        keys = np.empty((4, bucket), np.int64)
+        self._write_keys(keys, slots)
         if kind != FLUSH:
             taken = self._pending.take(slots, frames) if codes is None else codes
             codes = taken if n == bucket else [np.pad(level, ((0, bucket - n), (0, 0))) for level in taken]
@@ -747,9 +751,14 @@ class StreamEngine:
         return new
 
 
+def _host_numpy(codes: Tensor) -> np.ndarray:
+    """A tensor's values as a numpy array of its dtype (a view on the CPU)."""
+    return codes.numpy() if codes.is_cpu else codes.cpu().numpy()
+
+
 def _int64_numpy(codes: Tensor) -> np.ndarray:
     """An integer tensor's values as an int64 numpy array (a view where it already is one on the CPU)."""
-    a = codes.numpy() if codes.is_cpu else codes.cpu().numpy()
+    a = _host_numpy(codes)
     return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
