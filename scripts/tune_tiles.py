@@ -6,16 +6,19 @@ were set from).
     python scripts/tune_tiles.py --model snac_32khz --batch 1 32 --frames 4 --only pw dw
     python scripts/tune_tiles.py --batch 1 --frames 704 --only pw-order   # 60 s at 24 kHz
     python scripts/tune_tiles.py --only pw-calls --json pw_calls.json     # every model and workload
+    python scripts/tune_tiles.py --only dw-calls --models snac_24khz --json dw_calls.json
 
 ``pw-calls`` records the 1x1-conv GEMM calls (shapes, layouts, epilogues) of real decodes, stream
 steps and encodes of all three models, then times each distinct call at every candidate tile: the
-data the one launch rule in ``ops/pointwise.py`` is checked against.
+data the one launch rule in ``ops/pointwise.py`` is checked against; ``dw-calls`` does the same for
+the depthwise kernel (``ops/depthwise.py``).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import inspect
 import itertools
 import json
 import sys
@@ -91,44 +94,51 @@ PW_CANDIDATES = [(bm, bn, bk, 2 if bm * bn <= 512 else 4, 3) for bm in (16, 32, 
                  for bk in (32, 64, 128) if bm * bn <= 8192]
 
 
-def harvest_pw_calls(workloads) -> tuple[dict, dict]:
-    """Run each (label, fn) workload eagerly once with the GEMM launcher patched to record its calls.
-    Returns {call key: recorded arguments} and {label: Counter of call keys}."""
-    calls, counts, original = {}, {}, pw_ops._pointwise_conv_triton
-
-    def describe(t):
-        return None if t is None else (tuple(t.shape), tuple(t.stride()))
-
+def harvest_calls(workloads, module, launcher: str, key_of) -> tuple[dict, dict]:
+    """Run each (label, fn) workload eagerly once with ``module.<launcher>`` patched to record its
+    calls. Returns {key_of(arguments): the first such call's arguments, tensors cloned} and {label:
+    Counter of call keys}."""
+    calls, counts, original = {}, {}, getattr(module, launcher)
+    signature = inspect.signature(original)
     for label, fn in workloads:
         seen = counts[label] = collections.Counter()
 
-        def record(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha=None, pair_out=None,
-                   out_channels_last=False, config=None, rows_fastest=None):
-            key = (describe(h), tuple(weight.shape), bias is not None, describe(residual), scale is not None,
-                   input_bias is not None, alpha_out is not None, pair_out is not None, out_channels_last,
-                   str(h.dtype))
+        def record(*args, **kwargs):
+            arguments = signature.bind(*args, **kwargs)
+            arguments.apply_defaults()
+            key = key_of(arguments.arguments)
             seen[key] += 1
             if key not in calls:
-                keep = lambda t: None if t is None else t.clone()  # noqa: E731
-                calls[key] = dict(h=keep(h), weight=keep(weight), bias=keep(bias), residual=keep(residual),
-                                  scale=keep(scale), input_bias=keep(input_bias), alpha_out=keep(alpha_out),
-                                  out=torch.empty_like(out), pair_alpha=keep(pair_alpha),
-                                  pair_out=None if pair_out is None else torch.empty_like(pair_out),
-                                  out_channels_last=out_channels_last)
-            original(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out,
-                     out_channels_last, config, rows_fastest)
+                calls[key] = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in arguments.arguments.items()}
+            return original(*args, **kwargs)
 
-        pw_ops._pointwise_conv_triton = record
+        setattr(module, launcher, record)
         try:
             fn()
         finally:
-            pw_ops._pointwise_conv_triton = original
+            setattr(module, launcher, original)
     return calls, counts
 
 
-def pw_workloads(models) -> list:
+def _layout(t):
+    return None if t is None else (tuple(t.shape), tuple(t.stride()))
+
+
+def pw_call_key(a) -> tuple:
+    return (_layout(a["h"]), tuple(a["weight"].shape), a["bias"] is not None, _layout(a["residual"]),
+            a["scale"] is not None, a["input_bias"] is not None, a["alpha_out"] is not None,
+            a["pair_out"] is not None, a["out_channels_last"], str(a["h"].dtype))
+
+
+def dw_call_key(a) -> tuple:
+    return (tuple(a["x"].shape), tuple(a["weight"].shape), a["dilation"], a["bias"] is not None,
+            a["alpha"] is not None, str(a["x"].dtype))
+
+
+def workloads(models, labels=None) -> list:
     """(label, fn): decodes (4-frame chunk at B=1 and B=32, 5 s, 60 s), one-frame stream steps at 1
-    and 64 streams, and encodes (10 s at B=1 and B=32) of each model, eager (no CUDA graphs)."""
+    and 64 streams, and encodes (10 s at B=1 and B=32) of each model, eager (no CUDA graphs); with
+    ``labels``, those whose label holds one of them."""
     from snac_fast import FastSNAC
 
     out = []
@@ -156,21 +166,18 @@ def pw_workloads(models) -> list:
             step = codes(S, group)
             out.append((f"{name} stream step {S} streams",
                         lambda e=engine, sl=slots, c=step: e.step(sl, [x.cpu() for x in c])))
-    return out
+    return [(label, fn) for label, fn in out if not labels or any(part in label for part in labels)]
 
 
-def pw_calls(models, json_path: str | None) -> None:
+def pw_calls(models, json_path: str | None, labels=None) -> None:
     """Time every distinct recorded GEMM call at its default tile and at each candidate."""
     from snac_fast.compiling import compiling_concurrently
 
-    calls, counts = harvest_pw_calls(pw_workloads(models))
+    calls, counts = harvest_calls(workloads(models, labels), pw_ops, "_pointwise_conv_triton", pw_call_key)
     print(f"{len(calls)} distinct 1x1-conv calls over {len(counts)} workloads", flush=True)
 
     def launch(args, cfg):
-        return lambda h: pw_ops._pointwise_conv_triton(h, args["weight"], args["bias"], args["residual"], args["scale"],
-                                                       args["input_bias"], args["alpha_out"], args["out"],
-                                                       args["pair_alpha"], args["pair_out"],
-                                                       args["out_channels_last"], config=cfg)
+        return lambda h: pw_ops._pointwise_conv_triton(**{**args, "h": h, "config": cfg, "rows_fastest": None})
 
     def fits(args, cfg):  # no tile dimension past the problem's (rounded up to 16)
         (_, C_in, T), C_out = args["h"].shape, args["weight"].shape[0]
@@ -207,6 +214,48 @@ def pw_calls(models, json_path: str | None) -> None:
 
         Path(json_path).write_text(json.dumps({"environment": environment(), "candidates": PW_CANDIDATES,
                                                "rows": rows}))
+
+
+def dw_calls(models, json_path: str | None, labels=None) -> None:
+    """Time every distinct recorded depthwise call at its default tile and at each candidate."""
+    from snac_fast.compiling import compiling_concurrently
+
+    calls, counts = harvest_calls(workloads(models, labels), dw_ops, "_depthwise_conv_snake_triton", dw_call_key)
+    print(f"{len(calls)} distinct depthwise calls over {len(counts)} workloads", flush=True)
+
+    def launch(args, cfg):
+        return lambda x: dw_ops._depthwise_conv_snake_triton(**{**args, "x": x, "config": cfg})
+
+    def candidates(args):
+        B, C, T = args["x"].shape
+        return dw_configs(T, pow2(B * C))
+
+    with compiling_concurrently():
+        for args in calls.values():
+            for cfg in [None] + candidates(args):
+                launch(args, cfg)(args["x"])
+    rows = []
+    for key, args in calls.items():
+        B, C, T = args["x"].shape
+        K = args["weight"].shape[-1]
+        default = dw_ops._dw_config(B * C, T, (K - 1) // 2 * args["dilation"], args["x"].device)
+        times = {"default": timed(launch(args, None), args["x"]) * 1e3}
+        for cfg in candidates(args):
+            times[str(cfg)] = timed(launch(args, cfg), args["x"]) * 1e3
+        best = min((t, c) for c, t in times.items())
+        rows.append({"B": B, "C": C, "T": T, "dilation": args["dilation"], "key": repr(key), "default": list(default),
+                     "us": {c: round(t, 2) for c, t in times.items()},
+                     "calls": {label: c[key] for label, c in counts.items() if key in c}})
+        print(f"  dw B={B} C={C} T={T} dilation={args['dilation']}: default {default} {times['default']:.1f}us"
+              f" | best {best[1]} {best[0]:.1f}us", flush=True)
+    for label in counts:
+        total = lambda pick: sum(r["calls"][label] * pick(r) for r in rows if label in r["calls"])  # noqa: E731
+        print(f"  {label}: depthwise at the default {total(lambda r: r['us']['default']):.1f}us, at each call's best "
+              f"{total(lambda r: min(r['us'].values())):.1f}us", flush=True)
+    if json_path:
+        from bench_common import environment
+
+        Path(json_path).write_text(json.dumps({"environment": environment(), "rows": rows}))
 
 
 def pw_order(shapes, batches):
@@ -328,8 +377,9 @@ def main() -> None:
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--frames", type=int, default=4)
     ap.add_argument("--only", nargs="+", default=["pw", "convt", "dw", "tanh"])
-    ap.add_argument("--models", nargs="+", default=["snac_24khz", "snac_32khz", "snac_44khz"], help="for pw-calls")
-    ap.add_argument("--json", help="pw-calls: write every timing here")
+    ap.add_argument("--models", nargs="+", default=["snac_24khz", "snac_32khz", "snac_44khz"], help="for pw-calls and dw-calls")
+    ap.add_argument("--json", help="pw-calls, dw-calls: write every timing here")
+    ap.add_argument("--labels", nargs="+", help="pw-calls, dw-calls: only the workloads whose label holds one of these")
     args = ap.parse_args()
     shapes = decoder_shapes(args.model, args.frames)
     t0 = time.time()
@@ -339,7 +389,9 @@ def main() -> None:
         elif part == "pw":
             sweep_pw(shapes["pw"], args.batch)
         elif part == "pw-calls":
-            pw_calls(args.models, args.json)
+            pw_calls(args.models, args.json, args.labels)
+        elif part == "dw-calls":
+            dw_calls(args.models, args.json, args.labels)
         elif part == "pw-order":
             pw_order(shapes["units"], args.batch)
         elif part == "dw":
@@ -348,7 +400,7 @@ def main() -> None:
             convt_paths(shapes["convt"], args.batch)
         elif part == "tanh":
             sweep_tanh(shapes["tanh"], args.batch)
-        print(f"[{' '.join(args.models) if part == 'pw-calls' else args.model} {part} done at {time.time() - t0:.0f}s]",
+        print(f"[{' '.join(args.models) if part.endswith('-calls') else args.model} {part} done at {time.time() - t0:.0f}s]",
               flush=True)
 
 

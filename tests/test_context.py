@@ -7,8 +7,11 @@ from snac_fast.ops.context import context_step, context_step_reference
 
 
 @pytest.mark.parametrize("C,H,N,channels_last", [(5, 3, 4, False), (33, 22, 2, True), (7, 6, 300, False),
-                                                 (40, 130, 1, True), (3, 12, 12, False)])
+                                                 (40, 130, 1, True), (3, 12, 12, False),
+                                                 (4, 300, 5, False), (6, 20, 600, True)])
 def test_context_step_matches_reference(C, H, N, channels_last):
+    """Contexts within the first tile (its program alone rewrites them while the other tiles run in
+    parallel) and longer ones (one program walks every tile), N below, at and above H."""
     gen = torch.Generator().manual_seed(C * H + N)
     state = torch.randn(6, C, H, generator=gen)
     slots = torch.tensor([4, 0, 2], dtype=torch.int64)

@@ -103,7 +103,8 @@ def test_depthwise_interior_and_edge_tiles(dilation, ragged, poisoned_empty):
 
 
 @pytest.mark.parametrize("dilation", [1, 3, 9])
-@pytest.mark.parametrize("config", [(1, 64, 1, 0), (2, 32, 1, 1), (1, 64, 1, 2), (4, 16, 1, 1), (1, 8, 1, 1), (2, 16, 2, 2)],
+@pytest.mark.parametrize("config", [(1, 64, 1, 0), (2, 32, 1, 1), (1, 64, 1, 2), (4, 16, 1, 1), (1, 8, 1, 1), (2, 16, 2, 2),
+                                    (4, 32, 1, 2)],
                          ids=lambda c: "rows{}_t{}_w{}_run{}".format(*c))
 def test_depthwise_launch_configs(dilation, config, poisoned_empty):
     """The GPU's tile shapes, scaled down: runs of 8 and 16 outputs per thread (RUN 1, 2) and per-tap

@@ -21,29 +21,34 @@ if HAS_TRITON:
     @triton.jit
     def _context_step_kernel(state_ptr, slots_ptr, new_ptr, out_ptr, C, H, N, T,
                              s_slot, s_c, n_b, n_c, n_t, o_b, o_c, o_t,
-                             BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr, STATE_TILES: tl.constexpr):
-        b = tl.program_id(1)
+                             BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, TILES: tl.constexpr,
+                             STATE_TILES: tl.constexpr, SPLIT: tl.constexpr):
+        """SPLIT (H <= BLOCK_T): one program per buffer tile; only tile 0 reads the context, so it
+        alone rewrites it. Otherwise one program walks every tile of its rows, then the context."""
+        b = tl.program_id(2)
         c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)[:, None]
         slot = tl.load(slots_ptr + b).to(tl.int64)
         row = state_ptr + slot * s_slot + c.to(tl.int64) * s_c  # the context row is contiguous in time
         new = new_ptr + b.to(tl.int64) * n_b + c.to(tl.int64) * n_c
         out = out_ptr + b.to(tl.int64) * o_b + c.to(tl.int64) * o_c
         in_c = c < C
-        for tile in range(TILES):  # the buffer: [context | new] (trip counts fixed: few compiled variants)
-            t = tile * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+        first = tl.program_id(1) if SPLIT else 0
+        for i in range(TILES):  # the buffer: [context | new] (trip counts fixed: few compiled variants)
+            t = (first + i) * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
             from_state = t < H
             x = tl.load(row + t, mask=in_c & from_state, other=0.0)
             x += tl.load(new + (t - H) * n_t, mask=in_c & ~from_state & (t < T), other=0.0)
             tl.store(out + t * o_t, x, mask=in_c & (t < T))
-        tl.debug_barrier()  # every read of the old context is done before the row is overwritten
-        for tile in range(STATE_TILES):  # the new context: the buffer's last H samples
-            t = tile * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
-            src = t + N  # later tiles read only past what earlier tiles wrote
-            from_state = src < H
-            x = tl.load(row + src, mask=in_c & from_state & (t < H), other=0.0)
-            x += tl.load(new + (src - H) * n_t, mask=in_c & ~from_state & (t < H), other=0.0)
-            tl.debug_barrier()  # this tile's reads are done before its writes (they overlap when N < BLOCK_T)
-            tl.store(row + t, x, mask=in_c & (t < H))
+        if first == 0:
+            tl.debug_barrier()  # every read of the old context is done before the row is overwritten
+            for tile in range(STATE_TILES):  # the new context: the buffer's last H samples
+                t = tile * BLOCK_T + tl.arange(0, BLOCK_T)[None, :]
+                src = t + N  # later tiles read only past what earlier tiles wrote
+                from_state = src < H
+                x = tl.load(row + src, mask=in_c & from_state & (t < H), other=0.0)
+                x += tl.load(new + (src - H) * n_t, mask=in_c & ~from_state & (t < H), other=0.0)
+                tl.debug_barrier()  # this tile's reads are done before its writes (they overlap when N < BLOCK_T)
+                tl.store(row + t, x, mask=in_c & (t < H))
 
 
 def context_step_reference(state: Tensor, slots: Tensor, new: Tensor, out: Tensor) -> Tensor:
@@ -76,9 +81,11 @@ def context_step(state: Tensor, slots: Tensor, new: Tensor, channels_last: bool 
     else:
         BLOCK_T = 64 if channels_last else 128
         BLOCK_C = 32 if channels_last else 16
-    grid = (triton.cdiv(C, BLOCK_C), B)
+    tiles = triton.cdiv(H + N, BLOCK_T)
+    split = H <= BLOCK_T  # the old context lies in the first tile: the other tiles can run in parallel
+    grid = (triton.cdiv(C, BLOCK_C), tiles if split else 1, B)
     _context_step_kernel[grid](state, slots, new, out, C, H, N, H + N, state.stride(0), state.stride(1),
                                new.stride(0), new.stride(1), new.stride(2), out.stride(0), out.stride(1), out.stride(2),
-                               BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T, TILES=triton.cdiv(H + N, BLOCK_T),
-                               STATE_TILES=triton.cdiv(H, BLOCK_T))
+                               BLOCK_C=BLOCK_C, BLOCK_T=BLOCK_T, TILES=1 if split else tiles,
+                               STATE_TILES=triton.cdiv(H, BLOCK_T), SPLIT=split)
     return out

@@ -176,8 +176,10 @@ def _dw_config(n_rows: int, T: int, halo: int, device: torch.device) -> tuple[in
     T % 8 == 0 (every decoder layer after the first) takes runs of aligned chunks: on a small grid,
     tiles of up to 2048 outputs, 8 per thread, at least a wave of programs; rows up to 4096 steps
     as one tile each, 16 outputs per thread, in runs of 16 where the halo spans more than two
-    chunks (dilation 9); longer rows in 2048-step tiles of 32 outputs per thread. Other T: per-tap loads (RUN = 0), 512-element tiles of one warp, or of
-    four while the grid is small."""
+    chunks (dilation 9), unless a row past 512 steps would fill under 60% of its tile: then 4 rows
+    of 256-step tiles, 32 outputs per thread (an H100 sweep at stream-step shapes); longer rows in
+    2048-step tiles of 32 outputs per thread. Other T: per-tap loads (RUN = 0), 512-element tiles
+    of one warp, or of four while the grid is small."""
     if TRITON_INTERPRET:  # few, big programs of per-tap loads: the interpreter pays per program and per
         # op (the runs' register shuffles cost it 15-40% more); tests cover the runs with explicit configs
         block_t = min(triton.next_power_of_2(T), 1 << 16)
@@ -192,6 +194,11 @@ def _dw_config(n_rows: int, T: int, halo: int, device: torch.device) -> tuple[in
     if n_rows * T < 8 * waves * 1024:
         elements = max(256, min(2048, 1 << (max(1, n_rows * T // waves).bit_length() - 1)))
         per_thread, run = 8, 1
+    elif 512 < T <= 4096 and 5 * T < 3 * triton.next_power_of_2(T):
+        # a row as one tile would leave over 40% of its lanes idle (stream steps: 1120 and 2144 steps):
+        # 4 rows of 256-step tiles, 32 outputs per thread on one warp (H100, 64-stream step, 128 and
+        # 64 channels: 25-28 -> 17-23 us; scripts/tune_tiles.py --only dw-calls)
+        return 4, 256, 1, 2 if halo > 16 else 1
     elif T <= 4096:
         elements, per_thread, run = max(512, triton.next_power_of_2(T)), 16, 2 if halo > 16 and T > 8 else 1
     else:
