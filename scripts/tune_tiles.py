@@ -169,57 +169,67 @@ def workloads(models, labels=None) -> list:
     return [(label, fn) for label, fn in out if not labels or any(part in label for part in labels)]
 
 
-def pw_calls(models, json_path: str | None, labels=None) -> None:
-    """Time every distinct recorded GEMM call at its default tile and at each candidate."""
+def sweep_calls(name: str, calls: dict, counts: dict, launch, candidates_of, default_of, describe,
+                json_path: str | None, **json_extra) -> None:
+    """Time each recorded call at its default tile and at each of ``candidates_of(args)``; print each
+    call's best and each workload's total, and write every timing to ``json_path``.
+    ``launch(args, cfg)``: the call as a function of its first argument (the timed input)."""
     from snac_fast.compiling import compiling_concurrently
 
+    first = lambda args: next(iter(args.values()))  # noqa: E731
+    with compiling_concurrently():  # every (call, tile) variant at once, on a process pool
+        for args in calls.values():
+            for cfg in [None] + candidates_of(args):
+                launch(args, cfg)(first(args))
+    rows = []
+    for key, args in calls.items():
+        times = {"default": timed(launch(args, None), first(args)) * 1e3}
+        for cfg in candidates_of(args):
+            try:
+                times[str(cfg)] = timed(launch(args, cfg), first(args)) * 1e3
+            except triton.runtime.errors.OutOfResources:  # too much shared memory for this tile
+                pass
+        best, default, shape = min((t, c) for c, t in times.items()), default_of(args), describe(args)
+        rows.append({**shape, "key": repr(key), "default": list(default), "us": {c: round(t, 2) for c, t in times.items()},
+                     "calls": {label: c[key] for label, c in counts.items() if key in c}})
+        print(f"  {' '.join(f'{k}={v}' for k, v in shape.items())}: default {default} {times['default']:.1f}us"
+              f" | best {best[1]} {best[0]:.1f}us", flush=True)
+    for label in counts:
+        total = lambda pick: sum(r["calls"][label] * pick(r) for r in rows if label in r["calls"])  # noqa: E731
+        print(f"  {label}: {name} at the default {total(lambda r: r['us']['default']):.1f}us, at each call's best "
+              f"{total(lambda r: min(r['us'].values())):.1f}us", flush=True)
+    if json_path:
+        from bench_common import environment
+
+        Path(json_path).write_text(json.dumps({"environment": environment(), **json_extra, "rows": rows}))
+
+
+def pw_calls(models, json_path: str | None, labels=None) -> None:
+    """Every distinct recorded 1x1-conv GEMM call at its default tile and at each candidate that fits."""
     calls, counts = harvest_calls(workloads(models, labels), pw_ops, "_pointwise_conv_triton", pw_call_key)
     print(f"{len(calls)} distinct 1x1-conv calls over {len(counts)} workloads", flush=True)
 
     def launch(args, cfg):
         return lambda h: pw_ops._pointwise_conv_triton(**{**args, "h": h, "config": cfg, "rows_fastest": None})
 
-    def fits(args, cfg):  # no tile dimension past the problem's (rounded up to 16)
+    def candidates(args):  # no tile dimension past the problem's (rounded up to 16)
         (_, C_in, T), C_out = args["h"].shape, args["weight"].shape[0]
-        return cfg[0] <= max(16, pow2(C_out)) and cfg[1] <= max(16, pow2(T)) and cfg[2] <= max(16, pow2(C_in))
+        return [cfg for cfg in PW_CANDIDATES
+                if cfg[0] <= max(16, pow2(C_out)) and cfg[1] <= max(16, pow2(T)) and cfg[2] <= max(16, pow2(C_in))]
 
-    with compiling_concurrently():  # every (call, tile) variant at once, on a process pool
-        for args in calls.values():
-            for cfg in [None] + PW_CANDIDATES:
-                if cfg is None or fits(args, cfg):
-                    launch(args, cfg)(args["h"])
-    rows = []
-    for key, args in calls.items():
+    def default_of(args):
         B, C_in, T = args["h"].shape
-        default = pw_ops._pw_config(B, args["weight"].shape[0], C_in, T, args["h"].device, args["input_bias"] is not None)
-        times = {"default": timed(launch(args, None), args["h"]) * 1e3}
-        for cfg in PW_CANDIDATES:
-            if fits(args, cfg):
-                try:
-                    times[str(cfg)] = timed(launch(args, cfg), args["h"]) * 1e3
-                except triton.runtime.errors.OutOfResources:
-                    pass
-        best = min((t, c) for c, t in times.items())
-        rows.append({"B": B, "C_out": args["weight"].shape[0], "C_in": C_in, "T": T, "key": repr(key),
-                     "default": list(default), "us": {c: round(t, 2) for c, t in times.items()},
-                     "calls": {label: c[key] for label, c in counts.items() if key in c}})
-        print(f"  pw B={B} C_out={args['weight'].shape[0]} C_in={C_in} T={T}: default {default} {times['default']:.1f}us"
-              f" | best {best[1]} {best[0]:.1f}us", flush=True)
-    for label in counts:
-        total = lambda pick: sum(r["calls"][label] * pick(r) for r in rows if label in r["calls"])  # noqa: E731
-        print(f"  {label}: GEMMs at the default {total(lambda r: r['us']['default']):.1f}us, at each call's best "
-              f"{total(lambda r: min(r['us'].values())):.1f}us", flush=True)
-    if json_path:
-        from bench_common import environment
+        return pw_ops._pw_config(B, args["weight"].shape[0], C_in, T, args["h"].device, args["input_bias"] is not None)
 
-        Path(json_path).write_text(json.dumps({"environment": environment(), "candidates": PW_CANDIDATES,
-                                               "rows": rows}))
+    def describe(args):
+        B, C_in, T = args["h"].shape
+        return {"B": B, "C_out": args["weight"].shape[0], "C_in": C_in, "T": T}
+
+    sweep_calls("GEMMs", calls, counts, launch, candidates, default_of, describe, json_path, candidates=PW_CANDIDATES)
 
 
 def dw_calls(models, json_path: str | None, labels=None) -> None:
-    """Time every distinct recorded depthwise call at its default tile and at each candidate."""
-    from snac_fast.compiling import compiling_concurrently
-
+    """Every distinct recorded depthwise call at its default tile and at each candidate."""
     calls, counts = harvest_calls(workloads(models, labels), dw_ops, "_depthwise_conv_snake_triton", dw_call_key)
     print(f"{len(calls)} distinct depthwise calls over {len(counts)} workloads", flush=True)
 
@@ -230,32 +240,15 @@ def dw_calls(models, json_path: str | None, labels=None) -> None:
         B, C, T = args["x"].shape
         return dw_configs(T, pow2(B * C))
 
-    with compiling_concurrently():
-        for args in calls.values():
-            for cfg in [None] + candidates(args):
-                launch(args, cfg)(args["x"])
-    rows = []
-    for key, args in calls.items():
+    def default_of(args):
         B, C, T = args["x"].shape
-        K = args["weight"].shape[-1]
-        default = dw_ops._dw_config(B * C, T, (K - 1) // 2 * args["dilation"], args["x"].device)
-        times = {"default": timed(launch(args, None), args["x"]) * 1e3}
-        for cfg in candidates(args):
-            times[str(cfg)] = timed(launch(args, cfg), args["x"]) * 1e3
-        best = min((t, c) for c, t in times.items())
-        rows.append({"B": B, "C": C, "T": T, "dilation": args["dilation"], "key": repr(key), "default": list(default),
-                     "us": {c: round(t, 2) for c, t in times.items()},
-                     "calls": {label: c[key] for label, c in counts.items() if key in c}})
-        print(f"  dw B={B} C={C} T={T} dilation={args['dilation']}: default {default} {times['default']:.1f}us"
-              f" | best {best[1]} {best[0]:.1f}us", flush=True)
-    for label in counts:
-        total = lambda pick: sum(r["calls"][label] * pick(r) for r in rows if label in r["calls"])  # noqa: E731
-        print(f"  {label}: depthwise at the default {total(lambda r: r['us']['default']):.1f}us, at each call's best "
-              f"{total(lambda r: min(r['us'].values())):.1f}us", flush=True)
-    if json_path:
-        from bench_common import environment
+        return dw_ops._dw_config(B * C, T, (args["weight"].shape[-1] - 1) // 2 * args["dilation"], args["x"].device)
 
-        Path(json_path).write_text(json.dumps({"environment": environment(), "rows": rows}))
+    def describe(args):
+        B, C, T = args["x"].shape
+        return {"B": B, "C": C, "T": T, "dilation": args["dilation"]}
+
+    sweep_calls("depthwise", calls, counts, launch, candidates, default_of, describe, json_path)
 
 
 def pw_order(shapes, batches):
