@@ -197,7 +197,7 @@ def _dw_config(n_rows: int, T: int, halo: int, device: torch.device) -> tuple[in
     elif 512 < T <= 4096 and 5 * T < 3 * triton.next_power_of_2(T):
         # a row as one tile would leave over 40% of its lanes idle (stream steps: 1120 and 2144 steps):
         # 4 rows of 256-step tiles, 32 outputs per thread on one warp (H100, 64-stream step, 128 and
-        # 64 channels: 25-28 -> 17-23 us; scripts/tune_tiles.py --only dw-calls)
+        # 64 channels: 25-28 -> 19-24 us per call; scripts/tune_tiles.py --only dw-calls)
         return 4, 256, 1, 2 if halo > 16 else 1
     elif T <= 4096:
         elements, per_thread, run = max(512, triton.next_power_of_2(T)), 16, 2 if halo > 16 and T > 8 else 1
