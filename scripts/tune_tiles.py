@@ -141,6 +141,7 @@ def workloads(models, labels=None) -> list:
     ``labels``, those whose label holds one of them."""
     from snac_fast import FastSNAC
 
+    wanted = lambda label: not labels or any(part in label for part in labels)  # noqa: E731
     out = []
     for name in models:
         codec = FastSNAC.from_pretrained(f"synthetic:{name}", cuda_graphs=False)
@@ -154,19 +155,21 @@ def workloads(models, labels=None) -> list:
                     for k in cfg["vq_strides"]]
 
         for label, B, n in (("chunk B=1", 1, 4), ("chunk B=32", 32, 4), ("5 s B=1", 1, frames(5)), ("60 s B=1", 1, frames(60))):
-            out.append((f"{name} decode {label}", lambda codec=codec, c=codes(B, n): codec.decode(c, seed=0)))
+            if wanted(label := f"{name} decode {label}"):
+                out.append((label, lambda codec=codec, c=codes(B, n): codec.decode(c, seed=0)))
         for B in (1, 32):
-            audio = torch.randn(B, 1, 10 * cfg["sampling_rate"], device=DEV, dtype=DT) * 0.1
-            out.append((f"{name} encode 10 s B={B}", lambda codec=codec, a=audio: codec.encode(a, cuda_graphs=False)))
+            if wanted(label := f"{name} encode 10 s B={B}"):
+                audio = torch.randn(B, 1, 10 * cfg["sampling_rate"], device=DEV, dtype=DT) * 0.1
+                out.append((label, lambda codec=codec, a=audio: codec.encode(a, cuda_graphs=False)))
         for S in (1, 64):
-            engine = codec.stream_engine(S, cuda_graphs=False)
-            slots = [engine.open(seed=i) for i in range(S)]
-            pre = codes(S, engine.prefill_frames)
-            engine.advance({s: [c[i] for c in pre] for i, s in enumerate(slots)})
-            step = codes(S, group)
-            out.append((f"{name} stream step {S} streams",
-                        lambda e=engine, sl=slots, c=step: e.step(sl, [x.cpu() for x in c])))
-    return [(label, fn) for label, fn in out if not labels or any(part in label for part in labels)]
+            if wanted(label := f"{name} stream step {S} streams"):  # engines prefilled only where wanted
+                engine = codec.stream_engine(S, cuda_graphs=False)
+                slots = [engine.open(seed=i) for i in range(S)]
+                pre = codes(S, engine.prefill_frames)
+                engine.advance({s: [c[i] for c in pre] for i, s in enumerate(slots)})
+                step = codes(S, group)
+                out.append((label, lambda e=engine, sl=slots, c=step: e.step(sl, [x.cpu() for x in c])))
+    return out
 
 
 def sweep_calls(name: str, calls: dict, counts: dict, launch, candidates_of, default_of, describe,

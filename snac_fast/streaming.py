@@ -499,7 +499,8 @@ class StreamEngine:
             if (all_started and not finish and len({c.frames for c in codes}) == 1
                     and self._in_steady_state(len(streams), slots, codes[0].frames)):
                 arrays = [level[None] for level in codes[0]] if len(codes) == 1 else [np.stack(c) for c in zip(*codes)]
-                return dict(zip(streams, self._direct_step(slots, arrays, codes[0].frames)))  # checks the ids
+                ids_checked = all(c.ids_checked for c in codes)  # check_codes' output: checked once already
+                return dict(zip(streams, self._direct_step(slots, arrays, codes[0].frames, ids_checked)))
             self._check_ids([c for c in codes if not c.ids_checked])
             for s, codes in checked.items():
                 self._pending.put(s.slot, codes)
