@@ -480,3 +480,31 @@ def test_gpu_steady_steps_check_ids_before_any_state_changes(cuda):
             assert snr_db(expected[b, 0], got) >= 100
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@pytest.mark.gpu
+def test_gpu_back_to_back_steps_wait_for_their_uploads(cuda):
+    """Steps queued behind a busy GPU: a call rewrites the step graph's pinned inputs only once the
+    replay before it has uploaded them (the event that graph records), so each step decodes its own
+    codes even when the host runs far ahead."""
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        engine, strides = fast.stream_engine(4), fast.config["vq_strides"]
+        frames = engine.prefill_frames + 24
+        codes = random_codes(fast.config, frames, batch=2, seed=9)
+        streams = [engine.open(seed=3, row=b) for b in range(2)]
+        start = engine.prefill_frames + 1
+        pieces = [engine.step(streams, frames_of_rows(codes, strides, 0, engine.prefill_frames)),
+                  engine.step(streams, frames_of_rows(codes, strides, engine.prefill_frames, start))]  # captures
+        torch.cuda.synchronize(cuda)
+        torch.cuda._sleep(100_000_000)  # the GPU spins ~50 ms ahead of every replay below
+        for f in range(start, frames):
+            pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + 1)))
+        ends = engine.advance(finish=streams)
+        expected = fast.decode(codes, seed=3)
+        for b, s in enumerate(streams):
+            assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

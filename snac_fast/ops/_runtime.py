@@ -162,8 +162,12 @@ def through_op(*tensors: torch.Tensor | None) -> bool:
 
 def device_scope(device: torch.device):
     """Make ``device`` current for a call (side streams, graphs, kernels), whichever CUDA device the
-    caller has current; a no-op off CUDA."""
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+    caller has current; a no-op off CUDA, for "cuda" without an index (the current device), and
+    where it is current already (entering and leaving torch.cuda.device costs a stream step several
+    microseconds of host time)."""
+    if device.type != "cuda" or device.index is None or torch.cuda.current_device() == device.index:
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 def cuda_index(device: torch.device) -> int:

@@ -187,8 +187,11 @@ def conv_transpose_reference(x: Tensor, weight: Tensor, bias: Tensor | None, str
 
 # (accumulator rows = BLOCK_M * phases, BLOCK_J) in order of preference: 128-row tiles as long as the
 # grid fills the GPU (H200, streaming chunk at B=1, channels-last input, the 24 kHz blocks 2-4:
-# 5.7/4.8/3.4 us against 7.0/5.5/3.9 on the 64-row tiles first; scripts/tune_tiles.py --only convt)
-_CONVT_TILES = ((128, 128), (128, 32), (128, 16), (64, 32), (32, 16), (16, 16))
+# 5.7/4.8/3.4 us against 7.0/5.5/3.9 on the 64-row tiles first; scripts/tune_tiles.py --only convt).
+# Narrower rows before narrower columns: a second column block streams the whole weight again (32/44
+# kHz block 1 at a B=1 chunk, 37.7 MB of weights, 32 columns: 27.3 us in 32 x 16 tiles, 20.6 us in
+# 32 x 32; H100, two weight copies alternating past L2)
+_CONVT_TILES = ((128, 128), (128, 32), (128, 16), (64, 32), (32, 32), (32, 16), (16, 16))
 
 
 def _block_k(C_in: int) -> int:
