@@ -25,3 +25,12 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture
 def cuda() -> torch.device:
     return torch.device("cuda")
+
+
+@pytest.fixture
+def no_tf32():
+    """float32 GEMMs and convolutions in full float32 (TF32 off) for the test, restored after it."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -390,40 +390,35 @@ def test_async_batcher_ordering_and_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpu_streams_equal_decode(cuda, name, dtype):
+def test_gpu_streams_equal_decode(cuda, no_tf32, name, dtype):
     """CUDA graphs per (kind, batch bucket, frames); three streams of different lengths, batched."""
     fast = FastSNAC.from_pretrained(f"synthetic:{name}", device=cuda, dtype=dtype)
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        engine = fast.stream_engine(8)
-        assert engine.cuda_graphs
-        g, strides = engine.frames_per_group, fast.config["vq_strides"]
-        lengths = [engine.prefill_frames + g * k for k in (1, 5, 9)]
-        codes = [random_codes(fast.config, n, seed=n) for n in lengths]
-        slots = [engine.open(seed=7 + i) for i in range(3)]
-        got = [[] for _ in lengths]
-        position = [0, 0, 0]
-        rng = random.Random(0)
-        while any(p < n for p, n in zip(position, lengths)):
-            pushes = {}
-            for i, slot in enumerate(slots):
-                if position[i] < lengths[i]:
-                    k = min(lengths[i] - position[i], g * rng.randint(1, 3))
-                    pushes[slot] = frames_of(codes[i], strides, position[i], position[i] + k)
-                    position[i] += k
-            for slot, audio in engine.advance(pushes).items():
-                got[slots.index(slot)].append(audio)
-        for slot, audio in engine.advance(finish=slots).items():
+    engine = fast.stream_engine(8)
+    assert engine.cuda_graphs
+    g, strides = engine.frames_per_group, fast.config["vq_strides"]
+    lengths = [engine.prefill_frames + g * k for k in (1, 5, 9)]
+    codes = [random_codes(fast.config, n, seed=n) for n in lengths]
+    slots = [engine.open(seed=7 + i) for i in range(3)]
+    got = [[] for _ in lengths]
+    position = [0, 0, 0]
+    rng = random.Random(0)
+    while any(p < n for p, n in zip(position, lengths)):
+        pushes = {}
+        for i, slot in enumerate(slots):
+            if position[i] < lengths[i]:
+                k = min(lengths[i] - position[i], g * rng.randint(1, 3))
+                pushes[slot] = frames_of(codes[i], strides, position[i], position[i] + k)
+                position[i] += k
+        for slot, audio in engine.advance(pushes).items():
             got[slots.index(slot)].append(audio)
-        for i in range(3):
-            expected = fast.decode(codes[i], seed=7 + i)[0, 0].float()
-            snr = snr_db(expected, torch.cat(got[i]).float())
-            print(f"{name} {dtype} stream {i}: {snr:.1f} dB vs decode")
-            assert snr >= (100 if dtype == torch.float32 else 50)
-        assert len(engine._graphs) >= 3
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    for slot, audio in engine.advance(finish=slots).items():
+        got[slots.index(slot)].append(audio)
+    for i in range(3):
+        expected = fast.decode(codes[i], seed=7 + i)[0, 0].float()
+        snr = snr_db(expected, torch.cat(got[i]).float())
+        print(f"{name} {dtype} stream {i}: {snr:.1f} dB vs decode")
+        assert snr >= (100 if dtype == torch.float32 else 50)
+    assert len(engine._graphs) >= 3
 
 
 def steady_steps_with_bad_ids(engine, config, seed=20):
@@ -465,46 +460,36 @@ def test_steady_steps_check_ids_before_any_state_changes():
 
 
 @pytest.mark.gpu
-def test_gpu_steady_steps_check_ids_before_any_state_changes(cuda):
+def test_gpu_steady_steps_check_ids_before_any_state_changes(cuda, no_tf32):
     """On CUDA the steady state writes codes and keys straight into a graph's pinned inputs and
     checks the ids there; 3 streams run in the graph of 4 rows."""
     fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        engine = fast.stream_engine(8)
-        codes, audio = steady_steps_with_bad_ids(engine, fast.config)
-        assert ("step", 4, 1) in engine._graphs
-        expected = fast.decode(codes, seed=20)
-        for b, got in enumerate(audio):
-            assert snr_db(expected[b, 0], got) >= 100
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    engine = fast.stream_engine(8)
+    codes, audio = steady_steps_with_bad_ids(engine, fast.config)
+    assert ("step", 4, 1) in engine._graphs
+    expected = fast.decode(codes, seed=20)
+    for b, got in enumerate(audio):
+        assert snr_db(expected[b, 0], got) >= 100
 
 
 @pytest.mark.gpu
-def test_gpu_back_to_back_steps_wait_for_their_uploads(cuda):
+def test_gpu_back_to_back_steps_wait_for_their_uploads(cuda, no_tf32):
     """Steps queued behind a busy GPU: a call rewrites the step graph's pinned inputs only once the
     replay before it has uploaded them (the event that graph records), so each step decodes its own
     codes even when the host runs far ahead."""
     fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        engine, strides = fast.stream_engine(4), fast.config["vq_strides"]
-        frames = engine.prefill_frames + 24
-        codes = random_codes(fast.config, frames, batch=2, seed=9)
-        streams = [engine.open(seed=3, row=b) for b in range(2)]
-        start = engine.prefill_frames + 1
-        pieces = [engine.step(streams, frames_of_rows(codes, strides, 0, engine.prefill_frames)),
-                  engine.step(streams, frames_of_rows(codes, strides, engine.prefill_frames, start))]  # captures
-        torch.cuda.synchronize(cuda)
-        torch.cuda._sleep(100_000_000)  # the GPU spins ~50 ms ahead of every replay below
-        for f in range(start, frames):
-            pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + 1)))
-        ends = engine.advance(finish=streams)
-        expected = fast.decode(codes, seed=3)
-        for b, s in enumerate(streams):
-            assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    engine, strides = fast.stream_engine(4), fast.config["vq_strides"]
+    frames = engine.prefill_frames + 24
+    codes = random_codes(fast.config, frames, batch=2, seed=9)
+    streams = [engine.open(seed=3, row=b) for b in range(2)]
+    start = engine.prefill_frames + 1
+    pieces = [engine.step(streams, frames_of_rows(codes, strides, 0, engine.prefill_frames)),
+              engine.step(streams, frames_of_rows(codes, strides, engine.prefill_frames, start))]  # captures
+    torch.cuda.synchronize(cuda)
+    torch.cuda._sleep(100_000_000)  # the GPU spins ~50 ms ahead of every replay below
+    for f in range(start, frames):
+        pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + 1)))
+    ends = engine.advance(finish=streams)
+    expected = fast.decode(codes, seed=3)
+    for b, s in enumerate(streams):
+        assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
