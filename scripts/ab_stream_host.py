@@ -2,9 +2,9 @@
 ``snac_fast/streaming.py`` (``--against``, e.g. ``git show REV:snac_fast/streaming.py > old.py``),
 both on one float16 codec with CUDA graphs, steady state (every stream started, one new frame per
 step). Per step, interleaved rounds, medians: the call with sync, the host time until ``step``
-returns, the GPU time between events around the call; then 100 steps back to back (the host's rate
-when the GPU keeps up), and the pieces of one graph call (filling and uploading the inputs and
-launching the replay; cloning and splitting the output).
+returns, the GPU time between events around the call, the step graph's replay alone (GPU); then
+100 steps back to back (the host's rate when the GPU keeps up), and the pieces of one graph call
+(filling and uploading the inputs and launching the replay; cloning and splitting the output).
 
     python scripts/ab_stream_host.py --against old_streaming.py [--rounds 300]
 """
@@ -98,8 +98,23 @@ def main() -> None:
                 run["call"].append(time.perf_counter() - t0)
                 run["host"].append(t1 - t0)
                 run["gpu"].append(start.elapsed_time(end) / 1e3)
+        replays = {name: [] for name in runs}  # the graph alone, GPU time (repeats the last step's inputs)
+        for _ in range(args.rounds):
+            for name, run in runs.items():
+                graph = run["engine"]._graphs[("step", run["engine"]._bucket(S), 1)].graph
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                torch.cuda.synchronize()
+                replays[name].append(start.elapsed_time(end) / 1e3)
         for name, run in runs.items():
             engine, slots = run["engine"], run["slots"]
+            for s in slots:  # the replays above repeated a step: start these streams afresh
+                engine.close(s)
+            slots = [engine.open(seed=i) for i in range(S)]
+            first = next(run["steps"])
+            engine.step(slots, [c.repeat(1, engine.prefill_frames) for c in first])
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(100):
@@ -111,7 +126,8 @@ def main() -> None:
             for s in slots:
                 engine.close(s)
             print(f"{S:3d} streams, {name:9s}: call {median_ms(run['call']):.3f} | host until return "
-                  f"{median_ms(run['host']):.3f} | GPU {median_ms(run['gpu']):.3f} | back to back: host "
+                  f"{median_ms(run['host']):.3f} | GPU {median_ms(run['gpu']):.3f} | replay alone, GPU "
+                  f"{median_ms(replays[name]):.3f} | back to back: host "
                   f"{host_rate:.3f}/step, with GPU {with_gpu:.3f}/step | "
                   + " | ".join(f"{k} {v:.3f}" for k, v in pieces.items()), flush=True)
 

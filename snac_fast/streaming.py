@@ -28,7 +28,7 @@ import math
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, Sequence
+from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -205,6 +205,16 @@ class StreamSlot:
         return self.engine._pending.held(self.slot)
 
 
+@dataclass
+class _StepBatch:
+    """The streams of one :meth:`StreamEngine.step` call: their state ``slots`` (int64 [n]), the
+    step's key rows (int64 [4, bucket], :meth:`StreamEngine._write_keys`) and whether all have started."""
+
+    slots: np.ndarray
+    keys: np.ndarray
+    started: bool
+
+
 class CheckedCodes(list):
     """One stream's codes after :meth:`StreamEngine.check_codes`: per level an int64 numpy [L_i]."""
 
@@ -329,6 +339,7 @@ class StreamEngine:
         self._consumed, self._seeds, self._rows = self._slot_keys
         self._step_config = {**config, "attn_window_size": None}  # step takes any frame count; groups are the engine's
         self._step_signatures: set[tuple] = set()  # (type, dtype, shape) per level of step's codes, validated
+        self._step_batches: dict[tuple, _StepBatch] = {}  # step's streams -> their slots and keys
         self._lock = lock or threading.RLock()  # a codec's: its decodes patch the same NoiseBlocks
         if cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs=True needs a CUDA device")
@@ -424,6 +435,7 @@ class StreamEngine:
         with self._lock:
             if not stream.closed:
                 stream.closed = True
+                self._step_batches.clear()
                 self._pending.clear(stream.slot)
                 self._free.append(stream.slot)
 
@@ -511,23 +523,44 @@ class StreamEngine:
         streams at once: k >= 1 new frames for each of ``streams`` (distinct, open), codes per level
         an integer tensor [len(streams), k * vq_strides[0] / vq_strides[i]] (row j: streams[j]),
         any device. Returns each stream's new final audio (1-D, same order)."""
-        streams = list(streams)
+        streams = tuple(streams)
         if not streams:
             raise ValueError("step needs at least one stream")
         self._check_step_shapes(codes, len(streams))
         arrays = [_host_numpy(c) for c in codes]  # [B, L_i], any integer dtype
         frames = arrays[0].shape[1] // self._ratios[0]
         with self._lock:
-            all_started = self._check_streams(streams)
-            slots = _slots_of(streams)
-            if len(set(slots.tolist())) != len(streams):
-                raise ValueError("step got the same stream twice")
-            if all_started and self._in_steady_state(len(streams), slots, frames):
-                return self._direct_step(slots, arrays, frames)
+            batch = self._step_batch(streams)
+            slots = batch.slots
+            if batch.started and self._in_steady_state(len(streams), slots, frames):
+                return self._direct_step(slots, arrays, frames, keys=batch.keys)
             self._check_ids([arrays])
             self._pending.put_rows(slots, arrays, frames)
-            audio = self._decode_pending(streams, [])
+            audio = self._decode_pending(list(streams), [])
         return [audio[s] for s in streams]
+
+    def _step_batch(self, streams: tuple) -> "_StepBatch":
+        """``step``'s streams, checked (ValueError for one closed, another engine's or repeated):
+        their slots and key rows. Kept once all have started, until a stream closes: a server
+        steps the same streams call after call, and checking 64 of them costs ~0.1 ms of host."""
+        try:
+            batch = self._step_batches.get(streams)
+        except TypeError:  # an unhashable entry: _check_streams names it
+            batch = None
+        if batch is not None:
+            return batch
+        started = self._check_streams(list(streams))
+        slots = _slots_of(streams)
+        if len(set(slots.tolist())) != len(streams):
+            raise ValueError("step got the same stream twice")
+        keys = np.empty((4, self._bucket(len(slots))), np.int64)
+        self._write_keys(keys, slots)
+        batch = _StepBatch(slots, keys, started)
+        if started:
+            if len(self._step_batches) >= 64:
+                self._step_batches.clear()
+            self._step_batches[streams] = batch
+        return batch
 
     def _check_step_shapes(self, codes: Sequence[Tensor], rows: int) -> None:
         """:func:`validate_codes`' checks of ``step``'s codes (ids aside), run once per distinct
@@ -554,11 +587,12 @@ class StreamEngine:
                 and (self._pending.frames_held == 0 or not (self._pending.tail[slots] != self._pending.head[slots]).any()))
 
     def _direct_step(self, slots: np.ndarray, codes: list[np.ndarray], frames: int,
-                     ids_checked: bool = False) -> list[Tensor]:
+                     ids_checked: bool = False, keys: np.ndarray | None = None) -> list[Tensor]:
         """In the steady state, the codes (per level [len(slots), L_i], any integer dtype) go
         straight into one batched step, without the pending buffers; returns each stream's audio.
         With a captured graph the codes and keys are written into its pinned inputs and the ids
-        checked there (one reduction), before any state changes."""
+        checked there (one reduction), before any state changes. ``keys``: the batch's key rows
+        (:meth:`_write_keys` of ``slots``), all but the frames consumed, which change every step."""
         n, bucket = len(slots), self._bucket(len(slots))
         graph = self._graphs.get((STEP, bucket, frames)) if self.cuda_graphs else None
         if graph is None:
@@ -567,18 +601,23 @@ class StreamEngine:
             codes = [c.astype(np.int64, copy=False) for c in codes]
             with torch.inference_mode(), device_scope(self.device):
                 return list(self._run(STEP, slots, frames, codes))
-        keys, *levels = graph.inputs()
-        self._write_keys(keys, slots)
+        graph_keys, *levels = graph.inputs()
+        if keys is None:
+            self._write_keys(graph_keys, slots)
+        else:
+            graph_keys[...] = keys
+            np.take(self._consumed, slots, out=graph_keys[1, :n])
         for level, c in zip(levels, codes):
             level[:n] = c
             if n < bucket:  # padding rows: code 0
                 level[n:] = 0
-        if not ids_checked and graph.codes.view(np.uint64).max() >= self.codebook_size:  # negatives wrap high
+        if not ids_checked and graph.unsigned_codes.max() >= self.codebook_size:  # negatives wrap high
             self._check_ids([codes])  # names the level and the id
             raise ValueError(f"codes hold ids outside [0, {self.codebook_size})")
-        self._consumed[slots] += frames
         with device_scope(self.device):
-            return list(graph.launch()[:n, 0].clone().unbind(0))  # the next replay overwrites the graph's output
+            audio = graph.launch()[:n, 0].clone()  # the next replay overwrites the graph's output
+        self._consumed[slots] += frames  # after the launch: host work the GPU's step hides
+        return list(audio.unbind(0))
 
     def _check_streams(self, streams: list[StreamSlot]) -> bool:
         """ValueError for a stream that is closed or not this engine's; returns whether all have started."""
@@ -712,17 +751,19 @@ class StreamEngine:
                                   [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]
         return audio.unbind(0)
 
-    def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int) -> Tensor:
+    def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
+                 noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:
         """The step itself, on device tensors only (what a CUDA graph captures). keys: int64
-        [4, B] (state slot, frames consumed, seed, row); codes: per level [B, L_i] (not for flush)."""
+        [4, B] (state slot, frames consumed, seed, row); codes: per level [B, L_i] (not for flush).
+        noise_for: where NoiseBlocks get their noise (default: :meth:`draw_noise`)."""
         geo = self.geometry
-        slots, consumed, seeds, rows = keys[0], keys[1], keys[2], keys[3]
+        slots = keys[0]
         new = self.model.quantizer.from_codes(codes) if kind != FLUSH else None
         offsets: dict[int, tuple[int, int]] = {}  # NoiseBlock index -> (samples per frame, start)
+        noise_for = noise_for or (lambda call: self.draw_noise(keys, call))
 
         def noise(index: int, x: Tensor) -> Tensor:
-            per_frame, start = offsets[index]
-            return keyed_normal(seeds, rows, consumed, per_frame, start, x.shape[2], index, dtype=x.dtype)
+            return noise_for(NoiseCall(index, *offsets[index], x.shape[2], x.dtype))
 
         with patched_noise(self.model, noise):
             for l, (stage, state) in enumerate(zip(geo.stages, self.state)):
@@ -750,6 +791,24 @@ class StreamEngine:
                     x = layer(x.contiguous())
                 new = x
         return new
+
+
+    @staticmethod
+    def draw_noise(keys: Tensor, call: "NoiseCall") -> Tensor:
+        """A step's keyed noise for one NoiseBlock (keys as in :meth:`_forward`): [B, 1, length]."""
+        return keyed_normal(keys[2], keys[3], keys[1], call.per_frame, call.start, call.length, call.index,
+                            dtype=call.dtype)
+
+
+class NoiseCall(NamedTuple):
+    """One NoiseBlock's noise in a step: block ``index``, positions ``frames consumed * per_frame +
+    start + t`` for t < ``length``, in ``dtype``."""
+
+    index: int
+    per_frame: int
+    start: int
+    length: int
+    dtype: torch.dtype
 
 
 def _host_numpy(codes: Tensor) -> np.ndarray:
@@ -784,28 +843,51 @@ class _StepGraph:
             self.host_views.append(self.host.numpy()[offset:offset + size].reshape(array.shape))
             self.static_views.append(self.static[offset:offset + size].view(array.shape))
             offset += size
-        self.codes = self.host.numpy()[keys.size:]  # every level's codes, flat
+        self.unsigned_codes = self.host.numpy()[keys.size:].view(np.uint64)  # every level's codes, flat
         # recorded by each replay right after its upload: the pinned inputs are free again from then on
         self.copied = torch.cuda.Event(external=True)
         self._fill(keys, codes)
         self.static.copy_(self.host)
+        keys_view, codes_views = self.static_views[0], self.static_views[1:]
         # warm up on a scratch copy of the state: compile kernels without touching any stream's context
         saved = [t.clone() for t in engine.state]
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
+        noise_calls: list[NoiseCall] = []
         with torch.cuda.stream(stream), torch.inference_mode():
             with compiling_concurrently():  # a shapes-only pass: the kernels compile concurrently
-                engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
+                engine._forward(kind, keys_view, codes_views, frames)
             for _ in range(2):
-                engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
+                noise_calls.clear()
+                engine._forward(kind, keys_view, codes_views, frames,
+                                lambda call: noise_calls.append(call) or engine.draw_noise(keys_view, call))
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool, stream=torch.cuda.Stream(device)):
+        capture, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool, stream=capture):
             # the upload and its event inside the graph: a call costs one launch, not a copy, an event
             # record and a launch (H100 host, 1 stream: ~20 us before the replay starts)
             self.static.copy_(self.host, non_blocking=True)
             self.copied.record()
-            self.output = engine._forward(kind, self.static_views[0], self.static_views[1:], frames)
+            # the noise depends on the keys alone: drawn on a branch of the graph that runs beside the
+            # first layers, off the step's critical path (4 kernels, ~10 us at 1 stream on an H100)
+            side.wait_stream(capture)
+            with torch.cuda.stream(side):
+                self.noise = {call.index: engine.draw_noise(keys_view, call) for call in noise_calls}
+            drawn = torch.cuda.Event()
+            drawn.record(side)
+            joined = []
+
+            def noise_for(call: NoiseCall) -> Tensor:
+                if not joined:
+                    capture.wait_event(drawn)
+                    joined.append(True)
+                if self.noise[call.index].shape[2] != call.length:
+                    raise RuntimeError("a step graph's noise differs from its warm-up's")
+                return self.noise[call.index]
+            self.output = engine._forward(kind, keys_view, codes_views, frames, noise_for)
+            if not joined:
+                capture.wait_event(drawn)
         for t, s in zip(engine.state, saved):
             t.copy_(s)
 

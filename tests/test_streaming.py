@@ -148,6 +148,53 @@ def test_batched_step_equals_whole_decode_rows(name):
         assert (got - expected[b, 0]).abs().max().item() < 1e-12
 
 
+def steps_around_a_close(engine, config, decode):
+    """Three streams stepped together, one closed in between: the closed one is refused even
+    though its batch was stepped before; the others go on in another order and stay exact."""
+    strides = config["vq_strides"]
+    frames = engine.prefill_frames + 5
+    codes = random_codes(config, frames, batch=3, seed=6)
+    streams = [engine.open(seed=7, row=b) for b in range(3)]
+    pieces = [engine.step(streams, frames_of_rows(codes, strides, 0, engine.prefill_frames))]
+    for f in range(engine.prefill_frames, engine.prefill_frames + 3):
+        pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + 1)))
+    engine.close(streams[1])
+    f = engine.prefill_frames + 3
+    with pytest.raises(ValueError, match="closed"):
+        engine.step(streams, frames_of_rows(codes, strides, f, f + 1))
+    other = StreamEngine(engine.model, config, 2, device=engine.device, dtype=engine.dtype).open(7)
+    with pytest.raises(ValueError, match="another engine"):
+        engine.step([streams[0], other], [c[:2] for c in frames_of_rows(codes, strides, f, f + 1)])
+    kept = [2, 0]
+    for f in range(f, frames):
+        rows = [c[kept] for c in frames_of_rows(codes, strides, f, f + 1)]
+        pieces.append(dict(zip(kept, engine.step([streams[b] for b in kept], rows))))
+    ends = engine.advance(finish=[streams[b] for b in kept])
+    expected = decode(codes, 7)
+    for b in kept:
+        got = torch.cat([p[b] for p in pieces] + [ends[streams[b]]])
+        assert got.shape == expected[b, 0].shape
+        yield expected[b, 0], got
+
+
+def test_step_rechecks_its_streams_after_a_close():
+    name = "snac_24khz"
+    config = published_config(name)
+    for expected, got in steps_around_a_close(engine64(name, streams=4), config,
+                                              lambda codes, seed: decode_with_keyed_noise(upstream64(name), codes, seed)):
+        assert (got - expected).abs().max().item() < 1e-12
+
+
+@pytest.mark.gpu
+def test_gpu_step_rechecks_its_streams_after_a_close(cuda, no_tf32):
+    """The same with CUDA graphs: the batch's cached key rows, the frames consumed filled per call."""
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
+    engine = fast.stream_engine(4)
+    for expected, got in steps_around_a_close(engine, fast.config, lambda codes, seed: fast.decode(codes, seed=seed)):
+        assert snr_db(expected, got) >= 100
+    assert ("step", 4, 1) in engine._graphs and ("step", 2, 1) in engine._graphs
+
+
 def frames_of_rows(codes, strides, start, stop):
     return [c[:, start * strides[0] // s:stop * strides[0] // s] for c, s in zip(codes, strides)]
 
