@@ -15,6 +15,7 @@ did not always match the parent's. ``SNAC_FAST_COMPILE_FORK=0`` compiles on the 
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import signal
 import sys
@@ -156,6 +157,9 @@ def _compiled_in_child(compile_fn, *args, **kwargs):
     except RuntimeError:  # a fork vetoed by an audit hook (filelock's, while another thread forks): compile here
         return _compiled_with_launcher(compile_fn, *args, **kwargs)
     if pid == 0:
+        # no cycle collection here: a dead cycle holding a CUDA or pinned tensor would free it through a
+        # CUDA context the child cannot use (an abort, and the parent compiling the kernel again itself)
+        gc.disable()
         status = 1
         try:
             _compiled_with_launcher(compile_fn, *args, **kwargs)
