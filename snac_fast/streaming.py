@@ -792,7 +792,6 @@ class StreamEngine:
                 new = x
         return new
 
-
     @staticmethod
     def draw_noise(keys: Tensor, call: "NoiseCall") -> Tensor:
         """A step's keyed noise for one NoiseBlock (keys as in :meth:`_forward`): [B, 1, length]."""
