@@ -10,18 +10,31 @@ import statistics
 import torch
 from snac_fast import FastSNAC
 from snac_fast.ops import context as ctx
+import snac_fast.streaming as st
 from snac_fast.streaming import StreamEngine
 
 codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
 strides = codec.config["vq_strides"]
 new_rule = ctx._context_tile
+
+
+def rule_at(elements):
+    """The rule with ``elements`` per program (it reads the module constant at each call)."""
+    def rule(C, T, channels_last):
+        ctx._CONTEXT_TILE = elements
+        return new_rule(C, T, channels_last)
+    return rule
+
+
 rules = {
-    "old 64x32/128x16": lambda C, T, cl: (64, 32) if cl else (128, 16),
-    "new 2048": lambda C, T, cl: (ctx.__setattr__("_CONTEXT_TILE", 2048), new_rule(C, T, cl))[1],
-    "new 4096": lambda C, T, cl: (ctx.__setattr__("_CONTEXT_TILE", 4096), new_rule(C, T, cl))[1],
+    "old 64x32/128x16": lambda C, T, channels_last: (64, 32) if channels_last else (128, 16),
+    "new 2048": rule_at(2048),
+    "new 4096": rule_at(4096),
 }
 seen = set()
 real_step = ctx.context_step
+
+
 def logged(state, slots, new, channels_last=False):
     key = (tuple(state.shape[1:]), tuple(new.shape), channels_last)
     if key not in seen and new.shape[0] in (1, 64):
@@ -29,7 +42,8 @@ def logged(state, slots, new, channels_last=False):
         print("context", "C,H", tuple(state.shape[1:]), "new", tuple(new.shape), "channels_last", channels_last,
               "tile", ctx._context_tile(state.shape[1], state.shape[2] + new.shape[2], channels_last))
     return real_step(state, slots, new, channels_last)
-import snac_fast.streaming as st
+
+
 st.context_step = logged
 gen = torch.Generator().manual_seed(0)
 for S in (1, 16, 64, 256):

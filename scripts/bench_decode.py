@@ -28,7 +28,7 @@ from bench_common import environment, markdown_table, timed_call, write_results 
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
-from snac_fast.fidelity import _true_float32, decode_with_noise  # noqa: E402
+from snac_fast.fidelity import decode_with_noise, true_float32  # noqa: E402
 from snac_fast.metrics import snr_db  # noqa: E402
 from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
 from snac_fast.testing import synthetic_model  # noqa: E402
@@ -144,7 +144,7 @@ def fidelity(name: str, frames: int) -> dict:
     cfg = published_config(name)
     codes = codes_for(cfg, frames, 2, seed=99)
     ref_model = upstream(name, torch.float32)
-    with _true_float32():
+    with true_float32():
         ref = decode_with_noise(ref_model, codes, 0, CUDA)
     del ref_model
     result = {"plain upstream fp16": snr_db(ref, decode_with_noise(upstream(name, torch.float16), codes, 0, CUDA))}

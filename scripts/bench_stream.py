@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import environment, markdown_table, write_results  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
+from snac_fast.fidelity import true_float32  # noqa: E402
 from snac_fast.metrics import snr_db  # noqa: E402
 from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
 from snac_fast.serving import AsyncStreamBatcher  # noqa: E402
@@ -157,10 +158,8 @@ def main() -> None:
                "frame_interval_ms": interval, "rows": []}
     keep = slice(spf, 2 * spf)  # one frame of the window: samples 2048:4096 at 24 kHz
     codec32 = FastSNAC.from_pretrained(f"synthetic:{name}", device=device, dtype=torch.float32)
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    results["fidelity"] = stream_fidelity(codec, codec32, config, 12 * group + engine.prefill_frames)
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    with true_float32():
+        results["fidelity"] = stream_fidelity(codec, codec32, config, 12 * group + engine.prefill_frames)
     del codec32
     print(results["fidelity"], flush=True)
     t0 = time.perf_counter()

@@ -109,7 +109,7 @@ def log_mel_distance_db(reference: Tensor, estimate: Tensor, sampling_rate: int,
 
 
 @contextlib.contextmanager
-def _true_float32():
+def true_float32():
     """Run convolutions and matmuls in real float32 (no TF32) inside the block."""
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
@@ -138,7 +138,7 @@ def _decode_original(factory, codes, seed, device, dtype) -> Tensor:
     model = factory()
     to_device_dtype(model, device, dtype)
     try:
-        with _true_float32() if dtype == torch.float32 else contextlib.nullcontext():
+        with true_float32() if dtype == torch.float32 else contextlib.nullcontext():
             return decode_with_noise(model, codes, seed, device)
     finally:
         del model

@@ -875,12 +875,13 @@ class _StepGraph:
                 self.noise = {call.index: engine.draw_noise(keys_view, call) for call in noise_calls}
             drawn = torch.cuda.Event()
             drawn.record(side)
-            joined = []
+            joined = False
 
             def noise_for(call: NoiseCall) -> Tensor:
+                nonlocal joined
                 if not joined:
                     capture.wait_event(drawn)
-                    joined.append(True)
+                    joined = True
                 if self.noise[call.index].shape[2] != call.length:
                     raise RuntimeError("a step graph's noise differs from its warm-up's")
                 return self.noise[call.index]

@@ -11,6 +11,8 @@ if os.environ.get("PYTEST_XDIST_WORKER"):  # pytest -n: a core per worker (two t
 
 import pytest  # noqa: E402
 
+from snac_fast.fidelity import true_float32  # noqa: E402
+
 
 def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: "heavy" not in item.keywords)  # stable; pytest -n then spreads them first
@@ -30,7 +32,5 @@ def cuda() -> torch.device:
 @pytest.fixture
 def no_tf32():
     """float32 GEMMs and convolutions in full float32 (TF32 off) for the test, restored after it."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+    with true_float32():
+        yield
