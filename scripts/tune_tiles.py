@@ -126,7 +126,7 @@ def _layout(t):
 
 def pw_call_key(a) -> tuple:
     return (_layout(a["h"]), tuple(a["weight"].shape), a["bias"] is not None, _layout(a["residual"]),
-            a["scale"] is not None, a["input_bias"] is not None, a["alpha_out"] is not None,
+            a["scale"] is not None, a["residual_bias"] is not None, a["alpha_out"] is not None,
             a["pair_out"] is not None, a["out_channels_last"], str(a["h"].dtype))
 
 
@@ -222,7 +222,7 @@ def pw_calls(models, json_path: str | None, labels=None) -> None:
 
     def default_of(args):
         B, C_in, T = args["h"].shape
-        return pw_ops._pw_config(B, args["weight"].shape[0], C_in, T, args["h"].device, args["input_bias"] is not None)
+        return pw_ops._pw_config(B, args["weight"].shape[0], C_in, T, args["h"].device)
 
     def describe(args):
         B, C_in, T = args["h"].shape

@@ -430,6 +430,29 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
         conv = self._upsampler
         return conv.bias if conv is not None and conv.defers_bias(x.numel()) else None
 
+    def folded_bias(self, input_bias: Tensor) -> Tensor:
+        """The GEMM bias that adds ``input_bias`` to the input (``bias + W @ input_bias``, float32
+        [C]), cached while the weight and the bias are unchanged; under ``torch.compile`` read, or
+        made per call (the rules of :class:`_PackedWeights`)."""
+        from snac_fast.ops.pointwise import fold_input_bias
+
+        w, b = self.linear.weight, self.linear.bias
+        cached = self.__dict__.get("_folded")
+        if torch.compiler.is_compiling():
+            return cached[1] if cached is not None and cached[1].device == w.device else fold_input_bias(w, b, input_bias)
+        key = tuple((p.data_ptr(), p._version, p.device, p.dtype) for p in (w, b, input_bias) if p is not None)
+        if cached is None or cached[0] != key:
+            with torch.no_grad():
+                self.__dict__["_folded"] = cached = (key, fold_input_bias(w, b, input_bias))
+        return cached[1]
+
+    def pack(self) -> None:
+        """Fill the folded-bias cache now (surgery, on the final device and dtype), outside any
+        compiled graph or capture."""
+        conv = self._upsampler
+        if conv is not None and conv.bias is not None:
+            self.folded_bias(conv.bias)
+
     @classmethod
     def from_block(cls, block: nn.Module) -> "FusedNoiseBlock":
         lin = block.linear
@@ -444,10 +467,12 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         from snac_fast.ops.pointwise import pointwise_conv, pointwise_conv_pair
 
-        args = (x, self.linear.weight, self.linear.bias, x, self.draw_noise(x), self.input_bias(x))
+        input_bias = self.input_bias(x)
+        bias = self.linear.bias if input_bias is None else self.folded_bias(input_bias)
+        args = (x, self.linear.weight, bias, x, self.draw_noise(x))
         if self._snake_pair is not None:
-            return pointwise_conv_pair(*args, alpha=self._snake_pair.alpha)
-        return pointwise_conv(*args)
+            return pointwise_conv_pair(*args, alpha=self._snake_pair.alpha, residual_bias=input_bias)
+        return pointwise_conv(*args, residual_bias=input_bias)
 
 
 def _upstream_attention():

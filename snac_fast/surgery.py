@@ -316,6 +316,6 @@ def accelerate(
     elif device is not None or dtype is not None:
         report.float32_attention = to_device_dtype(model, device, dtype)
     for module in model.modules():  # on the final device and dtype, outside torch.compile
-        if isinstance(module, _PackedWeights):
+        if isinstance(module, (_PackedWeights, FusedNoiseBlock)):
             module.pack()
     return report

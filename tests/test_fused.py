@@ -228,6 +228,37 @@ def test_pointwise_conv(dtype, C):
         close(pointwise_conv(h, w, *args), pointwise_conv_reference(h.double(), w.double(), *map(d, args)), dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_pointwise_conv_folded_input_bias(dtype, poisoned_empty):
+    """An input bias as the NoiseBlock keeps it: ``bias + W @ ib`` folded once (float32) into the
+    GEMM's bias and ib added to the residual alone, against h + ib in float64; the same through
+    ``input_bias``; misuse refused before any kernel runs."""
+    from snac_fast.ops.pointwise import fold_input_bias
+
+    gen = torch.Generator().manual_seed(11)
+    C, T = 192, 53
+    h, w, b, _ = gemm_inputs(C, T, dtype, gen)
+    scale, ib = torch.randn(2, 1, T, generator=gen).to(dtype), torch.randn(C, generator=gen).to(dtype)
+    a = log_uniform_alpha(C, gen)
+    folded = fold_input_bias(w, b, ib)
+    assert folded.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    close(folded, d(w)[:, :, 0] @ d(ib) + d(b), torch.float32)  # float32 sums of the half products
+    assert fold_input_bias(w, b, None) is b
+    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(h), d(scale), d(ib), alpha=d(a))
+    for h_in in (h, channels_last(h)):
+        y, s = pointwise_conv_pair(h_in, w, folded, h_in, scale, alpha=a, residual_bias=ib)
+        close(y, ref_y, dtype)
+        close(s, ref_s, dtype)
+        close(pointwise_conv(h_in, w, folded, h_in, scale, residual_bias=ib), ref_y, dtype)
+        close(pointwise_conv(h_in, w, b, h_in, scale, ib), ref_y, dtype)
+    with pytest.raises(ValueError, match="residual_bias needs a residual"):
+        pointwise_conv(h, w, folded, residual_bias=ib)
+    with pytest.raises(ValueError, match="residual_bias needs a residual"):
+        pointwise_conv(h, w, b, h, input_bias=ib, residual_bias=ib)
+    with pytest.raises(ValueError, match="residual_bias needs 192 values"):
+        pointwise_conv(h, w, folded, h, residual_bias=ib[:5])
+
+
 def test_pointwise_conv_rectangular_and_poisoned(poisoned_empty):
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(3, 768, 19, generator=gen)

@@ -5,8 +5,12 @@
 ``out = snake_out(residual + scale * (W @ h + bias))``, each part optional: the residual unit's tail
 (conv + add, and the next layer's snake when that is absorbed) and the whole NoiseBlock
 (``x + noise * (W @ x)``) are one kernel each. ``input_bias`` adds a per-channel bias to h (and to
-the residual) as they are loaded: the NoiseBlock takes over the bias of a cuDNN transposed
-convolution before it, which saves cuDNN's separate bias pass over the block's largest tensor.
+the residual): the NoiseBlock takes over the bias of a cuDNN transposed convolution before it, which
+saves cuDNN's separate bias pass over the block's largest tensor. The kernel never touches h's
+tiles for it: ``W @ (h + ib) = W @ h + W @ ib``, so W @ ib joins the GEMM's bias (float32,
+:func:`fold_input_bias`, which a caller may keep) and ib the residual as it is loaded
+(``residual_bias``); an h tile changed in registers would leave the tensor cores' pipelined
+shared-memory path.
 ``pointwise_conv_pair`` also stores ``snake(out)`` from the same tile: a residual unit's output and
 the next unit's input snake in one kernel. Both can write in place over the residual. Inputs may be
 laid out [B, C, T] or [B, T, C] in memory (``is_channels_last``: a cuDNN transposed conv's output);
@@ -34,9 +38,9 @@ if HAS_TRITON:
 
     @triton.jit
     def _pointwise_conv_kernel(
-        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, in_bias_ptr, alpha_out_ptr, out_ptr, pair_alpha_ptr, pair_out_ptr,
+        w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, res_bias_ptr, alpha_out_ptr, out_ptr, pair_alpha_ptr, pair_out_ptr,
         C_out, C_in, T, n_m_blocks, n_t_blocks, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
-        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_IN_BIAS: tl.constexpr,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES_BIAS: tl.constexpr,
         SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr,
         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr,
         ROWS_FASTEST: tl.constexpr = False,
@@ -54,9 +58,6 @@ if HAS_TRITON:
             a = tl.load(w_ptr + offs_m[:, None] * C_in + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(h_base + k[:, None].to(tl.int64) * h_stride_c + offs_n[None, :].to(tl.int64) * h_stride_t,
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            if HAS_IN_BIAS:
-                in_b = tl.load(in_bias_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-                b = tl.where(n_ok[None, :], b.to(tl.float32) + in_b[:, None], 0.0).to(b.dtype)
             acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
@@ -68,8 +69,8 @@ if HAS_TRITON:
         if HAS_RES:
             res_offs = batch_offset + offs_m[:, None].to(tl.int64) * res_stride_c + offs_n[None, :].to(tl.int64) * res_stride_t
             res = tl.load(res_ptr + res_offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_IN_BIAS:
-                res += tl.load(in_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+            if HAS_RES_BIAS:
+                res += tl.load(res_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
             acc += res
         if SNAKE_OUT:
             acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
@@ -78,13 +79,15 @@ if HAS_TRITON:
 
 # --- references ------------------------------------------------------------------------------
 
-def _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias) -> Tensor:
+def _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias, residual_bias=None) -> Tensor:
     compute = _compute_dtype(h)
     hc = h.to(compute)
     if input_bias is not None:
         ib = input_bias.to(compute).reshape(1, -1, 1)
         hc = hc + ib
         residual = None if residual is None else residual.to(compute) + ib
+    if residual_bias is not None:
+        residual = residual.to(compute) + residual_bias.to(compute).reshape(1, -1, 1)
     y = F.conv1d(hc, weight.to(compute), None if bias is None else bias.to(compute))
     if scale is not None:
         y = y * scale.to(compute)
@@ -95,18 +98,21 @@ def _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias) -> Ten
 
 def pointwise_conv_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
                              residual: Tensor | None = None, scale: Tensor | None = None,
-                             input_bias: Tensor | None = None, alpha_out: Tensor | None = None) -> Tensor:
-    """``snake((residual + ib) + scale * (conv1d(h + ib, weight) + bias), alpha_out)`` in float32
-    (float64 for float64 input); ib = input_bias per channel."""
-    return _maybe_snake(_pointwise_conv_compute(h, weight, bias, residual, scale, input_bias), alpha_out).to(h.dtype)
+                             input_bias: Tensor | None = None, alpha_out: Tensor | None = None, *,
+                             residual_bias: Tensor | None = None) -> Tensor:
+    """``snake((residual + ib + rb) + scale * (conv1d(h + ib, weight) + bias), alpha_out)`` in
+    float32 (float64 for float64 input); ib = input_bias, rb = residual_bias, per channel."""
+    y = _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias, residual_bias)
+    return _maybe_snake(y, alpha_out).to(h.dtype)
 
 
 def pointwise_conv_pair_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
                                   residual: Tensor | None = None, scale: Tensor | None = None,
-                                  input_bias: Tensor | None = None, *, alpha: Tensor) -> tuple[Tensor, Tensor]:
+                                  input_bias: Tensor | None = None, *, alpha: Tensor,
+                                  residual_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(y, snake(y, alpha)) for y = :func:`pointwise_conv_reference` (no alpha_out); the snake is
     taken of the unrounded float32 (float64) y."""
-    y = _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias)
+    y = _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias, residual_bias)
     return y.to(h.dtype), snake_reference(y, alpha).to(h.dtype)
 
 
@@ -116,23 +122,22 @@ def pointwise_conv_pair_reference(h: Tensor, weight: Tensor, bias: Tensor | None
 _PW_TILES = ((64, 128), (64, 64), (64, 32), (64, 16), (32, 16), (16, 16))
 
 
-def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device,
-               input_bias: bool = False) -> tuple[int, int, int, int, int]:
+def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Long inputs and batches: 64 x 128 tiles,
     and the whole of C_in <= 128 in one K step (the GEMM is bandwidth-bound there: on an H200 at a
     B=32 chunk, 128 channels, 43 us against 54 us for 128 x 128 tiles in 64-deep steps; the whole
     decode 0.99 against 1.05 ms). Streaming chunks: the biggest tile that still gives every SM a
     program, and 128-deep K steps for the narrow ones (fewer serial iterations); 2-4x faster than
-    one big tile at those shapes (scripts/tune_tiles.py). With ``input_bias`` over several K steps
-    (a NoiseBlock after a cuDNN transposed conv, C_in > 128) every M block adds the bias to its h
-    tiles in registers: 128 x 64 tiles halve that work (H200: 256 channels, B=32 chunk 40 -> 34 us,
-    60 s 211 -> 166 us; 512 channels 19 -> 14 and 75 -> 61 us)."""
+    one big tile at those shapes (scripts/tune_tiles.py). The NoiseBlock's GEMM after a cuDNN
+    transposed conv took 128 x 64 tiles while it added the conv's bias to every h tile; with the
+    bias folded, the tiles of every other call win at most recorded calls (H100, 192 channels,
+    60 s at 32 kHz: 674 -> 571 us) and lose 1-3 us at a few short 768-channel ones
+    (``scripts/ab_noise_fold.py``, ``benchmarks/noise_fold_ab_h100.log``)."""
     if TRITON_INTERPRET:
         return (max(16, min(128, triton.next_power_of_2(C_out))), max(16, min(1024, triton.next_power_of_2(T))),
                 max(16, min(64, triton.next_power_of_2(C_in))), 4, 3)
     cap_m, cap_n = max(16, triton.next_power_of_2(C_out)), max(16, triton.next_power_of_2(T))
-    preferred = ((128, 64),) if input_bias and C_in > 128 else ()
-    tiles = [(min(m, cap_m), min(n, cap_n)) for m, n in preferred + _PW_TILES]
+    tiles = [(min(m, cap_m), min(n, cap_n)) for m, n in _PW_TILES]
     block_m, block_n = first_filling(tiles, lambda t: B * triton.cdiv(C_out, t[0]) * triton.cdiv(T, t[1]),
                                      wave_programs(device))
     if C_in <= 128:  # the whole reduction in one K step
@@ -142,11 +147,12 @@ def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device,
     return block_m, block_n, block_k, 2 if block_m * block_n <= 512 else 4, 3
 
 
-def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out,
+def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alpha_out, out,
                            pair_alpha=None, pair_out=None, out_channels_last=False, config=None, rows_fastest=None):
     """Writes into out (and pair_out, in out's layout): [B, C_out, T], or [B, T, C_out] when
     ``out_channels_last``. out may be residual itself in the same layout (each element is read
-    before it is written, by the same program). h and residual: contiguous or channels-last."""
+    before it is written, by the same program). h and residual: contiguous or channels-last.
+    bias: any float dtype (a folded input bias comes in float32)."""
     B, C_in, T = h.shape
     C_out = weight.shape[0]
     if out.numel() == 0:
@@ -156,7 +162,7 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_o
     residual, res_stride_c, res_stride_t = (None, 0, 0) if residual is None else _with_layout(residual)
     out_stride_c, out_stride_t = (1, C_out) if out_channels_last else (T, 1)
     scale = None if scale is None else scale.contiguous()
-    block_m, block_n, block_k, warps, stages = config or _pw_config(B, C_out, C_in, T, h.device, input_bias is not None)
+    block_m, block_n, block_k, warps, stages = config or _pw_config(B, C_out, C_in, T, h.device)
     n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
     if rows_fastest is None:
         # the output-channel blocks of one time tile run together, so h's columns come from HBM once
@@ -166,10 +172,10 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_o
     flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
     _pointwise_conv_kernel[(B * n_m * n_t,)](
         w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
-        flat(input_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
+        flat(residual_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
         C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
         HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        HAS_IN_BIAS=input_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
+        HAS_RES_BIAS=residual_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
         IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k), ROWS_FASTEST=rows_fastest,
         num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t),
@@ -179,7 +185,7 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_o
 # --- torch.library op (what torch.compile sees; plain inference calls its body) and the public functions 
 
 def _pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor | None,
-                       scale: Tensor | None, input_bias: Tensor | None, alpha_out: Tensor | None, out: Tensor,
+                       scale: Tensor | None, residual_bias: Tensor | None, alpha_out: Tensor | None, out: Tensor,
                        pair_alpha: Tensor | None, pair_out: Tensor | None, out_channels_last: bool) -> None:
     """out (and pair_out): contiguous [B, C_out, T], or contiguous [B, T, C_out] when
     ``out_channels_last`` (a flag, not a transposed view: mutated arguments stay plain tensors)."""
@@ -192,13 +198,15 @@ def _pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None, residual: Te
     if residual is not None and storage(out) == storage(residual) and (out_channels_last or not residual.is_contiguous()):
         raise ValueError("out may overwrite the residual only when both are contiguous [B, C, T]")
     if kernel_applies(h):
-        _pointwise_conv_triton(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out,
+        _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alpha_out, out, pair_alpha, pair_out,
                                out_channels_last)
         return
     if pair_out is None:
-        results = [(out, pointwise_conv_reference(h, weight, bias, residual, scale, input_bias, alpha_out))]
+        results = [(out, pointwise_conv_reference(h, weight, bias, residual, scale, alpha_out=alpha_out,
+                                                  residual_bias=residual_bias))]
     else:
-        y, pair = pointwise_conv_pair_reference(h, weight, bias, residual, scale, input_bias, alpha=pair_alpha)
+        y, pair = pointwise_conv_pair_reference(h, weight, bias, residual, scale, alpha=pair_alpha,
+                                                residual_bias=residual_bias)
         results = [(out, y), (pair_out, pair)]
     for dest, value in results:
         dest.copy_(value.transpose(1, 2) if out_channels_last else value)
@@ -208,11 +216,11 @@ _pointwise_conv_op = torch.library.custom_op("snac_fast::pointwise_conv", _point
 
 
 @_pointwise_conv_op.register_fake
-def _(h, weight, bias, residual, scale, input_bias, alpha_out, out, pair_alpha, pair_out, out_channels_last):
+def _(h, weight, bias, residual, scale, residual_bias, alpha_out, out, pair_alpha, pair_out, out_channels_last):
     return None
 
 
-def _check_pointwise(h, weight, bias, residual, scale, input_bias, **alphas: Tensor | None) -> None:
+def _check_pointwise(h, weight, bias, residual, scale, input_bias, residual_bias, **alphas: Tensor | None) -> None:
     check_floating(h, "h")
     check_floating(weight, "weight")
     B, C_in, T = h.shape
@@ -223,11 +231,30 @@ def _check_pointwise(h, weight, bias, residual, scale, input_bias, **alphas: Ten
         raise ValueError(f"residual must be {(B, C_out, T)}, got {tuple(residual.shape)}")
     if scale is not None and tuple(scale.shape) != (B, 1, T):
         raise ValueError(f"scale must be {(B, 1, T)}, got {tuple(scale.shape)}")
-    _check_per_channel(C_out, bias=bias, **alphas)
+    _check_per_channel(C_out, bias=bias, residual_bias=residual_bias, **alphas)
     _check_per_channel(C_in, input_bias=input_bias)
     if input_bias is not None and residual is not None and C_in != C_out:
         raise ValueError("input_bias with a residual needs C_in == C_out")
-    check_same_device(h.device, weight, bias, residual, scale, input_bias, *alphas.values())
+    if residual_bias is not None and (residual is None or input_bias is not None):
+        raise ValueError("residual_bias needs a residual, and input_bias already adds its bias to the residual")
+    check_same_device(h.device, weight, bias, residual, scale, input_bias, residual_bias, *alphas.values())
+
+
+def fold_input_bias(weight: Tensor, bias: Tensor | None, input_bias: Tensor | None) -> Tensor | None:
+    """The GEMM bias that stands for an input bias: ``bias + W @ input_bias`` [C_out], float32
+    (float64 for a float64 weight); ``bias`` itself without an input bias. weight: [C_out, C_in, 1]."""
+    if input_bias is None:
+        return bias
+    compute = torch.float64 if weight.dtype == torch.float64 else torch.float32
+    folded = weight.reshape(weight.shape[0], -1).to(compute) @ input_bias.to(compute)
+    return folded if bias is None else folded + bias.to(compute)
+
+
+def _gemm_biases(weight, bias, residual, input_bias, residual_bias) -> tuple[Tensor | None, Tensor | None]:
+    """(GEMM bias, residual bias) that the kernel takes for an input bias."""
+    if input_bias is None:
+        return bias, residual_bias
+    return fold_input_bias(weight, bias, input_bias), None if residual is None else input_bias
 
 
 def _output_buffer(out: Tensor | None, h: Tensor, C_out: int, what: str, channels_last: bool = False) -> Tensor:
@@ -247,35 +274,40 @@ def _output_buffer(out: Tensor | None, h: Tensor, C_out: int, what: str, channel
 def pointwise_conv(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
                    scale: Tensor | None = None, input_bias: Tensor | None = None,
                    alpha_out: Tensor | None = None, *, out: Tensor | None = None,
-                   channels_last: bool = False) -> Tensor:
+                   channels_last: bool = False, residual_bias: Tensor | None = None) -> Tensor:
     """``snake(residual + scale * (W @ h + bias), alpha_out)``: a 1x1 conv with its epilogue fused.
 
     h: [B, C_in, T]; weight: [C_out, C_in, 1]; bias, alpha_out: [C_out]; residual: [B, C_out, T];
-    scale: [B, 1, T]; input_bias: [C_in], added to h and to the residual as they are loaded (needs
-    C_in == C_out when a residual is given). h and residual may be contiguous or channels-last
+    scale: [B, 1, T]; input_bias: [C_in], added to h and to the residual (needs C_in == C_out when a
+    residual is given), as ``bias + W @ input_bias`` (:func:`fold_input_bias`, one small GEMM per
+    call) and ``residual_bias``; a caller that keeps the fold passes it as ``bias`` with
+    ``residual_bias`` ([C_out], added to the residual alone) instead. h and residual may be contiguous or channels-last
     (:func:`is_channels_last`). Returns [B, C_out, T] in h's dtype: contiguous, or with
     ``channels_last`` laid out [B, T, C_out] in memory (the layout a transposed conv reads fastest).
     out: where to write, in that layout; a contiguous out may be the residual itself (an in-place
     update); never h. Inference only.
     """
-    _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha_out=alpha_out)
+    _check_pointwise(h, weight, bias, residual, scale, input_bias, residual_bias, alpha_out=alpha_out)
     out = _output_buffer(out, h, weight.shape[0], "out", channels_last)
+    bias, residual_bias = _gemm_biases(weight, bias, residual, input_bias, residual_bias)
     # the op takes the [B, T, C_out] tensor itself: mutated arguments stay plain contiguous tensors
-    run = _pointwise_conv_op if through_op(h, weight, bias, residual, scale, input_bias, alpha_out) else _pointwise_conv
-    run(h, weight, bias, residual, scale, input_bias, alpha_out, out.transpose(1, 2) if channels_last else out,
+    run = _pointwise_conv_op if through_op(h, weight, bias, residual, scale, residual_bias, alpha_out) else _pointwise_conv
+    run(h, weight, bias, residual, scale, residual_bias, alpha_out, out.transpose(1, 2) if channels_last else out,
         None, None, channels_last)
     return out
 
 
 def pointwise_conv_pair(h: Tensor, weight: Tensor, bias: Tensor | None = None, residual: Tensor | None = None,
                         scale: Tensor | None = None, input_bias: Tensor | None = None, *, alpha: Tensor,
-                        out: Tensor | None = None, snake_out: Tensor | None = None) -> tuple[Tensor, Tensor]:
+                        out: Tensor | None = None, snake_out: Tensor | None = None,
+                        residual_bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """(y, snake(y, alpha)) with y = :func:`pointwise_conv` (no alpha_out), both from one kernel:
     a residual unit's output and the next unit's input snake. out and snake_out: destinations (the
     same rules as :func:`pointwise_conv`'s out; snake_out may be any tensor no longer needed)."""
-    _check_pointwise(h, weight, bias, residual, scale, input_bias, alpha=alpha)
+    _check_pointwise(h, weight, bias, residual, scale, input_bias, residual_bias, alpha=alpha)
     out = _output_buffer(out, h, weight.shape[0], "out")
     snake_out = _output_buffer(snake_out, h, weight.shape[0], "snake_out")
-    run = _pointwise_conv_op if through_op(h, weight, bias, residual, scale, input_bias, alpha) else _pointwise_conv
-    run(h, weight, bias, residual, scale, input_bias, None, out, alpha, snake_out, False)
+    bias, residual_bias = _gemm_biases(weight, bias, residual, input_bias, residual_bias)
+    run = _pointwise_conv_op if through_op(h, weight, bias, residual, scale, residual_bias, alpha) else _pointwise_conv
+    run(h, weight, bias, residual, scale, residual_bias, None, out, alpha, snake_out, False)
     return out, snake_out
