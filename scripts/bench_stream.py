@@ -93,7 +93,54 @@ def stream_fidelity(codec_fp16, codec_fp32, config, frames):
     return out
 
 
+class LoadProbe:
+    """What can stall a push under the simulated load: the garbage collector's pauses (gc.callbacks),
+    each engine call the batcher makes (timed in its thread), graphs captured while serving."""
+
+    def __init__(self, engine):
+        self.engine, self.pauses, self.calls, self._gc_start = engine, [], [], 0.0
+        self.graphs_before = len(engine._graphs)
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._gc_start) * 1e3))
+
+    def __enter__(self):
+        advance = self.engine.advance
+
+        def timed_advance(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return advance(*args, **kwargs)
+            finally:
+                self.calls.append((time.perf_counter() - t0) * 1e3)
+
+        self.engine.advance = timed_advance
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+        del self.engine.advance
+
+    def summary(self) -> dict:
+        oldest = [ms for generation, ms in self.pauses if generation == 2]
+        return {"gc_pauses": len(self.pauses), "gc_max_pause_ms": max((ms for _, ms in self.pauses), default=0.0),
+                "gc_gen2_collections": len(oldest), "gc_gen2_max_pause_ms": max(oldest, default=0.0),
+                "engine_call_max_ms": max(self.calls, default=0.0),
+                "engine_call_p99_ms": statistics.quantiles(self.calls, n=100)[98] if len(self.calls) > 2 else 0.0,
+                "graphs_captured_during_load": len(self.engine._graphs) - self.graphs_before}
+
+
 async def simulated_load(engine, config, streams, interval_ms, seconds, gen):
+    with LoadProbe(engine) as probe:
+        result = await _simulated_load(engine, config, streams, interval_ms, seconds, gen)
+    return {**result, **probe.summary()}
+
+
+async def _simulated_load(engine, config, streams, interval_ms, seconds, gen):
     batcher = AsyncStreamBatcher(engine, max_batch=max(streams, 1), max_wait_ms=2.0)
     strides = config["vq_strides"]
     latencies, first_audio = [], []
@@ -133,6 +180,8 @@ def main() -> None:
     parser.add_argument("--frame-interval-ms", type=float, default=None)
     parser.add_argument("--skip", default="", help="comma-separated modes to leave out")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--gc-freeze", action="store_true",
+                        help="gc.freeze() before each simulated load: objects made so far leave the collector's scans")
     args = parser.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     device = torch.device("cuda")
@@ -163,6 +212,7 @@ def main() -> None:
     del codec32
     print(results["fidelity"], flush=True)
     t0 = time.perf_counter()
+    results["gc_freeze"] = args.gc_freeze
     results["engine_warmup_graphs"] = engine.warmup()
     results["engine_warmup_s"] = time.perf_counter() - t0
     print(f"engine warm-up: {results['engine_warmup_graphs']} graphs in {results['engine_warmup_s']:.1f} s", flush=True)
@@ -241,7 +291,11 @@ def main() -> None:
                       "gpu_ms": gpu_ms, "gpu_ms_per_audio_s": gpu_ms / (S * group * frame_ms / 1000),
                       "realtime_streams": int(S * group * frame_ms / wall_ms)}
         if "load" not in skip:
+            if args.gc_freeze:
+                gc.collect()
+                gc.freeze()
             row["load"] = asyncio.run(simulated_load(engine, config, S, interval, args.load_seconds, gen))
+            gc.unfreeze()
         results["rows"].append(row)
         print(S, {m: round(row[m]["call_ms"], 3) for m in samples}, row.get("load"), flush=True)
         compiled = compiled_folded = None  # free their graphs before the next batch size
@@ -310,8 +364,14 @@ def _markdown(r: dict) -> str:
         lines.append(f"\nSimulated load (engine through AsyncStreamBatcher, max_wait 2 ms; each stream pushes a frame every "
                      f"{r['frame_interval_ms']:.1f} ms):\n")
         rows = [[row["streams"], f"{row['load']['p50_ms']:.2f}", f"{row['load']['p99_ms']:.2f}",
-                 f"{row['load']['time_to_first_audio_ms']:.1f}", row["load"]["batches"]] for row in r["rows"] if "load" in row]
-        lines.append(markdown_table(["streams", "push->audio p50 ms", "p99 ms", "time to first audio ms", "engine calls"], rows))
+                 f"{row['load']['time_to_first_audio_ms']:.1f}", row["load"]["batches"],
+                 f"{row['load'].get('engine_call_max_ms', float('nan')):.1f}",
+                 f"{row['load'].get('gc_gen2_collections', '-')} / {row['load'].get('gc_gen2_max_pause_ms', float('nan')):.1f}",
+                 row["load"].get("graphs_captured_during_load", "-")] for row in r["rows"] if "load" in row]
+        lines.append(markdown_table(["streams", "push->audio p50 ms", "p99 ms", "time to first audio ms", "engine calls",
+                                     "longest engine call ms", "gc full collections / longest ms", "graphs captured"], rows))
+        if r.get("gc_freeze"):
+            lines.append("\ngc.freeze() ran before each load (objects made until then leave the collector's scans).\n")
     f = r["fidelity"]
     lines.append(f"\nFidelity (B=1, same seed): fp32 stream vs fp32 decode {f['stream_fp32_vs_offline_fp32_db']:.1f} dB; "
                  f"fp16 stream vs fp32 decode {f['stream_fp16_vs_offline_fp32_db']:.2f} dB; fp16 decode vs fp32 decode "
