@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import timed_call  # noqa: E402
+from bench_common import median_ms, timed_call  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.modules import FusedNoiseBlock  # noqa: E402
@@ -66,22 +66,9 @@ def codes_for(codec, batch, frames, gen):
                           generator=gen) for s in strides]
 
 
-def graph_us(fn, calls=20, replays=20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / calls)
-    return statistics.median(times)
+def graph_us(fn, calls: int = 20) -> float:
+    """Median GPU µs of one call, from a CUDA graph of ``calls`` back-to-back calls."""
+    return median_ms(fn, [()] * calls, replays=20) * 1e3
 
 
 def per_call_kernels(name, old, gen) -> None:

@@ -456,6 +456,35 @@ def test_fused_noise_block_matches_upstream():
         close(fused(x), x + noise * block.linear(x), torch.float32)
 
 
+def test_fused_noise_block_folds_a_deferred_conv_bias():
+    """After a transposed conv that leaves its bias to the NoiseBlock (cuDNN-sized outputs), the
+    block adds it as a cached float32 ``W @ b`` and a residual bias; the cache follows the weights."""
+    torch.manual_seed(2)
+    twin = NoiseBlock(48).eval()
+    fold_weight_norm(twin)
+    fused = FusedNoiseBlock.from_block(twin)
+    conv = FusedConvTranspose1d.from_conv(torch.nn.ConvTranspose1d(32, 48, 8, stride=4, padding=2))
+    fused.follow(conv)
+    conv.kernel_max_elements = 0  # every output "comes from cuDNN" without its bias
+    x, noise = torch.randn(2, 48, 75), torch.randn(2, 1, 75)  # the conv's output, bias not added
+    fused.draw_noise = lambda t: noise
+    fused.pack()
+    first = fused.folded_bias(conv.bias)
+    assert first.dtype == torch.float32 and fused.folded_bias(conv.bias) is first
+
+    def expected():
+        with_bias = (x + conv.bias[:, None]).double()
+        return with_bias + noise.double() * torch.nn.functional.conv1d(with_bias, fused.linear.weight.double())
+
+    with torch.no_grad():
+        close(fused(x), expected(), torch.float32)
+        fused.linear.weight.mul_(2)  # an in-place change bumps the version: the fold is made again
+        assert fused.folded_bias(conv.bias) is not first
+        close(fused(x), expected(), torch.float32)
+        conv.bias.add_(1)
+        close(fused(x), expected(), torch.float32)
+
+
 def standalone_decoder(*blocks):
     """A minimal object with ``decoder.model`` and a ``quantizer`` slot, as fuse_decoder walks it."""
     holder = torch.nn.Module()
