@@ -7,11 +7,18 @@ profiler. Prints each stage's context shapes once.
     python scripts/ab_context_tiles.py
 """
 import statistics
+import sys
+from pathlib import Path
+
 import torch
-from snac_fast import FastSNAC
-from snac_fast.ops import context as ctx
-import snac_fast.streaming as st
-from snac_fast.streaming import StreamEngine
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import timed_call  # noqa: E402
+
+from snac_fast import FastSNAC  # noqa: E402
+from snac_fast.ops import context as ctx  # noqa: E402
+import snac_fast.streaming as st  # noqa: E402
+from snac_fast.streaming import StreamEngine  # noqa: E402
 
 codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
 strides = codec.config["vq_strides"]
@@ -66,10 +73,7 @@ for S in (1, 16, 64, 256):
     times = {n: [] for n in engines}
     for _ in range(300):
         for n, (e, _o) in engines.items():
-            g = e._graphs[("step", e._bucket(S), 1)].graph
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record(); g.replay(); b.record(); torch.cuda.synchronize()
-            times[n].append(a.elapsed_time(b) * 1e3)
+            times[n].append(timed_call(e._graphs[("step", e._bucket(S), 1)].graph.replay)[1] * 1e3)
     print(f"S={S}: " + " | ".join(f"{n} {statistics.median(t):.1f} us (equal {same[n]})" for n, t in times.items()), flush=True)
     # kernel durations of the context kernels under each rule
     for n, (e, _o) in engines.items():

@@ -16,12 +16,16 @@ import importlib.util
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from snac_fast import FastSNAC
-from snac_fast import streaming
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_common import timed_call  # noqa: E402
+
+from snac_fast import FastSNAC  # noqa: E402
+from snac_fast import streaming  # noqa: E402
 
 
 def load_engine_module(path: str):
@@ -102,12 +106,7 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in runs.items():
                 graph = run["engine"]._graphs[("step", run["engine"]._bucket(S), 1)].graph
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                torch.cuda.synchronize()
-                replays[name].append(start.elapsed_time(end) / 1e3)
+                replays[name].append(timed_call(graph.replay)[1] / 1e3)
         for name, run in runs.items():
             engine, slots = run["engine"], run["slots"]
             for s in slots:  # the replays above repeated a step: start these streams afresh
