@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import median_ms, timed_call  # noqa: E402
+from bench_common import interleaved_decodes, median_ms, timed_call  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.modules import FusedNoiseBlock  # noqa: E402
@@ -124,16 +124,10 @@ def whole_decodes(name, old, rounds, gen) -> None:
     for codec in codecs.values():
         for codes in work.values():
             codec.decode(codes, seed=0)
-    times = {(m, w): [] for m in codecs for w in work}
-    for r in range(rounds):
-        for label, codes in work.items():
-            for mode in list(codecs)[::1 if r % 2 == 0 else -1]:
-                run = lambda: codecs[mode].decode(codes, seed=0)  # noqa: E731
-                run()
-                times[(mode, label)] += [timed_call(run) for _ in range(5)]
+    medians = interleaved_decodes(codecs, work, rounds)
     for label, codes in work.items():
-        ms = {m: statistics.median(t[0] for t in times[(m, label)]) for m in codecs}
-        gpu = {m: statistics.median(t[1] for t in times[(m, label)]) for m in codecs}
+        ms = {m: medians[(m, label)][0] for m in codecs}
+        gpu = {m: medians[(m, label)][1] for m in codecs}
         a = codecs["old"].decode(codes, seed=0).double()
         b = codecs["folded"].decode(codes, seed=0).double()
         snr = 10 * torch.log10(a.square().sum() / (a - b).square().sum()).item()

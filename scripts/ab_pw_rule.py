@@ -18,7 +18,6 @@ import argparse
 import ast
 import contextlib
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import timed_call  # noqa: E402
+from bench_common import interleaved_decodes  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.ops import pointwise  # noqa: E402
@@ -104,16 +103,10 @@ def main() -> None:
             with rule(rules[mode]):
                 for codes in work.values():
                     codec.decode(codes, seed=0)
-        times = {(m, w): [] for m in codecs for w in work}
-        for r in range(args.rounds):
-            for label, codes in work.items():
-                for mode in list(codecs)[::1 if r % 2 == 0 else -1]:
-                    run = lambda: codecs[mode].decode(codes, seed=0)  # noqa: E731
-                    run()
-                    times[(mode, label)] += [timed_call(run) for _ in range(10)]
+        medians = interleaved_decodes(codecs, work, args.rounds, calls=10)
         for label in work:
-            ms = {m: statistics.median(t[0] for t in times[(m, label)]) for m in codecs}
-            gpu = {m: statistics.median(t[1] for t in times[(m, label)]) for m in codecs}
+            ms = {m: medians[(m, label)][0] for m in codecs}
+            gpu = {m: medians[(m, label)][1] for m in codecs}
             print(f"  {name} decode {label}: per call current {ms['current']:.3f} | candidate {ms['candidate']:.3f} "
                   f"({ms['current'] / ms['candidate']:.3f}x); GPU {gpu['current']:.3f} | {gpu['candidate']:.3f} "
                   f"({gpu['current'] / gpu['candidate']:.3f}x)", flush=True)

@@ -83,3 +83,17 @@ def timed_call(fn: Callable[..., object], *args) -> tuple[float, float]:
     end.record()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) * 1e3, start.elapsed_time(end)
+
+
+def interleaved_decodes(codecs: dict, work: dict, rounds: int, calls: int = 5) -> dict:
+    """{(mode, label): (median per-call ms with sync, median GPU ms)} of ``codecs[mode].decode(
+    work[label], seed=0)``: each round runs every workload in every mode, the modes' order reversed
+    every other round, one untimed call before each mode's ``calls`` timed ones."""
+    times = {(m, w): [] for m in codecs for w in work}
+    for r in range(rounds):
+        for label, codes in work.items():
+            for mode in list(codecs)[::1 if r % 2 == 0 else -1]:
+                run = lambda: codecs[mode].decode(codes, seed=0)  # noqa: E731
+                run()
+                times[(mode, label)] += [timed_call(run) for _ in range(calls)]
+    return {key: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for key, ts in times.items()}

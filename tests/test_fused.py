@@ -346,6 +346,60 @@ def test_pointwise_conv_channels_last_layouts(dtype, poisoned_empty):
         pointwise_conv(h, w, residual=spent, out=spent.transpose(1, 2).reshape(2, C, T))
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_pointwise_conv_tma_kernel(dtype, poisoned_empty):
+    """The TMA kernel (forced, at small tiles) against float64 over ragged row and time blocks and
+    three batches: pair outputs with scale, bias and residual bias; h and residual [B, T, C]; an
+    output written [B, T, C] with its snake; in place over the residual."""
+    from snac_fast.ops.pointwise import _pointwise_conv_triton
+
+    gen = torch.Generator().manual_seed(11)
+    B, C_in, C_out, T = 3, 40, 72, 88
+    config = (32, 32, 16, 4, 3)
+    h = torch.randn(B, C_in, T, generator=gen).to(dtype)
+    w = (torch.randn(C_out, C_in, 1, generator=gen) / 6).to(dtype)
+    b, rb = torch.randn(C_out, generator=gen).to(dtype), torch.randn(C_out, generator=gen).to(dtype)
+    res = torch.randn(B, C_out, T, generator=gen).to(dtype)
+    scale = torch.randn(B, 1, T, generator=gen).to(dtype)
+    a = log_uniform_alpha(C_out, gen).to(dtype)
+    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(res), d(scale), alpha=d(a), residual_bias=d(rb))
+    for h_in, res_in in [(h, res), (channels_last(h), channels_last(res))]:
+        y, s = torch.empty_like(res), torch.empty_like(res)
+        _pointwise_conv_triton(h_in, w, b, res_in, scale, rb, None, y, a, s, config=config, tma=True)
+        close(y, ref_y, dtype)
+        close(s, ref_s, dtype)
+    ref = pointwise_conv_reference(d(h), d(w), d(b), d(res), alpha_out=d(a))
+    out = torch.empty(B, T, C_out, dtype=dtype)
+    _pointwise_conv_triton(h, w, b, res, None, None, a, out, out_channels_last=True, config=config, tma=True)
+    close(out.transpose(1, 2), ref, dtype)
+    spent = res.clone()
+    _pointwise_conv_triton(h, w, b, spent, None, None, a, spent, config=config, tma=True)
+    close(spent, ref, dtype)
+
+
+def test_pointwise_conv_tma_rule(monkeypatch):
+    """Which calls take the TMA kernel on Hopper: half precision, 256+ output channels, problems
+    large enough for the plain kernel's biggest tile, 16-byte aligned rows and bases."""
+    from snac_fast.ops import pointwise
+
+    monkeypatch.setattr(pointwise, "has_tma", lambda device: True)
+    monkeypatch.setattr(pointwise, "TRITON_INTERPRET", False)
+    monkeypatch.setattr(pointwise, "wave_programs", lambda device: 128)
+
+    def tile(B, C_out, C_in, T, dtype=torch.float16, offset=0):
+        h = torch.empty(B * C_in * T + offset, dtype=dtype)[offset:].view(B, C_in, T)
+        return pointwise._tma_tile(h, torch.empty(C_out, C_in, dtype=dtype))
+
+    assert tile(1, 768, 768, 39936) == (128, 128, 64, 8, 3)
+    assert tile(1, 1536, 1024, 4992) == (128, 128, 64, 8, 3)
+    assert tile(32, 256, 256, 1024, torch.bfloat16) == (128, 128, 64, 8, 3)
+    assert tile(1, 192, 192, 958464) is None  # the plain kernel is faster below 256 channels
+    assert tile(1, 768, 768, 39936, torch.float32) is None
+    assert tile(1, 768, 768, 39932 + 3) is None  # rows not 16-byte aligned
+    assert tile(1, 768, 768, 39936, offset=4) is None  # base not 16-byte aligned
+    assert tile(1, 768, 768, 256) is None  # a B=1 streaming chunk: small tiles fill the GPU
+
+
 def test_pointwise_conv_in_place_over_the_residual(poisoned_empty):
     gen = torch.Generator().manual_seed(5)
     h, res = torch.randn(1, 64, 50, generator=gen), torch.randn(1, 64, 50, generator=gen)
@@ -727,6 +781,46 @@ def test_gpu_residual_unit_kernels(cuda, dtype, dilation, C):
     assert y is res
     close(y, ref_y, dtype)
     close(s, ref_s, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("C", [1536, 768, 384, 256])
+def test_gpu_pointwise_conv_tma(cuda, dtype, C):
+    """Calls the launch rule gives the TMA kernel on Hopper (half precision, 256+ channels, a long
+    input; the last time tile ragged) against float64 and the plain kernel: a residual unit's tail
+    in place, a NoiseBlock's pair from [B, T, C] input, a block's last unit writing [B, T, C]."""
+    from snac_fast.ops import pointwise
+    from snac_fast.ops._runtime import has_tma
+
+    gen = torch.Generator().manual_seed(C)
+    T = 16392
+    x = torch.randn(2, C, T, generator=gen).to(dtype).to(cuda)
+    h = torch.randn(2, C, T, generator=gen).to(dtype).to(cuda)
+    w = (torch.randn(C, C, 1, generator=gen) / C**0.5).to(dtype).to(cuda)
+    b = torch.randn(C, generator=gen).to(dtype).to(cuda)
+    a = log_uniform_alpha(C, gen).to(cuda)
+    scale = torch.randn(2, 1, T, generator=gen).to(dtype).to(cuda)
+    assert (pointwise._tma_tile(h, w.reshape(C, C)) is not None) == has_tma(x.device)
+    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(x), alpha=d(a))
+    res = x.clone()
+    y, s = pointwise_conv_pair(h, w, b, residual=res, alpha=a, out=res)
+    assert y is res
+    close(y, ref_y, dtype)
+    close(s, ref_s, dtype)
+    h_cl = channels_last(h)
+    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(h), d(scale), alpha=d(a))
+    y, s = pointwise_conv_pair(h_cl, w, b, h_cl, scale, alpha=a)
+    close(y, ref_y, dtype)
+    close(s, ref_s, dtype)
+    plain = torch.empty_like(y), torch.empty_like(s)
+    pointwise._pointwise_conv_triton(h_cl, w, b, h_cl, scale, None, None, plain[0], a, plain[1], tma=False)
+    close(y, d(plain[0]), dtype)
+    close(s, d(plain[1]), dtype)
+    ref = pointwise_conv_reference(d(h), d(w), d(b), d(x), alpha_out=d(a))
+    got = pointwise_conv(h, w, b, x, alpha_out=a, channels_last=True)
+    assert is_channels_last(got)
+    close(got, ref, dtype)
 
 
 @pytest.mark.gpu

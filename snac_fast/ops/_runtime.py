@@ -149,6 +149,12 @@ def dependent_launch(device: torch.device, programs: int) -> bool:
     return programs <= 8 * _wave_programs(index) and _capability(index) >= (9, 0)
 
 
+def has_tma(device: torch.device) -> bool:
+    """Whether compiled Triton kernels on ``device`` can move tiles with the Tensor Memory
+    Accelerator (CUDA compute capability 9.0+: Hopper and later)."""
+    return device.type == "cuda" and not TRITON_INTERPRET and HAS_TRITON and _capability(cuda_index(device)) >= (9, 0)
+
+
 def through_op(*tensors: torch.Tensor | None) -> bool:
     """Whether a call must go through its registered ``torch.library`` op rather than the op's body:
     when torch.compile or export traces it, or autograd records it. Plain inference calls the body

@@ -15,6 +15,8 @@ shared-memory path.
 the next unit's input snake in one kernel. Both can write in place over the residual. Inputs may be
 laid out [B, C, T] or [B, T, C] in memory (``is_channels_last``: a cuDNN transposed conv's output);
 ``pointwise_conv(..., channels_last=True)`` writes [B, T, C] for the transposed conv after a block.
+Large problems of 256+ output channels on Hopper run a second kernel whose tiles the Tensor Memory
+Accelerator moves (Triton tensor descriptors), 128 x 128 on 8 warps (:func:`_tma_tile`).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, through_op,
-                                    wave_programs)
+from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, has_tma, launch_flags,
+                                    through_op, wave_programs)
 from snac_fast.ops.common import (_check_per_channel, _compute_dtype, _maybe_snake, _with_layout, check_floating,
                                   check_same_device, is_channels_last)
 from snac_fast.ops.snake import kernel_applies, snake_reference
@@ -33,8 +35,10 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
     from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.common import _dot_accumulate, _gemm_tile, _snake_rows, _store_with_pair
+    from snac_fast.ops.common import _dot_accumulate, _gemm_tile, _program_tile, _snake_rows, _store_with_pair
 
     @triton.jit
     def _pointwise_conv_kernel(
@@ -75,6 +79,66 @@ if HAS_TRITON:
         if SNAKE_OUT:
             acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
         _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
+
+
+    @triton.jit
+    def _pointwise_conv_tma_kernel(
+        w_desc, h_desc, bias_ptr, res_desc, scale_ptr, res_bias_ptr, alpha_out_ptr, out_desc, pair_alpha_ptr, pair_desc,
+        C_out, T, n_m_blocks, n_t_blocks,
+        HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES_BIAS: tl.constexpr,
+        SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, H_CL: tl.constexpr, RES_CL: tl.constexpr, OUT_CL: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
+        PDL: tl.constexpr, ROWS_FASTEST: tl.constexpr,
+    ):
+        """The kernel above with every tile moved by TMA through 3-D descriptors ([B, C, T] memory,
+        or [B, T, C] where *_CL: such tiles are transposed in shared memory). Out-of-range rows and
+        columns load as zeros and are never stored, so no masks but on the per-channel vectors."""
+        await_previous_kernel(PDL)
+        batch, m_block, t_block = _program_tile(tl.program_id(0), n_m_blocks, n_t_blocks, ROWS_FASTEST)
+        m0 = m_block * BLOCK_M
+        n0 = t_block * BLOCK_N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for kb in range(K_BLOCKS):
+            k0 = kb * BLOCK_K
+            a = w_desc.load([m0, k0])
+            if H_CL:
+                b = tl.trans(h_desc.load([batch, n0, k0]).reshape(BLOCK_N, BLOCK_K))
+            else:
+                b = h_desc.load([batch, k0, n0]).reshape(BLOCK_K, BLOCK_N)
+            if IEEE or UPCAST:
+                acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
+            else:  # accumulated inside the MMA (see _tma_tile)
+                acc = tl.dot(a, b, acc)
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        m_ok = offs_m < C_out
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+        if HAS_SCALE:
+            acc *= tl.load(scale_ptr + batch.to(tl.int64) * T + offs_n, mask=offs_n < T, other=0.0).to(tl.float32)[None, :]
+        if HAS_RES:
+            if RES_CL:
+                res = tl.trans(res_desc.load([batch, n0, m0]).reshape(BLOCK_N, BLOCK_M)).to(tl.float32)
+            else:
+                res = res_desc.load([batch, m0, n0]).reshape(BLOCK_M, BLOCK_N).to(tl.float32)
+            if HAS_RES_BIAS:
+                res += tl.load(res_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
+            acc += res
+        if SNAKE_OUT:
+            acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
+        _tma_store(out_desc, acc, batch, m0, n0, OUT_CL, BLOCK_M, BLOCK_N)
+        if PAIR:
+            pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
+            _tma_store(pair_desc, pair, batch, m0, n0, OUT_CL, BLOCK_M, BLOCK_N)
+
+    @triton.jit
+    def _tma_store(desc, tile, batch, m0, n0, CL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """The fp32 [BLOCK_M, BLOCK_N] tile at (batch, m0, n0) of [B, C, T], in the descriptor's dtype and layout."""
+        tile = tile.to(desc.dtype)
+        if CL:
+            desc.store([batch, n0, m0], tl.trans(tile).reshape(1, BLOCK_N, BLOCK_M))
+        else:
+            desc.store([batch, m0, n0], tile.reshape(1, BLOCK_M, BLOCK_N))
 
 
 # --- references ------------------------------------------------------------------------------
@@ -147,12 +211,38 @@ def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> t
     return block_m, block_n, block_k, 2 if block_m * block_n <= 512 else 4, 3
 
 
+def _tma_tile(h: Tensor, w: Tensor, *tensors: Tensor | None) -> tuple[int, int, int, int, int] | None:
+    """The TMA kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) where it is faster, else None:
+    half-precision problems of 256+ output channels large enough for the plain kernel's biggest
+    tile, on Hopper, with 16-byte aligned rows (channels and time steps multiples of 8) and bases.
+    There it runs 128 x 128 tiles on 8 warps (the plain kernel at that tile: 0.6-1.3x its own).
+    H100, fp16, every such call of the decodes (``scripts/ab_pw_tma.py``,
+    ``benchmarks/pw_tma_ab_h100.log``, bitwise the same outputs): 0.97-1.43x per call (1536
+    channels 71 -> 53 us, 768 channels at 32 kHz 60 s 158 -> 139 us), 1.07-1.27x over a decode's
+    calls; whole decodes 1.0-3.4% faster from 5 s and B=32 chunks up. Below 256 channels it gained
+    nothing overall (0.94-1.17x per call at the plain kernel's tiles, 0.88-1.02x at 128 x 128;
+    ``benchmarks/pw_tma_calls_h100.log``), and persistent programs looping over tiles were 0.6-0.8x. Its K loop accumulates inside the MMA
+    (``tl.dot(a, b, acc)``): ``acc + tl.dot(a, b)`` made the calls with [B, T, C] input 0.78-0.88x
+    the plain kernel."""
+    B, C_in, T = h.shape
+    C_out = w.shape[0]
+    if not has_tma(h.device) or h.dtype not in (torch.float16, torch.bfloat16) or C_out < 256:
+        return None
+    if C_out % 8 or C_in % 8 or T % 8 or any(t is not None and t.data_ptr() % 16 for t in (h, w, *tensors)):
+        return None
+    block_m, block_n, block_k = _pw_config(B, C_out, C_in, T, h.device)[:3]
+    return (128, 128, block_k, 8, 3) if (block_m, block_n) == (64, 128) else None
+
+
 def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alpha_out, out,
-                           pair_alpha=None, pair_out=None, out_channels_last=False, config=None, rows_fastest=None):
+                           pair_alpha=None, pair_out=None, out_channels_last=False, config=None, rows_fastest=None,
+                           tma=None):
     """Writes into out (and pair_out, in out's layout): [B, C_out, T], or [B, T, C_out] when
     ``out_channels_last``. out may be residual itself in the same layout (each element is read
     before it is written, by the same program). h and residual: contiguous or channels-last.
-    bias: any float dtype (a folded input bias comes in float32)."""
+    bias: any float dtype (a folded input bias comes in float32). ``config`` (BLOCK_M, BLOCK_N,
+    BLOCK_K, warps, stages) and ``tma`` (the TMA kernel, which needs :func:`_tma_tile`'s alignment)
+    override the launch rules."""
     B, C_in, T = h.shape
     C_out = weight.shape[0]
     if out.numel() == 0:
@@ -160,6 +250,9 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
     h, h_stride_c, h_stride_t = _with_layout(h)
     w = weight.reshape(C_out, C_in).contiguous()
     residual, res_stride_c, res_stride_t = (None, 0, 0) if residual is None else _with_layout(residual)
+    if tma is None:
+        tma_config = None if config is not None else _tma_tile(h, w, residual, out, pair_out)
+        tma, config = tma_config is not None, tma_config or config
     out_stride_c, out_stride_t = (1, C_out) if out_channels_last else (T, 1)
     scale = None if scale is None else scale.contiguous()
     block_m, block_n, block_k, warps, stages = config or _pw_config(B, C_out, C_in, T, h.device)
@@ -170,16 +263,34 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
         # within +-5%; scripts/tune_tiles.py --only pw-order)
         rows_fastest = n_m > 1
     flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
+    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
+                 HAS_RES_BIAS=residual_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
+                 IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n,
+                 BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k), ROWS_FASTEST=rows_fastest,
+                 num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t))
+    if tma:
+        out_desc = _descriptor(out, block_m, block_n, out_channels_last, already_transposed=True)
+        _pointwise_conv_tma_kernel[(B * n_m * n_t,)](
+            TensorDescriptor.from_tensor(w, [block_m, block_k]), _descriptor(h, block_k, block_n, is_channels_last(h)),
+            flat(bias), out_desc if residual is None else _descriptor(residual, block_m, block_n, is_channels_last(residual)),
+            out if scale is None else scale, flat(residual_bias), flat(alpha_out), out_desc, flat(pair_alpha),
+            out_desc if pair_out is None else _descriptor(pair_out, block_m, block_n, out_channels_last, already_transposed=True),
+            C_out, T, n_m, n_t, H_CL=is_channels_last(h), RES_CL=residual is not None and is_channels_last(residual),
+            OUT_CL=out_channels_last, **flags)
+        return
     _pointwise_conv_kernel[(B * n_m * n_t,)](
         w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
         flat(residual_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
-        C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
-        HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-        HAS_RES_BIAS=residual_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
-        IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k), ROWS_FASTEST=rows_fastest,
-        num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t),
-    )
+        C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t, **flags)
+
+
+def _descriptor(x: Tensor, rows: int, cols: int, channels_last: bool, already_transposed: bool = False):
+    """A TMA descriptor of [1, rows, cols] tiles over x [B, C, T] in its memory order: [1, cols,
+    rows] tiles of the [B, T, C] tensor when ``channels_last`` (x given as that [B, T, C] tensor when
+    ``already_transposed``)."""
+    if not channels_last:
+        return TensorDescriptor.from_tensor(x, [1, rows, cols])
+    return TensorDescriptor.from_tensor(x if already_transposed else x.transpose(1, 2), [1, cols, rows])
 
 
 # --- torch.library op (what torch.compile sees; plain inference calls its body) and the public functions 
