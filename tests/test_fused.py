@@ -774,10 +774,14 @@ def test_gpu_residual_unit_kernels(cuda, dtype, dilation, C):
     got = pointwise_conv(x_cl, wp, b, residual=x_cl, alpha_out=a, channels_last=True)
     assert is_channels_last(got)
     close(got, ref, dtype)
-    h = x.flip(-1).contiguous()
-    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(wp), d(b), d(x), alpha=d(a))
+    check_pair_over_the_residual(x.flip(-1).contiguous(), wp, b, x, a, dtype)
+
+
+def check_pair_over_the_residual(h, w, b, x, a, dtype):
+    """A residual unit's tail: (y, snake(y)) written over a copy of the residual x, against float64."""
+    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(x), alpha=d(a))
     res = x.clone()
-    y, s = pointwise_conv_pair(h, wp, b, residual=res, alpha=a, out=res)
+    y, s = pointwise_conv_pair(h, w, b, residual=res, alpha=a, out=res)
     assert y is res
     close(y, ref_y, dtype)
     close(s, ref_s, dtype)
@@ -802,12 +806,7 @@ def test_gpu_pointwise_conv_tma(cuda, dtype, C):
     a = log_uniform_alpha(C, gen).to(cuda)
     scale = torch.randn(2, 1, T, generator=gen).to(dtype).to(cuda)
     assert (pointwise._tma_tile(h, w.reshape(C, C)) is not None) == has_tma(x.device)
-    ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(x), alpha=d(a))
-    res = x.clone()
-    y, s = pointwise_conv_pair(h, w, b, residual=res, alpha=a, out=res)
-    assert y is res
-    close(y, ref_y, dtype)
-    close(s, ref_s, dtype)
+    check_pair_over_the_residual(h, w, b, x, a, dtype)
     h_cl = channels_last(h)
     ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(h), d(scale), alpha=d(a))
     y, s = pointwise_conv_pair(h_cl, w, b, h_cl, scale, alpha=a)
