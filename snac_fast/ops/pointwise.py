@@ -219,7 +219,8 @@ def _tma_tile(h: Tensor, w: Tensor, *tensors: Tensor | None) -> tuple[int, int, 
     H100, fp16, every such call of the decodes (``scripts/ab_pw_tma.py``,
     ``benchmarks/pw_tma_ab_h100.log``, bitwise the same outputs): 0.97-1.43x per call (1536
     channels 74 -> 54 us, 768 channels at 32 kHz 60 s 164 -> 147 us), 1.07-1.27x over a decode's
-    calls; whole decodes 1.0-3.4% faster from 5 s and B=32 chunks up. Below 256 channels it gained
+    calls; whole decodes 1.0-3.4% faster from 5 s and B=32 chunks up (near that A/B's noise: B=1
+    chunks, with no such call, measured 0.7-3.6% apart). Below 256 channels it gained
     nothing overall (0.94-1.17x per call at the plain kernel's tiles, 0.88-1.02x at 128 x 128;
     ``benchmarks/pw_tma_calls_h100.log``), and persistent programs looping over tiles were 0.6-0.8x. Its K loop accumulates inside the MMA
     (``tl.dot(a, b, acc)``): ``acc + tl.dot(a, b)`` made the calls with [B, T, C] input 0.78-0.88x
