@@ -80,15 +80,14 @@ if HAS_TRITON:
             acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
         _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
 
-
     @triton.jit
     def _pointwise_conv_tma_kernel(
         w_desc, h_desc, bias_ptr, res_desc, scale_ptr, res_bias_ptr, alpha_out_ptr, out_desc, pair_alpha_ptr, pair_desc,
         C_out, T, n_m_blocks, n_t_blocks,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES_BIAS: tl.constexpr,
         SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, H_CL: tl.constexpr, RES_CL: tl.constexpr, OUT_CL: tl.constexpr,
-        IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr,
-        PDL: tl.constexpr, ROWS_FASTEST: tl.constexpr,
+        IEEE: tl.constexpr, UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        K_BLOCKS: tl.constexpr, PDL: tl.constexpr, ROWS_FASTEST: tl.constexpr,
     ):
         """The kernel above with every tile moved by TMA through 3-D descriptors ([B, C, T] memory,
         or [B, T, C] where *_CL: such tiles are transposed in shared memory). Out-of-range rows and
@@ -220,11 +219,11 @@ def _tma_tile(h: Tensor, w: Tensor, *tensors: Tensor | None) -> tuple[int, int, 
     ``benchmarks/pw_tma_ab_h100.log``, bitwise the same outputs): 0.97-1.43x per call (1536
     channels 74 -> 54 us, 768 channels at 32 kHz 60 s 164 -> 147 us), 1.07-1.27x over a decode's
     calls; whole decodes 1.0-3.4% faster from 5 s and B=32 chunks up (near that A/B's noise: B=1
-    chunks, with no such call, measured 0.7-3.6% apart). Below 256 channels it gained
-    nothing overall (0.94-1.17x per call at the plain kernel's tiles, 0.88-1.02x at 128 x 128;
-    ``benchmarks/pw_tma_calls_h100.log``), and persistent programs looping over tiles were 0.6-0.8x. Its K loop accumulates inside the MMA
-    (``tl.dot(a, b, acc)``): ``acc + tl.dot(a, b)`` made the calls with [B, T, C] input 0.78-0.88x
-    the plain kernel."""
+    chunks, with no such call, measured 0.7-3.6% apart). Below 256 channels it gained nothing
+    overall (0.94-1.17x per call at the plain kernel's tiles, 0.88-1.02x at 128 x 128;
+    ``benchmarks/pw_tma_calls_h100.log``), and persistent programs looping over tiles were
+    0.6-0.8x. Its K loop accumulates inside the MMA (``tl.dot(a, b, acc)``): ``acc + tl.dot(a, b)``
+    made the calls with [B, T, C] input 0.78-0.88x the plain kernel."""
     B, C_in, T = h.shape
     C_out = w.shape[0]
     if not has_tma(h.device) or h.dtype not in (torch.float16, torch.bfloat16) or C_out < 256:
@@ -266,26 +265,30 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
     flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
     flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
                  HAS_RES_BIAS=residual_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
-                 IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16, BLOCK_M=block_m, BLOCK_N=block_n,
-                 BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k), ROWS_FASTEST=rows_fastest,
+                 IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
+                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
+                 ROWS_FASTEST=rows_fastest,
                  num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t))
     if tma:
-        out_desc = _descriptor(out, block_m, block_n, out_channels_last, already_transposed=True)
+        out_desc = _descriptor(out, block_m, block_n, out_channels_last, True)  # out is [B, T, C] when channels-last
         _pointwise_conv_tma_kernel[(B * n_m * n_t,)](
             TensorDescriptor.from_tensor(w, [block_m, block_k]), _descriptor(h, block_k, block_n, is_channels_last(h)),
-            flat(bias), out_desc if residual is None else _descriptor(residual, block_m, block_n, is_channels_last(residual)),
+            flat(bias),
+            out_desc if residual is None else _descriptor(residual, block_m, block_n, is_channels_last(residual)),
             out if scale is None else scale, flat(residual_bias), flat(alpha_out), out_desc, flat(pair_alpha),
-            out_desc if pair_out is None else _descriptor(pair_out, block_m, block_n, out_channels_last, already_transposed=True),
+            out_desc if pair_out is None else _descriptor(pair_out, block_m, block_n, out_channels_last, True),
             C_out, T, n_m, n_t, H_CL=is_channels_last(h), RES_CL=residual is not None and is_channels_last(residual),
             OUT_CL=out_channels_last, **flags)
         return
     _pointwise_conv_kernel[(B * n_m * n_t,)](
         w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
         flat(residual_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
-        C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t, **flags)
+        C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
+        **flags)
 
 
-def _descriptor(x: Tensor, rows: int, cols: int, channels_last: bool, already_transposed: bool = False):
+def _descriptor(x: Tensor, rows: int, cols: int, channels_last: bool,
+                already_transposed: bool = False) -> "TensorDescriptor":
     """A TMA descriptor of [1, rows, cols] tiles over x [B, C, T] in its memory order: [1, cols,
     rows] tiles of the [B, T, C] tensor when ``channels_last`` (x given as that [B, T, C] tensor when
     ``already_transposed``)."""
