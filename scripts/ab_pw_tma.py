@@ -53,7 +53,10 @@ def per_call(name: str) -> None:
     totals = {label: [0.0, 0.0] for label in counts}
     for key, a in calls.items():
         h = a["h"]
-        tile = pointwise._tma_tile(h, a["weight"].reshape(a["weight"].shape[0], -1), a["residual"], a["out"], a["pair_out"])
+        B, C_in, T = h.shape
+        C_out = a["weight"].shape[0]
+        plain_tile = pointwise._pw_config(B, C_out, C_in, T, h.device)
+        tile = pointwise._tma_tile(h, a["weight"].reshape(C_out, C_in), plain_tile, a["residual"], a["out"], a["pair_out"])
         if tile is None:
             continue
         results = {}
@@ -63,11 +66,9 @@ def per_call(name: str) -> None:
                 run(h)
                 results[mode] = (timed(run, h) * 1e3, [t.clone() for t in (a["out"], a["pair_out"]) if t is not None])
         diff = max((x.float() - y.float()).abs().max().item() for x, y in zip(results["plain"][1], results["tma"][1]))
-        B, C_in, T = h.shape
         layout = ("h[B,T,C] " if is_channels_last(h) else "") + ("out[B,T,C] " if a["out_channels_last"] else "")
         flags = "".join(f"{f} " for f, arg in (("pair", "pair_out"), ("res", "residual"), ("scale", "scale")) if a[arg] is not None)
-        plain_tile = pointwise._pw_config(B, a["weight"].shape[0], C_in, T, h.device)
-        print(f"  B={B} C_out={a['weight'].shape[0]} C_in={C_in} T={T} {layout}{flags}: plain {plain_tile} "
+        print(f"  B={B} C_out={C_out} C_in={C_in} T={T} {layout}{flags}: plain {plain_tile} "
               f"{results['plain'][0]:.1f} us | tma {tile} {results['tma'][0]:.1f} us "
               f"({results['plain'][0] / results['tma'][0]:.2f}x) | max diff {diff:.3g}", flush=True)
         for label, c in counts.items():

@@ -388,7 +388,8 @@ def test_pointwise_conv_tma_rule(monkeypatch):
 
     def tile(B, C_out, C_in, T, dtype=torch.float16, offset=0):
         h = torch.empty(B * C_in * T + offset, dtype=dtype)[offset:].view(B, C_in, T)
-        return pointwise._tma_tile(h, torch.empty(C_out, C_in, dtype=dtype))
+        plain = pointwise._pw_config(B, C_out, C_in, T, h.device)
+        return pointwise._tma_tile(h, torch.empty(C_out, C_in, dtype=dtype), plain)
 
     assert tile(1, 768, 768, 39936) == (128, 128, 64, 8, 3)
     assert tile(1, 1536, 1024, 4992) == (128, 128, 64, 8, 3)
@@ -805,7 +806,8 @@ def test_gpu_pointwise_conv_tma(cuda, dtype, C):
     b = torch.randn(C, generator=gen).to(dtype).to(cuda)
     a = log_uniform_alpha(C, gen).to(cuda)
     scale = torch.randn(2, 1, T, generator=gen).to(dtype).to(cuda)
-    assert (pointwise._tma_tile(h, w.reshape(C, C)) is not None) == has_tma(x.device)
+    plain = pointwise._pw_config(2, C, C, T, h.device)
+    assert (pointwise._tma_tile(h, w.reshape(C, C), plain) is not None) == has_tma(x.device)
     check_pair_over_the_residual(h, w, b, x, a, dtype)
     h_cl = channels_last(h)
     ref_y, ref_s = pointwise_conv_pair_reference(d(h), d(w), d(b), d(h), d(scale), alpha=d(a))

@@ -210,10 +210,12 @@ def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> t
     return block_m, block_n, block_k, 2 if block_m * block_n <= 512 else 4, 3
 
 
-def _tma_tile(h: Tensor, w: Tensor, *tensors: Tensor | None) -> tuple[int, int, int, int, int] | None:
+def _tma_tile(h: Tensor, w: Tensor, plain: tuple[int, ...],
+              *tensors: Tensor | None) -> tuple[int, int, int, int, int] | None:
     """The TMA kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) where it is faster, else None:
     half-precision problems of 256+ output channels large enough for the plain kernel's biggest
-    tile, on Hopper, with 16-byte aligned rows (channels and time steps multiples of 8) and bases.
+    tile (``plain``: the call's :func:`_pw_config`), on Hopper, with 16-byte aligned rows
+    (channels and time steps multiples of 8) and bases.
     There it runs 128 x 128 tiles on 8 warps (the plain kernel at that tile: 0.6-1.3x its own).
     H100, fp16, every such call of the decodes (``scripts/ab_pw_tma.py``,
     ``benchmarks/pw_tma_ab_h100.log``, bitwise the same outputs): 0.97-1.43x per call (1536
@@ -230,7 +232,7 @@ def _tma_tile(h: Tensor, w: Tensor, *tensors: Tensor | None) -> tuple[int, int, 
         return None
     if C_out % 8 or C_in % 8 or T % 8 or any(t is not None and t.data_ptr() % 16 for t in (h, w, *tensors)):
         return None
-    block_m, block_n, block_k = _pw_config(B, C_out, C_in, T, h.device)[:3]
+    block_m, block_n, block_k = plain[:3]
     return (128, 128, block_k, 8, 3) if (block_m, block_n) == (64, 128) else None
 
 
@@ -250,12 +252,14 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
     h, h_stride_c, h_stride_t = _with_layout(h)
     w = weight.reshape(C_out, C_in).contiguous()
     residual, res_stride_c, res_stride_t = (None, 0, 0) if residual is None else _with_layout(residual)
-    if tma is None:
-        tma_config = None if config is not None else _tma_tile(h, w, residual, out, pair_out)
-        tma, config = tma_config is not None, tma_config or config
+    if config is None:
+        config = _pw_config(B, C_out, C_in, T, h.device)
+        if tma is None:
+            tma_config = _tma_tile(h, w, config, residual, out, pair_out)
+            tma, config = tma_config is not None, tma_config or config
     out_stride_c, out_stride_t = (1, C_out) if out_channels_last else (T, 1)
     scale = None if scale is None else scale.contiguous()
-    block_m, block_n, block_k, warps, stages = config or _pw_config(B, C_out, C_in, T, h.device)
+    block_m, block_n, block_k, warps, stages = config
     n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
     if rows_fastest is None:
         # the output-channel blocks of one time tile run together, so h's columns come from HBM once
@@ -271,14 +275,13 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
                  num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t))
     if tma:
         out_desc = _descriptor(out, block_m, block_n, out_channels_last, True)  # out is [B, T, C] when channels-last
+        h_cl, res_cl = is_channels_last(h), residual is not None and is_channels_last(residual)
         _pointwise_conv_tma_kernel[(B * n_m * n_t,)](
-            TensorDescriptor.from_tensor(w, [block_m, block_k]), _descriptor(h, block_k, block_n, is_channels_last(h)),
-            flat(bias),
-            out_desc if residual is None else _descriptor(residual, block_m, block_n, is_channels_last(residual)),
+            TensorDescriptor.from_tensor(w, [block_m, block_k]), _descriptor(h, block_k, block_n, h_cl), flat(bias),
+            out_desc if residual is None else _descriptor(residual, block_m, block_n, res_cl),
             out if scale is None else scale, flat(residual_bias), flat(alpha_out), out_desc, flat(pair_alpha),
             out_desc if pair_out is None else _descriptor(pair_out, block_m, block_n, out_channels_last, True),
-            C_out, T, n_m, n_t, H_CL=is_channels_last(h), RES_CL=residual is not None and is_channels_last(residual),
-            OUT_CL=out_channels_last, **flags)
+            C_out, T, n_m, n_t, H_CL=h_cl, RES_CL=res_cl, OUT_CL=out_channels_last, **flags)
         return
     _pointwise_conv_kernel[(B * n_m * n_t,)](
         w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
