@@ -17,7 +17,7 @@ from bench_common import timed_call  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.ops import context as ctx  # noqa: E402
-import snac_fast.streaming as st  # noqa: E402
+import snac_fast.streaming.engine as st  # noqa: E402
 from snac_fast.streaming import StreamEngine  # noqa: E402
 
 codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
@@ -51,7 +51,7 @@ def logged(state, slots, new, channels_last=False):
     return real_step(state, slots, new, channels_last)
 
 
-st.context_step = logged
+st.engine.context_step = logged
 gen = torch.Generator().manual_seed(0)
 for S in (1, 16, 64, 256):
     engines = {}

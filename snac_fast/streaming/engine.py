@@ -1,187 +1,28 @@
-"""Exact, stateful, batched streaming decode.
-
-The decoder is cut into stages: the layers before the first DecoderBlock (with the 32/44 kHz local
-attention), each DecoderBlock, and the output layers joined to the last block. A stage keeps, per
-stream, the last ``left + right`` samples of its input (its context: the receptive field of its
-layers, from their kernel sizes, dilations and strides) and, given n new input samples, runs its
-layers on ``[context | new]`` and keeps the ``n * upsample`` outputs whose whole receptive field lay
-inside that buffer. Each stage so lags its input by ``right`` samples, and the audio that comes out
-is exactly what a whole decode gives there: the same layers, the same weights, and NoiseBlock noise
-keyed by absolute position (:mod:`snac_fast.noise`), so ``stream(seed=s)`` equals
-``decode(all_codes, seed=s)``.
-
-Three kinds of step keep every layer's zero padding where upstream has it:
-
-- prefill: a stream's first ``prefill_frames`` frames, each stage's buffer starting at sample 0 (the
-  layers pad the left edge themselves) and long enough to fill the stage's context;
-- step: ``k`` more frames for every stream in the batch (rows = streams at their own positions);
-- flush: the end, each buffer ending at the stream's last sample (the layers pad the right edge).
-
-A stream that ends before its prefill is decoded whole. The local attention of the 32/44 kHz models
-sees whole windows of ``attn_window_size`` latent steps, aligned as in a whole decode: those models
-step in groups of ``window / vq_strides[0]`` frames. Design notes: docs/streaming.md.
-"""
+"""The batched stream engine: state rows for many streams, prefill / step / flush runs, CUDA graphs."""
 
 from __future__ import annotations
 
-import math
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, NamedTuple, Sequence
+from typing import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
 from snac_fast.graphs import out_of_memory_explained
-from snac_fast.noise import check_seed, noise_blocks, patched_noise
+from snac_fast.noise import check_seed, patched_noise
 from snac_fast.ops._runtime import device_scope
 from snac_fast.ops.context import context_step
 from snac_fast.ops.noise import keyed_normal
-from snac_fast.compiling import compiling_concurrently
+from snac_fast.streaming.geometry import Geometry, _align_contexts, build_stages
+from snac_fast.streaming.pending import CheckedCodes, _PendingCodes
+from snac_fast.streaming.step_graph import NoiseCall, StepGraph
 
 PREFILL, STEP, FLUSH = "prefill", "step", "flush"
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
-
-# --- geometry ---------------------------------------------------------------------------------
-
-def _context(layer: nn.Module, reach: int) -> int:
-    """Samples of ``layer``'s input needed on each side when its outputs need ``reach`` samples of
-    context on each side (zero-padded 'same' convs, SNAC's transposed convs, pointwise layers)."""
-    from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
-
-    from snac_fast.modules import FastSnake1d, _Absorbed
-
-    if isinstance(layer, (DecoderBlock, nn.Sequential)):
-        children = layer.block if isinstance(layer, DecoderBlock) else layer
-        for child in reversed(list(children)):
-            reach = _context(child, reach)
-        return reach
-    if isinstance(layer, ResidualUnit):  # upstream's and the fused unit (a subclass)
-        return _context(layer.block, reach)
-    if isinstance(layer, nn.ConvTranspose1d):  # SNAC's k = 2s: output j reads inputs floor(j / s) - 1 .. + 1
-        return -(-reach // layer.stride[0]) + 1
-    if isinstance(layer, nn.Conv1d) and not isinstance(layer, _Absorbed):
-        k, d, p = layer.kernel_size[0], layer.dilation[0], layer.padding[0]
-        if layer.stride[0] != 1 or 2 * p != d * (k - 1):
-            raise ValueError(f"cannot stream through {type(layer).__name__}: needs a stride-1 'same'-padded conv")
-        return reach + p
-    if isinstance(layer, (NoiseBlock, Snake1d, FastSnake1d, _Absorbed, nn.Tanh, nn.Identity)) or is_pointwise_1x1(layer):
-        return reach
-    raise ValueError(f"cannot stream through {type(layer).__name__}")
-
-
-def is_pointwise_1x1(layer: nn.Module) -> bool:
-    return isinstance(layer, nn.Conv1d) and layer.kernel_size[0] == 1 and layer.padding[0] == 0
-
-
-def _upsample(layers: Iterable[nn.Module]) -> int:
-    return math.prod(m.stride[0] for layer in layers for m in layer.modules() if isinstance(m, nn.ConvTranspose1d))
-
-
-@dataclass
-class Stage:
-    """Decoder layers run as one streaming unit. ``layers`` run on the buffer [context | new], then
-    the valid outputs are cropped and ``post`` (the local attention) runs on them. Positions are in
-    the stage's input samples; ``upsample`` output samples follow each input sample."""
-
-    layers: list[nn.Module]
-    post: list[nn.Module]
-    channels: int
-    left: int
-    right: int
-    upsample: int
-    noise: list[tuple[int, int]] = field(default_factory=list)  # (NoiseBlock index, its samples per input sample)
-
-    @property
-    def context(self) -> int:
-        return self.left + self.right
-
-
-def build_stages(model: nn.Module, latent_per_frame: int) -> list[Stage]:
-    """Cut a SNAC decoder (upstream's or after surgery) into stages; see the module docstring."""
-    from snac.attention import LocalMHA
-    from snac.layers import DecoderBlock
-
-    layers = list(model.decoder.model)
-    blocks = [i for i, m in enumerate(layers) if isinstance(m, DecoderBlock)]
-    if not blocks:
-        raise ValueError("cannot stream a decoder without DecoderBlocks")
-    groups = [layers[:blocks[0]]] + [[layers[i]] for i in blocks]
-    groups[-1] += layers[blocks[-1] + 1:]
-    index_of = {id(m): i for i, m in enumerate(noise_blocks(model))}
-    window = model.attn_window_size
-    stages = []
-    for group in groups:
-        post = [m for m in group if isinstance(m, LocalMHA)]
-        if post and group[-1] is not post[-1]:
-            raise ValueError("cannot stream: layers after the local attention in its stage")
-        convs = [m for m in group if not isinstance(m, LocalMHA)]
-        reach = 0
-        for layer in reversed(convs):
-            reach = _context(layer, reach)
-        right = -(-reach // window) * window if post else reach  # the attention takes whole windows
-        channels = next(m for m in convs[0].modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))).in_channels
-        stage = Stage(convs, post, channels, reach, right, _upsample(convs))
-        scale = 1
-        for m in (m for layer in convs for m in layer.modules()):
-            if isinstance(m, nn.ConvTranspose1d):
-                scale *= m.stride[0]
-            elif id(m) in index_of:
-                stage.noise.append((index_of[id(m)], scale))
-        stages.append(stage)
-    return stages
-
-
-@dataclass
-class Geometry:
-    """Where every stage's samples sit. With F frames consumed, stage l's next new input sample is
-    at ``a[l] * F + b[l]`` (input units); the audio made so far ends at ``a[-1] * F + b[-1]``."""
-
-    stages: list[Stage]
-    latent_per_frame: int
-    group: int  # frames per step unit (attention windows)
-    a: list[int]
-    b: list[int]
-    prefill_frames: int
-
-    @classmethod
-    def of(cls, stages: list[Stage], latent_per_frame: int, window: int | None) -> "Geometry":
-        group = 1 if not window else window // math.gcd(window, latent_per_frame)
-        a, b = [latent_per_frame], [0]
-        for s in stages:
-            a.append(a[-1] * s.upsample)
-            b.append((b[-1] - s.right) * s.upsample)
-        prefill = group
-        while not all(a[l] * prefill + b[l] >= s.context and a[l] * prefill + b[l] > s.right
-                      for l, s in enumerate(stages)):
-            prefill += group
-        return cls(stages, latent_per_frame, group, a, b, prefill)
-
-    @property
-    def lookahead_samples(self) -> int:
-        """Audio samples that wait for later frames: the decode's receptive field to the right."""
-        return -self.b[-1]
-
-
-# Triton specializes a stride divisible by 16 and only then vectorizes loads along time: a step whose
-# buffers were 1112 or 2136 samples long ran its block 3-4 kernels 1.5-3x slower (H100, 64 streams)
-ALIGN = 16
-
-
-def _align_contexts(stages: list[Stage], geometry: "Geometry") -> None:
-    """Widen each stage's left context so that in a one-group step the outputs of its upsampling
-    (``[context | new]`` times ``upsample``; its input is read channels-last) are a multiple of
-    :data:`ALIGN` samples long. Extra left context changes no output: the cropped outputs'
-    receptive fields still lie inside the buffer."""
-    for stage, a in zip(stages, geometry.a):
-        unit = ALIGN // math.gcd(ALIGN, stage.upsample)
-        stage.left += -(stage.context + a * geometry.group) % unit
-
-
-# --- streams and the engine -------------------------------------------------------------------
 
 @dataclass(eq=False)
 class StreamSlot:
@@ -213,82 +54,6 @@ class _StepBatch:
     slots: np.ndarray
     keys: np.ndarray
     started: bool
-
-
-class CheckedCodes(list):
-    """One stream's codes after :meth:`StreamEngine.check_codes`: per level an int64 numpy [L_i]."""
-
-    frames: int = 0
-    ids_checked: bool = False
-
-
-class _PendingCodes:
-    """Codes pushed but not decoded yet, for every state slot at once, so that a step gathers the
-    codes of all its streams in one numpy indexing per level (no per-stream tensor work). Level i
-    holds ``ratios[i]`` codes per frame in a buffer [slots, capacity * ratios[i]]; a slot's pending
-    frames are [head, tail) of its row. ``frames_held``: the sum over slots (0 in a server's steady
-    state, which then skips a per-slot look)."""
-
-    def __init__(self, slots: int, ratios: list[int], capacity: int = 32) -> None:
-        self.ratios, self.capacity = ratios, capacity
-        self.levels = [np.zeros((slots, capacity * r), np.int64) for r in ratios]
-        self.head = np.zeros(slots, np.int64)
-        self.tail = np.zeros(slots, np.int64)
-        self.frames_held = 0
-
-    def held(self, slot: int) -> int:
-        return int(self.tail[slot] - self.head[slot])
-
-    def _make_room(self, slot: int, frames: int) -> None:
-        """Move the row's pending frames to its start, growing every row if ``frames`` more still do not fit."""
-        head, tail = int(self.head[slot]), int(self.tail[slot])
-        held = tail - head
-        if held + frames > self.capacity:
-            self.capacity = max(2 * self.capacity, held + frames)
-            self.levels = [np.pad(level, ((0, 0), (0, self.capacity * r - level.shape[1])))
-                           for level, r in zip(self.levels, self.ratios)]
-        for level, r in zip(self.levels, self.ratios):
-            level[slot, :held * r] = level[slot, head * r:tail * r].copy()
-        self.head[slot], self.tail[slot] = 0, held
-
-    def put(self, slot: int, codes: CheckedCodes) -> None:
-        frames = codes.frames
-        if self.tail[slot] + frames > self.capacity:
-            self._make_room(slot, frames)
-        tail = int(self.tail[slot])
-        for level, c, r in zip(self.levels, codes, self.ratios):
-            level[slot, tail * r:(tail + frames) * r] = c
-        self.tail[slot] = tail + frames
-        self.frames_held += frames
-
-    def put_rows(self, slots: np.ndarray, codes: list[np.ndarray], frames: int) -> None:
-        """``frames`` new frames for each of ``slots`` (distinct): per level int64 [len(slots), frames * ratio]."""
-        for slot in slots[self.tail[slots] + frames > self.capacity]:
-            self._make_room(int(slot), frames)
-        for level, c, r in zip(self.levels, codes, self.ratios):
-            level[slots[:, None], self.tail[slots, None] * r + np.arange(frames * r)] = c
-        self.tail[slots] += frames
-        self.frames_held += frames * len(slots)
-
-    def take(self, slots: np.ndarray, frames: int) -> list[np.ndarray]:
-        """The next ``frames`` frames of every slot in ``slots``: per level int64 [len(slots), frames * ratio]."""
-        taken = []
-        for level, r in zip(self.levels, self.ratios):
-            columns = self.head[slots, None] * r + np.arange(frames * r)
-            taken.append(level[slots[:, None], columns])
-        self.head[slots] += frames
-        self.frames_held -= frames * len(slots)
-        return taken
-
-    def take_all(self, slot: int) -> list[np.ndarray]:
-        head, tail = int(self.head[slot]), int(self.tail[slot])
-        self.head[slot] = tail
-        self.frames_held -= tail - head
-        return [level[slot, head * r:tail * r].copy() for level, r in zip(self.levels, self.ratios)]
-
-    def clear(self, slot: int) -> None:
-        self.frames_held -= self.held(slot)
-        self.head[slot] = self.tail[slot] = 0
 
 
 class StreamEngine:
@@ -345,7 +110,7 @@ class StreamEngine:
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
-        self._graphs: dict[tuple, _StepGraph] = {}
+        self._graphs: dict[tuple, StepGraph] = {}
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None  # graphs replay one at a time
 
     # -- facts ---------------------------------------------------------------------------------
@@ -408,7 +173,7 @@ class StreamEngine:
                 keys = np.zeros((4, bucket), np.int64)
                 keys[0] = self.max_streams
                 codes = [] if kind == FLUSH else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
-                self._graphs[(kind, bucket, k)] = _StepGraph(self, kind, keys, codes, k)
+                self._graphs[(kind, bucket, k)] = StepGraph(self, kind, keys, codes, k)
                 captured += 1
         torch.cuda.synchronize(self.device)
         return captured
@@ -744,7 +509,7 @@ class StreamEngine:
                 if len(self._graphs) >= self.max_graphs:
                     self._graphs.pop(next(iter(self._graphs)))
                 with out_of_memory_explained(f"capturing a stream step's CUDA graph ({kind}, {bucket} rows)"):
-                    graph = self._graphs[key] = _StepGraph(self, kind, keys, codes, frames)
+                    graph = self._graphs[key] = StepGraph(self, kind, keys, codes, frames)
             audio = graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
         else:
             audio = self._forward(kind, torch.from_numpy(keys).to(self.device),
@@ -799,17 +564,6 @@ class StreamEngine:
                             dtype=call.dtype)
 
 
-class NoiseCall(NamedTuple):
-    """One NoiseBlock's noise in a step: block ``index``, positions ``frames consumed * per_frame +
-    start + t`` for t < ``length``, in ``dtype``."""
-
-    index: int
-    per_frame: int
-    start: int
-    length: int
-    dtype: torch.dtype
-
-
 def _host_numpy(codes: Tensor) -> np.ndarray:
     """A tensor's values as a numpy array of its dtype (a view on the CPU)."""
     return codes.numpy() if codes.is_cpu else codes.cpu().numpy()
@@ -826,143 +580,3 @@ def _slots_of(streams: Sequence[StreamSlot]) -> np.ndarray:
     return np.fromiter((s.slot for s in streams), np.int64, len(streams))
 
 
-class _StepGraph:
-    """One captured step: static keys and codes in (one pinned host buffer, uploaded by the graph's
-    first node), static audio out. Call it with new inputs, or write them into :meth:`inputs` and
-    :meth:`launch` it."""
-
-    def __init__(self, engine: StreamEngine, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int) -> None:
-        device = engine.device
-        sizes = [keys.size] + [c.size for c in codes]
-        with torch.inference_mode(False):
-            self.host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
-            self.static = torch.empty_like(self.host, device=device)
-        self.host_views, self.static_views, offset = [], [], 0
-        for size, array in zip(sizes, [keys, *codes]):
-            self.host_views.append(self.host.numpy()[offset:offset + size].reshape(array.shape))
-            self.static_views.append(self.static[offset:offset + size].view(array.shape))
-            offset += size
-        self.unsigned_codes = self.host.numpy()[keys.size:].view(np.uint64)  # every level's codes, flat
-        # recorded by each replay right after its upload: the pinned inputs are free again from then on
-        self.copied = torch.cuda.Event(external=True)
-        self._fill(keys, codes)
-        self.static.copy_(self.host)
-        keys_view, codes_views = self.static_views[0], self.static_views[1:]
-        # warm up on a scratch copy of the state: compile kernels without touching any stream's context
-        saved = [t.clone() for t in engine.state]
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        noise_calls: list[NoiseCall] = []
-        with torch.cuda.stream(stream), torch.inference_mode():
-            with compiling_concurrently():  # a shapes-only pass: the kernels compile concurrently
-                engine._forward(kind, keys_view, codes_views, frames)
-            for _ in range(2):
-                noise_calls.clear()
-                engine._forward(kind, keys_view, codes_views, frames,
-                                lambda call: noise_calls.append(call) or engine.draw_noise(keys_view, call))
-        torch.cuda.current_stream(device).wait_stream(stream)
-        self.graph = torch.cuda.CUDAGraph()
-        capture, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool, stream=capture):
-            # the upload and its event inside the graph: a call costs one launch, not a copy, an event
-            # record and a launch (H100 host, 1 stream: ~20 us before the replay starts)
-            self.static.copy_(self.host, non_blocking=True)
-            self.copied.record()
-            # the noise depends on the keys alone: drawn on a branch of the graph that runs beside the
-            # first layers, off the step's critical path (4 kernels, ~10 us at 1 stream on an H100)
-            side.wait_stream(capture)
-            with torch.cuda.stream(side):
-                self.noise = {call.index: engine.draw_noise(keys_view, call) for call in noise_calls}
-            drawn = torch.cuda.Event()
-            drawn.record(side)
-            joined = False
-
-            def noise_for(call: NoiseCall) -> Tensor:
-                nonlocal joined
-                if not joined:
-                    capture.wait_event(drawn)
-                    joined = True
-                if self.noise[call.index].shape[2] != call.length:
-                    raise RuntimeError("a step graph's noise differs from its warm-up's")
-                return self.noise[call.index]
-            self.output = engine._forward(kind, keys_view, codes_views, frames, noise_for)
-            if not joined:
-                capture.wait_event(drawn)
-        for t, s in zip(engine.state, saved):
-            t.copy_(s)
-
-    def inputs(self) -> list[np.ndarray]:
-        """The pinned host views to write a call's inputs into: keys int64 [4, B], then per level
-        the codes int64 [B, L_i]; free once the previous call's copy has left them."""
-        self.copied.synchronize()
-        return self.host_views
-
-    def launch(self) -> Tensor:
-        """Replay (on the current stream, device current): upload what :meth:`inputs` holds and
-        decode; returns the static output (audio [B, 1, samples]) that the next replay overwrites."""
-        self.graph.replay()
-        return self.output
-
-    def _fill(self, keys: np.ndarray, codes: list[np.ndarray]) -> None:
-        for view, array in zip(self.inputs(), [keys, *codes]):
-            view[...] = array
-
-    def __call__(self, keys: np.ndarray, codes: list[np.ndarray]) -> Tensor:
-        self._fill(keys, codes)
-        return self.launch()
-
-
-class DecoderStream:
-    """One stream on a :class:`StreamEngine`: ``push(codes)`` returns the audio that became final,
-    ``flush()`` the rest; their concatenation equals ``codec.decode(all_codes, seed=seed)``.
-    With a token ``layout`` (:mod:`snac_fast.orpheus`), :meth:`push_ids` takes raw LM token ids."""
-
-    def __init__(self, engine: StreamEngine, seed: int | None = None, layout=None) -> None:
-        self.engine = engine
-        self.slot = engine.open(seed)
-        self.layout = layout
-        self._framer = layout.framer() if layout is not None else None
-
-    @property
-    def seed(self) -> int:
-        return self.slot.seed
-
-    @property
-    def lookahead_samples(self) -> int:
-        return self.engine.lookahead_samples
-
-    @property
-    def lookahead_ms(self) -> float:
-        return self.engine.lookahead_ms
-
-    @property
-    def lookahead_frames(self) -> float:
-        return self.engine.lookahead_frames
-
-    def push(self, codes: Sequence[Tensor]) -> Tensor:
-        """codes of k >= 1 new frames (per level [L_i] or [1, L_i]) -> new final audio, 1-D."""
-        return self.engine.advance({self.slot: codes})[self.slot]
-
-    def push_ids(self, ids) -> Tensor:
-        """Raw LM token ids (any count; an incomplete frame waits for the next push) -> new audio."""
-        if self._framer is None:
-            raise ValueError("this stream has no token layout: open it with layout=... (snac_fast.orpheus)")
-        codes = self._framer.push(ids)
-        if codes is None:
-            return self.engine.empty_audio()
-        return self.push(codes)
-
-    def flush(self) -> Tensor:
-        """End the stream: the rest of its audio (1-D). The stream is closed afterwards."""
-        if self._framer is not None:
-            self._framer.finish()
-        return self.engine.advance(finish=[self.slot])[self.slot]
-
-    def close(self) -> None:
-        self.engine.close(self.slot)
-
-    def __enter__(self) -> "DecoderStream":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
