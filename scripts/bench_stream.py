@@ -168,7 +168,7 @@ async def _simulated_load(engine, config, streams, interval_ms, seconds, gen):
     batcher.close()
     q = statistics.quantiles(latencies, n=100)
     return {"p50_ms": statistics.median(latencies), "p99_ms": q[98], "pushes": len(latencies),
-            "time_to_first_audio_ms": statistics.median(first_audio), "batches": batcher.sync.batches}
+            "time_to_first_audio_ms": statistics.median(first_audio), "batches": batcher.batches}
 
 
 def main() -> None:

@@ -225,17 +225,24 @@ class FastSNAC:
         the audio that is now final, ``flush()`` the rest; all of it equals ``decode(codes, seed=seed)``
         (exact; ``lookahead`` in samples below ``stream().lookahead_samples`` trades exactness for
         latency). ``layout``: a token layout (:data:`snac_fast.orpheus.ORPHEUS`) for ``push_ids``.
-        Streams share one engine per lookahead (256 slots; more with :meth:`stream_engine`)."""
+        Streams share one engine per lookahead (:meth:`shared_stream_engine`)."""
         from snac_fast.streaming import DecoderStream
 
         return DecoderStream(self.shared_stream_engine(lookahead), seed, layout)
 
-    def shared_stream_engine(self, lookahead: int | None = None):
-        """The engine (256 stream slots) that :meth:`stream` uses for this ``lookahead``."""
+    def shared_stream_engine(self, lookahead: int | None = None, *, max_streams: int | None = None):
+        """The engine that :meth:`stream` and :meth:`warmup` use for this ``lookahead``: 256 stream
+        slots, or ``max_streams`` (a server sizes it once, before opening streams: an engine with
+        open streams is not resized)."""
         with self.lock:
             engine = self._stream_engines.get(lookahead)
+            if engine is not None and max_streams is not None and max_streams != engine.max_streams:
+                if engine.open_streams:
+                    raise ValueError(f"the shared stream engine has {engine.open_streams} open streams: it cannot be "
+                                     f"resized from {engine.max_streams} to {max_streams} slots now")
+                engine = None
             if engine is None:
-                engine = self._stream_engines[lookahead] = self.stream_engine(lookahead=lookahead)
+                engine = self._stream_engines[lookahead] = self.stream_engine(max_streams or 256, lookahead=lookahead)
             return engine
 
     def _validate_structure(self, codes: list[Tensor]) -> None:

@@ -1,198 +1,431 @@
-"""Batching of concurrent streams for servers: what TTS servers hand-write around ``SNAC.decode``
-(collect the requests of many streams, wait at most a few ms or until the batch is full, decode them
-together), here over an exact :class:`~snac_fast.streaming.StreamEngine`.
+"""Batching of concurrent streams for servers: many streams' pushes decoded together on one
+:class:`~snac_fast.streaming.StreamEngine`.
 
-:class:`StreamBatcher` is the thread-safe synchronous form: one worker thread runs the GPU work;
-``push`` blocks its caller until that stream's audio is ready (``submit`` returns a
-``concurrent.futures.Future`` instead). :class:`AsyncStreamBatcher` is the asyncio form over the same
-worker: ``await batcher.push(stream_id, codes)``; the event loop never waits on the GPU.
+:class:`AsyncStreamBatcher` is the asyncio form (``await batcher.push_ids(stream_id, ids)``),
+:class:`StreamBatcher` the thread-safe blocking one (``push`` waits; ``submit`` returns a
+``concurrent.futures.Future``). Both share one design, built for the host to keep up with the GPU:
+
+- A push is checked and framed on the caller's thread with numpy alone (ids to codes, no torch
+  call), then appended to a list; the engine thread is woken only when it waits.
+- The engine thread takes whatever is pending when the GPU frees (``max_wait_ms`` > 0: waits that
+  long for more when fewer than ``max_batch`` are pending), runs it in chunks of ``max_batch``
+  streams, one :meth:`StreamEngine.step_rows` each, and hands each chunk's results to the event loop
+  with one wake-up (not one per push).
+- ``output="int16"`` or ``"float32"``: host PCM (numpy), copied from the GPU once per engine call
+  into pinned memory, instead of GPU tensors.
+- A cancelled ``await`` (a client that disconnected) releases only its stream; a stream idle for
+  ``idle_timeout_s`` is released by the engine thread; a push to a released stream raises a
+  ``ValueError`` naming why; an engine call that fails (out of memory) fails and releases only the
+  streams of that call, and the engine thread serves on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
+import numpy as np
+import torch
 from torch import Tensor
 
 from snac_fast.orpheus import TokenFramer, TokenLayout
-from snac_fast.streaming import StreamEngine, StreamSlot
+from snac_fast.streaming import CheckedCodes, StreamEngine, StreamSlot
+from snac_fast.streaming.engine import joined_audio
+
+OUTPUTS = ("tensor", "float32", "int16")
 
 
-@dataclass
+class _Stream:
+    """A batcher's stream: its engine slot, token framer and activity."""
+
+    __slots__ = ("id", "slot", "framer", "last_active", "ended", "dropped")
+
+    def __init__(self, stream_id: int, slot: StreamSlot, framer: TokenFramer | None) -> None:
+        self.id, self.slot, self.framer = stream_id, slot, framer
+        self.last_active = time.monotonic()
+        self.ended: str | None = None  # why it takes no more pushes (flushed, released, ...)
+        self.dropped = False  # released without its audio: its queued work is skipped
+
+
 class _Request:
-    stream: StreamSlot
-    codes: list[Tensor] | None  # checked, or None for a flush alone
-    finish: bool
-    future: Future = field(default_factory=Future)
+    """One push (``frames`` new frames as a level-major row), and/or the stream's end, or a release."""
+
+    __slots__ = ("stream", "frames", "row", "finish", "release", "future", "checked", "queued_at")
+
+    def __init__(self, stream: _Stream, frames: int, row: np.ndarray | None, finish: bool, future,
+                 release: bool = False, checked: CheckedCodes | None = None) -> None:
+        self.stream, self.frames, self.row, self.finish = stream, frames, row, finish
+        self.release, self.future, self.checked = release, future, checked
+        self.queued_at = 0.0
 
 
-class StreamBatcher:
-    """Runs the pushes of many streams in batches on one engine.
+class _Batcher:
+    """What both batchers share: streams, checks on the caller's thread, the engine thread.
+    Subclasses say how a result reaches its caller (:meth:`_new_future`, :meth:`_deliver`)."""
 
-    max_batch: most requests per engine call (SNAC_MAX_BATCH in servers); max_wait_ms: how long the
-    first request of a batch waits for others (SNAC_BATCH_TIMEOUT_MS). layout: token layout for
-    :meth:`push_ids` (:data:`snac_fast.orpheus.ORPHEUS`). A stream's requests run in the order they
-    were submitted; a bad request fails its own future (or raises in the caller) and no other.
-    Use as a context manager, or call :meth:`close` to stop the worker.
-    """
-
-    def __init__(self, engine: StreamEngine, max_batch: int = 64, max_wait_ms: float = 5.0,
-                 layout: TokenLayout | None = None) -> None:
+    def __init__(self, engine: StreamEngine, max_batch: int = 64, max_wait_ms: float = 0.0,
+                 layout: TokenLayout | None = None, output: str = "tensor",
+                 idle_timeout_s: float | None = None) -> None:
         if max_batch < 1 or max_wait_ms < 0:
             raise ValueError("max_batch must be >= 1 and max_wait_ms >= 0")
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        if idle_timeout_s is not None and idle_timeout_s <= 0:
+            raise ValueError(f"idle_timeout_s must be positive (or None), got {idle_timeout_s}")
         if layout is not None:
             layout.check_model(engine.config)
         self.engine, self.max_batch, self.max_wait = engine, max_batch, max_wait_ms / 1000.0
-        self.layout = layout
-        self._streams: dict[int, StreamSlot] = {}
-        self._framers: dict[int, TokenFramer] = {}
+        self.layout, self.output, self.idle_timeout = layout, output, idle_timeout_s
+        self._streams: dict[int, _Stream] = {}
+        self._ended: dict[int, str] = {}  # stream id -> why it ended (the most recent ones)
         self._next_id = 0
-        self._lock = threading.Lock()
-        self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the streams
+        # pushes append to a deque (atomic: no lock on the hot path) and set the event only while the
+        # engine thread sleeps (it announces that in _sleeping, then looks at the deque once more)
+        self._pending: deque[_Request] = deque()
+        self._wake = threading.Event()
+        self._sleeping = False
+        self._stopping = False
         self._closed = False
+        self._pinned: list[Tensor] = []  # per engine call of an engine-thread round: host PCM lands here
+        self._copies = 0
+        if output != "tensor" and engine.device.type == "cuda":  # allocated now, not under load (cudaHostAlloc)
+            size = max_batch * engine.samples_per_frame * engine.frames_per_group
+            self._pinned = [torch.empty(size, dtype=torch.int16 if output == "int16" else torch.float32, pin_memory=True)
+                            for _ in range(2)]
+            # the conversion kernels' first launches (lazy module loads) now, not in the first pushes
+            _, copied = self._to_host(torch.zeros(size, device=engine.device, dtype=engine.dtype))
+            copied.synchronize()
+            self._copies = 0
+        # for monitoring: engine calls, requests run, streams released for idling, failed engine calls
+        self.batches = self.requests = self.idle_released = self.failed_calls = 0
+        self.step_seconds = 0.0  # engine-thread time in engine calls, copies included
+        # CUDA-event time from each engine call's start to its copy's end (PCM outputs on CUDA): an
+        # upper bound of the GPU's busy time (it includes the gaps while the host launches)
+        self.gpu_seconds = 0.0
         self._worker = threading.Thread(target=self._serve, name="snac-fast-batcher", daemon=True)
         self._worker.start()
-        self.batches = 0  # engine calls so far (for monitoring)
 
-    # -- streams -------------------------------------------------------------------------------
+    # -- streams (any thread) ------------------------------------------------------------------
 
     def open(self, seed: int | None = None) -> int:
         """A new stream's id (its noise seed: see :meth:`StreamEngine.open`)."""
         slot = self.engine.open(seed)
         with self._lock:
+            if self._closed:
+                self.engine.close(slot)
+                raise RuntimeError("the batcher is closed")
             stream_id, self._next_id = self._next_id, self._next_id + 1
-            self._streams[stream_id] = slot
-            if self.layout is not None:
-                self._framers[stream_id] = self.layout.framer()
+            self._streams[stream_id] = _Stream(stream_id, slot, self.layout.framer() if self.layout else None)
         return stream_id
 
-    def _stream(self, stream_id: int) -> StreamSlot:
-        with self._lock:
+    @property
+    def open_streams(self) -> int:
+        return len(self._streams)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for the engine thread."""
+        return len(self._pending)
+
+    def _stream(self, stream_id: int) -> _Stream:
+        stream = self._streams.get(stream_id)
+        if stream is None or stream.ended:
             if self._closed:
                 raise RuntimeError("the batcher is closed")
-            if stream_id not in self._streams:
+            why = self._ended.get(stream_id)
+            if why is None:
                 raise ValueError(f"no open stream {stream_id!r}")
-            return self._streams[stream_id]
+            raise ValueError(f"stream {stream_id} has ended ({why}); open a new one")
+        return stream
 
-    def submit(self, stream_id: int, codes: Sequence[Tensor] | None = None, *, finish: bool = False) -> Future:
-        """Queue new codes (k >= 1 frames, checked now) and/or the stream's end; the future's result
-        is the stream's audio that became final (1-D tensor on the engine's device)."""
+    def _submit_codes(self, stream_id: int, codes: Sequence[Tensor] | None, finish: bool):
         stream = self._stream(stream_id)
-        checked = self.engine.check_codes(codes) if codes is not None else None
+        frames, row, checked = 0, None, None
+        if codes is not None:
+            checked = self.engine.check_codes(codes)
+            frames, row = checked.frames, self.engine.row_of(checked)
         if finish:
-            with self._lock:
-                self._streams.pop(stream_id, None)
-                framer = self._framers.pop(stream_id, None)
-            if framer is not None:
-                framer.finish()
-        request = _Request(stream, checked, finish)
-        self._queue.put(request)
-        return request.future
+            if stream.framer is not None:
+                stream.framer.finish()
+            self._end(stream, "flushed")
+        return self._queue(_Request(stream, frames, row, finish, self._new_future(), checked=checked))
 
-    def submit_ids(self, stream_id: int, ids) -> Future:
-        """Queue raw LM token ids (checked now; an incomplete frame waits for the next push)."""
+    def _submit_ids(self, stream_id: int, ids):
         stream = self._stream(stream_id)
-        framer = self._framers.get(stream_id)
-        if framer is None:
+        if stream.framer is None:
             raise ValueError("this batcher has no token layout: make it with layout=... (snac_fast.orpheus)")
-        codes = framer.push(ids)
-        if codes is None:
-            done: Future = Future()
-            done.set_result(self.engine.empty_audio())
-            return done
-        request = _Request(stream, self.engine.check_codes(codes), False)
-        self._queue.put(request)
+        frames, row = stream.framer.push_row(ids)
+        future = self._new_future()
+        if not frames:
+            stream.last_active = time.monotonic()
+            self._resolve(future, self._empty())
+            return future
+        return self._queue(_Request(stream, frames, row, False, future))
+
+    def _queue(self, request: _Request):
+        if self._stopping:
+            raise RuntimeError("the batcher is closed")
+        request.queued_at = request.stream.last_active = time.monotonic()
+        self._pending.append(request)
+        if self._sleeping:
+            self._wake.set()
         return request.future
 
-    def push(self, stream_id: int, codes: Sequence[Tensor]) -> Tensor:
-        return self.submit(stream_id, codes).result()
+    def release(self, stream_id: int) -> None:
+        """Drop a stream without decoding the rest (a client gone): its slot is freed once any push
+        of it in flight has run; later pushes to it raise. Safe to call from any thread, twice."""
+        stream = self._streams.get(stream_id)
+        if stream is not None and not stream.ended:
+            self._end(stream, "released", drop=True)
+            self._queue(_Request(stream, 0, None, False, None, release=True))
 
-    def push_ids(self, stream_id: int, ids) -> Tensor:
-        return self.submit_ids(stream_id, ids).result()
+    def _end(self, stream: _Stream, why: str, drop: bool = False) -> None:
+        with self._lock:
+            stream.ended = stream.ended or why
+            stream.dropped = stream.dropped or drop
+            if self._streams.pop(stream.id, None) is not None:
+                self._ended[stream.id] = stream.ended
+                if len(self._ended) > 4096:  # the reasons of recent ends, for the errors of late pushes
+                    del self._ended[next(iter(self._ended))]
 
-    def flush(self, stream_id: int) -> Tensor:
-        """End the stream: the rest of its audio."""
-        return self.submit(stream_id, finish=True).result()
-
-    # -- the worker ----------------------------------------------------------------------------
-
-    def _collect(self, first: _Request, carried: deque) -> tuple[list[_Request], bool]:
-        batch, stopping = [first], False
-        deadline = time.monotonic() + self.max_wait
-        while len(batch) < self.max_batch:
-            if carried:
-                batch.append(carried.popleft())
-                continue
-            timeout = deadline - time.monotonic()
-            try:
-                request = self._queue.get(timeout=timeout) if timeout > 0 else self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if request is None:
-                stopping = True
-                break
-            batch.append(request)
-        return batch, stopping
+    # -- the engine thread ---------------------------------------------------------------------
 
     def _serve(self) -> None:
-        carried: deque[_Request] = deque()  # a stream's later requests wait for its earlier one
+        carried: list[_Request] = []  # a stream's later requests wait for its earlier one
+        next_sweep = time.monotonic() + (self.idle_timeout or 0) / 4
         while True:
-            first = carried.popleft() if carried else self._queue.get()
-            if first is None:
+            while not self._pending and not carried and not self._stopping:
+                self._sleep(self.idle_timeout / 4 if self.idle_timeout else None)
+                if self.idle_timeout and time.monotonic() >= next_sweep:
+                    break
+            if self.max_wait and self._pending and len(self._pending) + len(carried) < self.max_batch:
+                deadline = self._pending[0].queued_at + self.max_wait
+                while not self._stopping and len(self._pending) + len(carried) < self.max_batch:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self._sleep(left)
+            taken = [self._pending.popleft() for _ in range(len(self._pending))]
+            if self._stopping and not taken and not carried:
                 return
-            batch, stopping = self._collect(first, carried)
-            now, seen = [], set()
+            if self.idle_timeout and time.monotonic() >= next_sweep:
+                self._release_idle()
+                next_sweep = time.monotonic() + self.idle_timeout / 4
+            batch = carried + taken if carried else taken
+            now, carried, seen = [], [], set()
             for request in batch:
                 if request.stream in seen:
                     carried.append(request)
                 else:
                     seen.add(request.stream)
                     now.append(request)
-            self._run(now)
-            if stopping:
-                while carried:
-                    self._run([carried.popleft()])
-                return
+            if now:
+                self._run(now)
+
+    def _sleep(self, timeout: float | None) -> None:
+        """Wait (the engine thread) until a push sets the event, or ``timeout`` seconds."""
+        self._sleeping = True
+        if not self._pending and not self._stopping:  # a push between the caller's look and the flag
+            self._wake.wait(timeout)
+        self._wake.clear()
+        self._sleeping = False
+
+    def _release_idle(self) -> None:
+        limit = time.monotonic() - self.idle_timeout
+        with self._lock:
+            idle = [s for s in self._streams.values() if s.last_active < limit]
+        for stream in idle:
+            self._end(stream, f"idle for over {self.idle_timeout:g} s", drop=True)
+            self.engine.close(stream.slot)
+            self.idle_released += 1
 
     def _run(self, requests: list[_Request]) -> None:
-        pushes = {r.stream: r.codes for r in requests if r.codes is not None}
-        finish = [r.stream for r in requests if r.finish]
-        try:
-            audio = self.engine.advance(pushes, finish)
-        except ValueError as error:  # a request the engine refused before any work: find it alone
-            if len(requests) > 1:
-                for r in requests:
-                    self._run([r])
-                return
-            requests[0].future.set_exception(error)
-            return
-        except BaseException as error:  # noqa: BLE001 - handed to every waiting caller
-            for r in requests:
-                r.future.set_exception(error)
-            return
-        self.batches += 1
+        """One round: group the requests into engine calls, launch them all, then finish and hand
+        out each call's results in order (later calls' GPU work overlaps earlier ones' copies)."""
+        steps: dict[int, list[_Request]] = {}
+        ends: list[_Request] = []
         for r in requests:
-            r.future.set_result(audio[r.stream])
+            if r.release:
+                self.engine.close(r.stream.slot)
+            elif r.finish:
+                ends.append(r)
+            elif r.stream.dropped:  # released after this push was queued: skip its work
+                self._deliver([r], [ValueError(f"stream {r.stream.id} was released ({r.stream.ended})")])
+            else:
+                steps.setdefault(r.frames, []).append(r)
+        calls = [chunk for group in steps.values()
+                 for chunk in (group[i:i + self.max_batch] for i in range(0, len(group), self.max_batch))]
+        started = time.perf_counter()
+        self._copies = 0  # pinned buffers taken this round
+        launched = []
+        for chunk in calls:
+            launched.append(self._launch(chunk, lambda c=chunk: self.engine.step_rows(
+                [r.stream.slot for r in c], np.stack([r.row for r in c]), c[0].frames)))
+        for i in range(0, len(ends), self.max_batch):  # flush graphs are warmed up to max_batch rows
+            chunk = ends[i:i + self.max_batch]
+            launched.append(self._launch(chunk, lambda c=chunk: self._finish(c)))
+        for chunk, pending in launched:
+            self._deliver(chunk, pending())
+        self.step_seconds += time.perf_counter() - started
+        self.requests += len(requests)
+
+    def _finish(self, ends: list[_Request]) -> tuple[Tensor, np.ndarray]:
+        pushes = {r.stream.slot: r.checked for r in ends if r.checked is not None}
+        audio = self.engine.advance(pushes, [r.stream.slot for r in ends])
+        return joined_audio([audio[r.stream.slot] for r in ends])
+
+    def _launch(self, chunk: list[_Request], call: Callable[[], tuple[Tensor, np.ndarray]]):
+        """Run one engine call and start its copy to the host; returns (chunk, a function that
+        waits for the copy and returns each request's result or error)."""
+        begun = None
+        if self.output != "tensor" and self.engine.device.type == "cuda":
+            begun = torch.cuda.Event(enable_timing=True)
+            begun.record(torch.cuda.current_stream(self.engine.device))
+        try:
+            audio, offsets = call()
+            self.batches += 1
+            if self.output == "tensor":
+                pieces = list(torch.split(audio, np.diff(offsets).tolist()))
+                return chunk, lambda: pieces
+            host, copied = self._to_host(audio)
+        except ValueError as error:  # refused before any work: a closed stream, an end mid-window
+            if len(chunk) == 1:
+                return chunk, lambda e=error: [e]
+            results = [self._launch([r], lambda r=r: self._single(r)) for r in chunk]
+            return chunk, lambda: [p()[0] for _, p in results]
+        except Exception as error:  # noqa: BLE001 - an out-of-memory, a driver error: only this call fails
+            self.failed_calls += 1
+            for r in chunk:
+                self._end(r.stream, f"its engine call failed: {type(error).__name__}", drop=True)
+                self.engine.close(r.stream.slot)
+            return chunk, lambda e=error: [e] * len(chunk)
+
+        def wait() -> list:
+            if copied is not None:
+                copied.synchronize()  # releases the GIL: the event loop runs meanwhile
+                self.gpu_seconds += begun.elapsed_time(copied) / 1e3
+            pcm = host.numpy()[:offsets[-1]].copy()  # the pinned buffer is the next round's
+            widths = set(np.diff(offsets).tolist())
+            if len(widths) == 1:
+                return list(pcm.reshape(len(chunk), -1))
+            return np.split(pcm, offsets[1:-1])
+        return chunk, wait
+
+    def _single(self, request: _Request) -> tuple[Tensor, np.ndarray]:
+        if request.finish:
+            return self._finish([request])
+        return self.engine.step_rows([request.stream.slot], request.row[None], request.frames)
+
+    def _to_host(self, audio: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+        """Convert on the device and start one copy into pinned memory (a buffer per engine call
+        of the round, reused by the next round)."""
+        if self.output == "int16":
+            audio = audio.float().mul_(32767.0).round_().clamp_(-32768, 32767).to(torch.int16)
+        elif audio.dtype != torch.float32:
+            audio = audio.float()
+        if audio.device.type != "cuda":
+            return audio, None
+        index, self._copies = self._copies, self._copies + 1
+        while len(self._pinned) <= index:
+            self._pinned.append(torch.empty(0, dtype=audio.dtype, pin_memory=True))
+        host = self._pinned[index]
+        if host.numel() < audio.numel() or host.dtype != audio.dtype:
+            host = self._pinned[index] = torch.empty(max(audio.numel(), 2 * host.numel()), dtype=audio.dtype,
+                                                     pin_memory=True)
+        host[:audio.numel()].copy_(audio, non_blocking=True)
+        copied = torch.cuda.Event(enable_timing=True)
+        copied.record(torch.cuda.current_stream(audio.device))
+        return host, copied
+
+    def _empty(self):
+        if self.output == "tensor":
+            return self.engine.empty_audio()
+        return np.empty(0, np.int16 if self.output == "int16" else np.float32)
+
+    # -- results (subclasses) ------------------------------------------------------------------
+
+    def _new_future(self):
+        raise NotImplementedError
+
+    def _deliver(self, requests: list[_Request], results: list) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _resolve(future, result) -> None:
+        """Set a future's result (or exception), unless its caller gave up on it (cancelled)."""
+        if future is None or future.done():
+            return
+        if isinstance(result, BaseException):
+            future.set_exception(result)
+        else:
+            future.set_result(result)
+
+    # -- shutting down -------------------------------------------------------------------------
 
     def close(self) -> None:
-        """Finish the queued requests, then stop the worker (open streams are released)."""
+        """Finish the queued requests, then stop the engine thread (open streams are released)."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
             streams = list(self._streams.values())
             self._streams.clear()
-        self._queue.put(None)
+        self._stopping = True
+        self._wake.set()
         self._worker.join()
+        while self._pending:  # queued while the engine thread was stopping: nobody will run them
+            request = self._pending.popleft()
+            self._deliver([request], [RuntimeError("the batcher is closed")])
         for s in streams:
-            self.engine.close(s)
+            s.ended = "the batcher closed"
+            self.engine.close(s.slot)
+
+
+class StreamBatcher(_Batcher):
+    """Runs the pushes of many streams in batches on one engine, for threads.
+
+    max_batch: most streams per engine call (larger batches run in several calls); max_wait_ms: how
+    long the engine thread, finding fewer than max_batch requests, waits for more (0: whatever is
+    pending when the GPU frees). layout: token layout for :meth:`push_ids`
+    (:data:`snac_fast.orpheus.ORPHEUS`). output: ``"tensor"`` (1-D GPU tensors in the engine's
+    dtype), ``"float32"`` or ``"int16"`` (1-D numpy PCM). idle_timeout_s: release a stream no push
+    touched for that long. A stream's requests run in order; a bad request fails its own future (or
+    raises in the caller) and no other. Use as a context manager, or call :meth:`close`.
+    """
+
+    def submit(self, stream_id: int, codes: Sequence[Tensor] | None = None, *, finish: bool = False) -> Future:
+        """Queue new codes (k >= 1 frames, checked now) and/or the stream's end; the future's result
+        is the stream's audio that became final."""
+        return self._submit_codes(stream_id, codes, finish)
+
+    def submit_ids(self, stream_id: int, ids) -> Future:
+        """Queue raw LM token ids (checked now; an incomplete frame waits for the next push)."""
+        return self._submit_ids(stream_id, ids)
+
+    def push(self, stream_id: int, codes: Sequence[Tensor]):
+        return self.submit(stream_id, codes).result()
+
+    def push_ids(self, stream_id: int, ids):
+        return self.submit_ids(stream_id, ids).result()
+
+    def flush(self, stream_id: int):
+        """End the stream: the rest of its audio."""
+        return self.submit(stream_id, finish=True).result()
+
+    def _new_future(self) -> Future:
+        return Future()
+
+    def _deliver(self, requests: list[_Request], results: list) -> None:
+        for r, result in zip(requests, results):
+            try:
+                self._resolve(r.future, result)
+            except Exception:  # noqa: BLE001 - cancelled by its caller in between: nobody waits
+                pass
 
     def __enter__(self) -> "StreamBatcher":
         return self
@@ -201,31 +434,52 @@ class StreamBatcher:
         self.close()
 
 
-class AsyncStreamBatcher:
-    """The asyncio form: ``await push(stream_id, codes)`` returns that stream's audio; pushes of
-    concurrent tasks are batched (``max_batch``, ``max_wait_ms``) by a worker thread."""
+class AsyncStreamBatcher(_Batcher):
+    """The asyncio form: ``await push_ids(stream_id, ids)`` (or ``push`` of codes) returns that
+    stream's audio that became final; options as :class:`StreamBatcher`. Cancelling an awaiting task
+    (a client that disconnected) releases its stream and nothing else. Results reach the event loop
+    in one wake-up per engine call."""
 
-    def __init__(self, engine: StreamEngine, max_batch: int = 64, max_wait_ms: float = 5.0,
-                 layout: TokenLayout | None = None) -> None:
-        self.sync = StreamBatcher(engine, max_batch, max_wait_ms, layout)
+    async def push(self, stream_id: int, codes: Sequence[Tensor]):
+        return await self._awaited(stream_id, self._submit_codes(stream_id, codes, False))
 
-    def open(self, seed: int | None = None) -> int:
-        return self.sync.open(seed)
+    async def push_ids(self, stream_id: int, ids):
+        return await self._awaited(stream_id, self._submit_ids(stream_id, ids))
 
-    async def push(self, stream_id: int, codes: Sequence[Tensor]) -> Tensor:
-        return await asyncio.wrap_future(self.sync.submit(stream_id, codes))
+    async def flush(self, stream_id: int):
+        """End the stream: the rest of its audio."""
+        return await self._awaited(stream_id, self._submit_codes(stream_id, None, True))
 
-    async def push_ids(self, stream_id: int, ids) -> Tensor:
-        return await asyncio.wrap_future(self.sync.submit_ids(stream_id, ids))
+    async def _awaited(self, stream_id: int, future: asyncio.Future):
+        try:
+            return await future
+        except asyncio.CancelledError:
+            self.release(stream_id)
+            raise
 
-    async def flush(self, stream_id: int) -> Tensor:
-        return await asyncio.wrap_future(self.sync.submit(stream_id, finish=True))
+    def _new_future(self) -> asyncio.Future:
+        return asyncio.get_running_loop().create_future()
 
-    def close(self) -> None:
-        self.sync.close()
+    def _deliver(self, requests: list[_Request], results: list) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, tuple[list, list]] = {}
+        for r, result in zip(requests, results):
+            if r.future is not None:
+                futures, values = by_loop.setdefault(r.future.get_loop(), ([], []))
+                futures.append(r.future)
+                values.append(result)
+        for loop, (futures, values) in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_resolve_all, futures, values)
+            except RuntimeError:  # the loop closed: nobody waits
+                pass
 
     async def __aenter__(self) -> "AsyncStreamBatcher":
         return self
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+
+def _resolve_all(futures: list, values: list) -> None:
+    for future, value in zip(futures, values):
+        _Batcher._resolve(future, value)

@@ -5,41 +5,22 @@ geometry; torch ops, fast on the CPU): a stream must equal the whole decode to f
 The fused kernels (Triton's interpreter) are checked end to end in float32 on fewer frames.
 """
 
-import asyncio
 import random
-import threading
 
 import pytest
 import torch
 
-from helpers import NARROW, random_codes
+from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 from snac_fast import FastSNAC
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
 from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.ops.noise import keyed_normal, keyed_normal_reference
 from snac_fast.orpheus import ORPHEUS, TokenLayout
-from snac_fast.serving import AsyncStreamBatcher, StreamBatcher
-from snac_fast.streaming import StreamEngine
+from snac_fast.streaming import DecoderStream, StreamEngine
 from snac_fast.testing import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
-_UPSTREAM: dict = {}
-
-
-def upstream64(name, narrow=False):
-    if (name, narrow) not in _UPSTREAM:
-        _UPSTREAM[name, narrow] = synthetic_model(name, **NARROW if narrow else {}).double()
-    return _UPSTREAM[name, narrow]
-
-
-def engine64(name, streams=4, narrow=False, **options):
-    config = {**published_config(name), **(NARROW if narrow else {})}
-    return StreamEngine(upstream64(name, narrow), config, streams, dtype=torch.float64, **options)
-
-
-def frames_of(codes, strides, start, stop, row=0):
-    return [c[row:row + 1, start * strides[0] // s:stop * strides[0] // s] for c, s in zip(codes, strides)]
 
 
 def stream_through(engine, slot, codes, strides, splits):
@@ -361,6 +342,12 @@ def test_orpheus_layout_round_trip_and_errors():
     assert [c.shape[1] for c in got] == [2, 4, 8] and all(torch.equal(a, b[:, :a.shape[1]]) for a, b in zip(got, codes))
     with pytest.raises(ValueError, match="ends inside a frame"):
         framer.finish()
+    for bad in ([1.5] * 7, torch.ones(7), [True] * 7, [[1, 2], [3]]):
+        with pytest.raises(ValueError, match="token ids must be integers"):
+            ORPHEUS.framer().push(bad)
+    assert ORPHEUS.framer().push_row(ids[:7].tolist())[0] == 1  # a plain list of ints, as servers have them
+    with pytest.raises(ValueError, match="does not fit"):  # where the stream is made, not at its first push
+        DecoderStream(engine64("snac_32khz", narrow=True), 0, ORPHEUS)
     custom = TokenLayout(offset=10, levels=(0, 1, 1, 2, 2, 2, 2))
     assert all(torch.equal(a, b) for a, b in zip(custom.ids_to_codes(custom.codes_to_ids(codes)), codes))
 
@@ -369,7 +356,6 @@ def test_stream_accepts_token_ids():
     config = published_config("snac_24khz")
     codes = random_codes(config, 6, seed=5)
     expected = decode_with_keyed_noise(upstream64("snac_24khz"), codes, 4)[0, 0]
-    from snac_fast.streaming import DecoderStream
 
     stream = DecoderStream(engine64("snac_24khz"), 4, layout=ORPHEUS)
     ids, pieces, i = ORPHEUS.codes_to_ids(codes), [], 0
@@ -378,61 +364,6 @@ def test_stream_accepts_token_ids():
         i += n
     pieces.append(stream.flush())
     assert (torch.cat(pieces) - expected).abs().max().item() < 1e-12
-
-
-# --- batchers ---------------------------------------------------------------------------------
-
-def test_thread_batcher_no_cross_talk():
-    name = "snac_24khz"
-    config, strides = published_config(name), published_config(name)["vq_strides"]
-    codes = [random_codes(config, 6 + i, seed=20 + i) for i in range(4)]
-    expected = [decode_with_keyed_noise(upstream64(name), c, 50 + i)[0, 0] for i, c in enumerate(codes)]
-    results = {}
-    with StreamBatcher(engine64(name), max_batch=4, max_wait_ms=20) as batcher:
-        def run(i):
-            sid = batcher.open(50 + i)
-            pieces = [batcher.push(sid, frames_of(codes[i], strides, f, f + 1)) for f in range(6 + i)]
-            results[i] = torch.cat(pieces + [batcher.flush(sid)])
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert batcher.batches < sum(6 + i + 1 for i in range(4))  # requests were batched
-        sid = batcher.open(1)
-        with pytest.raises(ValueError, match="do not follow vq_strides"):
-            batcher.push(sid, [codes[0][0][:, :1], codes[0][1][:, :1], codes[0][2][:, :4]])
-    for i in range(4):
-        assert (results[i] - expected[i]).abs().max().item() < 1e-12, f"stream {i}"
-
-
-def test_async_batcher_ordering_and_errors():
-    name = "snac_24khz"
-    config = published_config(name)
-    codes = [random_codes(config, 6, seed=30 + i) for i in range(3)]
-    expected = [decode_with_keyed_noise(upstream64(name), c, i)[0, 0] for i, c in enumerate(codes)]
-
-    async def main():
-        batcher = AsyncStreamBatcher(engine64(name), max_batch=8, max_wait_ms=5, layout=ORPHEUS)
-
-        async def one(i):
-            sid = batcher.open(i)
-            ids = ORPHEUS.codes_to_ids(codes[i])
-            # pushes of one stream queued back to back: they must run in order
-            parts = await asyncio.gather(*(batcher.push_ids(sid, ids[j:j + 7]) for j in range(0, ids.numel(), 7)))
-            return torch.cat(list(parts) + [await batcher.flush(sid)])
-
-        outs = await asyncio.gather(*(one(i) for i in range(3)))
-        sid = batcher.open(0)
-        with pytest.raises(ValueError, match="not a code of frame slot"):
-            await batcher.push_ids(sid, torch.tensor([1, 2, 3]))
-        await batcher.__aexit__(None, None, None)
-        return outs
-
-    outs = asyncio.run(main())
-    for i in range(3):
-        assert (outs[i] - expected[i]).abs().max().item() < 1e-12
 
 
 # --- GPU --------------------------------------------------------------------------------------

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from snac_fast.compiling import compiling_concurrently
 from snac_fast.graphs import out_of_memory_explained
 from snac_fast.noise import check_seed, patched_noise
 from snac_fast.ops._runtime import device_scope
@@ -71,7 +72,7 @@ class StreamEngine:
 
     def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, lookahead: int | None = None, cuda_graphs: bool = False,
-                 max_frames_per_step: int = 8, max_graphs: int = 32, lock=None) -> None:
+                 max_frames_per_step: int = 8, max_graphs: int = 48, lock=None) -> None:
         if max_streams < 1:
             raise ValueError("max_streams must be at least 1")
         self.model, self.config = model, config
@@ -165,16 +166,25 @@ class StreamEngine:
         if len(shapes) > self.max_graphs:
             raise ValueError(f"warmup needs {len(shapes)} graphs but the engine keeps {self.max_graphs}: "
                              "raise max_graphs or warm fewer shapes")
-        captured = 0
+        todo = [shape for shape in shapes if shape not in self._graphs]
+        inputs = {}
+        for kind, bucket, k in todo:
+            keys = np.zeros((4, bucket), np.int64)
+            keys[0] = self.max_streams  # the scratch row
+            inputs[kind, bucket, k] = keys, [] if kind == FLUSH else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
         with self._lock, torch.inference_mode(), device_scope(self.device):
-            for kind, bucket, k in shapes:
-                if (kind, bucket, k) in self._graphs:
-                    continue
-                keys = np.zeros((4, bucket), np.int64)
-                keys[0] = self.max_streams
-                codes = [] if kind == FLUSH else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
-                self._graphs[(kind, bucket, k)] = StepGraph(self, kind, keys, codes, k)
-                captured += 1
+            # one shapes-only pass over every step first: all their kernels compile at once, instead
+            # of each graph's compiling while the others wait (an empty Triton cache)
+            with compiling_concurrently():
+                for (kind, bucket, k), (keys, codes) in inputs.items():
+                    self._forward(kind, torch.from_numpy(keys).to(self.device),
+                                  [torch.from_numpy(c).to(self.device) for c in codes], k)
+            for shape, (keys, codes) in inputs.items():
+                graph = self._graphs[shape] = StepGraph(self, shape[0], keys, codes, shape[2], compiled=True)
+                graph(keys, codes)  # a first replay uploads the graph: the first stream's step does not wait for it
+            # the first launches of what a batch of mixed prefills and steps adds (lazily loaded kernels)
+            joined_audio([self.empty_audio(), torch.zeros(3, device=self.device, dtype=self.dtype)])
+        captured = len(inputs)
         torch.cuda.synchronize(self.device)
         return captured
 
@@ -277,7 +287,7 @@ class StreamEngine:
                     and self._in_steady_state(len(streams), slots, codes[0].frames)):
                 arrays = [level[None] for level in codes[0]] if len(codes) == 1 else [np.stack(c) for c in zip(*codes)]
                 ids_checked = all(c.ids_checked for c in codes)  # check_codes' output: checked once already
-                return dict(zip(streams, self._direct_step(slots, arrays, codes[0].frames, ids_checked)))
+                return dict(zip(streams, self._direct_step(slots, arrays, codes[0].frames, ids_checked).unbind(0)))
             self._check_ids([c for c in codes if not c.ids_checked])
             for s, codes in checked.items():
                 self._pending.put(s.slot, codes)
@@ -298,11 +308,41 @@ class StreamEngine:
             batch = self._step_batch(streams)
             slots = batch.slots
             if batch.started and self._in_steady_state(len(streams), slots, frames):
-                return self._direct_step(slots, arrays, frames, keys=batch.keys)
+                return list(self._direct_step(slots, arrays, frames, keys=batch.keys).unbind(0))
             self._check_ids([arrays])
             self._pending.put_rows(slots, arrays, frames)
             audio = self._decode_pending(list(streams), [])
         return [audio[s] for s in streams]
+
+    def step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int) -> tuple[Tensor, np.ndarray]:
+        """The serving path's step, for codes checked already (:meth:`check_codes`, or a
+        :class:`~snac_fast.orpheus.TokenFramer`): ``frames`` new frames for each of ``streams``
+        (distinct, open), as level-major rows int64 [len(streams), frames * codes per frame] (level 0
+        of every frame, then level 1, ...: :meth:`row_of`). Returns the batch's new audio in one
+        buffer: (audio 1-D in the engine's dtype on its device, offsets int64 [len(streams) + 1]);
+        stream j's audio is ``audio[offsets[j]:offsets[j + 1]]``."""
+        n = len(streams)
+        levels, start = [], 0
+        for r in self._ratios:
+            levels.append(rows[:, start:start + frames * r])
+            start += frames * r
+        if rows.shape != (n, start):
+            raise ValueError(f"rows {rows.shape} for {n} streams of {frames} frames: expected {(n, start)}")
+        with self._lock:
+            started = self._check_streams(list(streams))
+            slots = _slots_of(streams)
+            if len(set(slots.tolist())) != n:
+                raise ValueError("step_rows got the same stream twice")
+            if started and self._in_steady_state(n, slots, frames):
+                audio = self._direct_step(slots, levels, frames, ids_checked=True)
+                return audio.reshape(-1), np.arange(n + 1, dtype=np.int64) * audio.shape[1]
+            self._pending.put_rows(slots, levels, frames)
+            pieces = self._decode_pending(list(streams), [])
+        return joined_audio([pieces[s] for s in streams])
+
+    def row_of(self, codes: CheckedCodes) -> np.ndarray:
+        """One stream's checked codes as the level-major row :meth:`step_rows` takes."""
+        return np.concatenate(codes)
 
     def _step_batch(self, streams: tuple) -> "_StepBatch":
         """``step``'s streams, checked (ValueError for one closed, another engine's or repeated):
@@ -354,7 +394,7 @@ class StreamEngine:
     def _direct_step(self, slots: np.ndarray, codes: list[np.ndarray], frames: int,
                      ids_checked: bool = False, keys: np.ndarray | None = None) -> list[Tensor]:
         """In the steady state, the codes (per level [len(slots), L_i], any integer dtype) go
-        straight into one batched step, without the pending buffers; returns each stream's audio.
+        straight into one batched step, without the pending buffers; returns the audio [n, samples].
         With a captured graph the codes and keys are written into its pinned inputs and the ids
         checked there (one reduction), before any state changes. ``keys``: the batch's key rows
         (:meth:`_write_keys` of ``slots``), all but the frames consumed, which change every step."""
@@ -365,7 +405,7 @@ class StreamEngine:
                 self._check_ids([codes])
             codes = [c.astype(np.int64, copy=False) for c in codes]
             with torch.inference_mode(), device_scope(self.device):
-                return list(self._run(STEP, slots, frames, codes))
+                return self._run(STEP, slots, frames, codes)
         graph_keys, *levels = graph.inputs()
         if keys is None:
             self._write_keys(graph_keys, slots)
@@ -382,7 +422,7 @@ class StreamEngine:
         with device_scope(self.device):
             audio = graph.launch()[:n, 0].clone()  # the next replay overwrites the graph's output
         self._consumed[slots] += frames  # after the launch: host work the GPU's step hides
-        return list(audio.unbind(0))
+        return audio
 
     def _check_streams(self, streams: list[StreamSlot]) -> bool:
         """ValueError for a stream that is closed or not this engine's; returns whether all have started."""
@@ -419,7 +459,7 @@ class StreamEngine:
 
     def _run_prefills(self, streams: list[StreamSlot], pieces) -> None:
         for chunk in self._chunks(streams):
-            audio = self._run(PREFILL, _slots_of(chunk), self.prefill_frames)
+            audio = self._run(PREFILL, _slots_of(chunk), self.prefill_frames).unbind(0)
             for s, a in zip(chunk, audio):
                 s.started = True
                 pieces[s].append(a)
@@ -443,7 +483,7 @@ class StreamEngine:
                 picked = np.flatnonzero(frames == k)
                 group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
                 for chunk in self._chunks(group):
-                    for s, a in zip(chunk, self._run(STEP, _slots_of(chunk), k)):
+                    for s, a in zip(chunk, self._run(STEP, _slots_of(chunk), k).unbind(0)):
                         pieces[s].append(a)
             # streams that pushed more than one step's frames go round again
             more = (frames > 0) & (self._pending.tail[slots] - self._pending.head[slots] >= self.frames_per_group)
@@ -452,7 +492,7 @@ class StreamEngine:
     def _run_finishes(self, streams: list[StreamSlot], pieces) -> None:
         started = [s for s in streams if s.started]
         for chunk in self._chunks(started):
-            for s, a in zip(chunk, self._run(FLUSH, _slots_of(chunk), 0)):
+            for s, a in zip(chunk, self._run(FLUSH, _slots_of(chunk), 0).unbind(0)):
                 pieces[s].append(a)
         for s in streams:
             if not s.started and s.pending_frames:  # shorter than a prefill: decode it whole
@@ -488,10 +528,10 @@ class StreamEngine:
         if n < keys.shape[1]:
             keys[0, n:], keys[1:, n:] = self.max_streams, 0
 
-    def _run(self, kind: str, slots: np.ndarray, frames: int, codes: list[np.ndarray] | None = None) -> Sequence[Tensor]:
+    def _run(self, kind: str, slots: np.ndarray, frames: int, codes: list[np.ndarray] | None = None) -> Tensor:
         """Run one kind of step for the streams of state ``slots``, each taking its next ``frames``
         pending frames (none for a flush), or ``codes`` (per level int64 [len(slots), L_i]) when
-        given instead; returns each stream's new audio (1-D views of one new buffer)."""
+        given instead; returns the streams' new audio, [len(slots), samples] (row j: slots[j])."""
         n = len(slots)
         bucket = self._bucket(n)
         keys = np.empty((4, bucket), np.int64)
@@ -510,11 +550,9 @@ class StreamEngine:
                     self._graphs.pop(next(iter(self._graphs)))
                 with out_of_memory_explained(f"capturing a stream step's CUDA graph ({kind}, {bucket} rows)"):
                     graph = self._graphs[key] = StepGraph(self, kind, keys, codes, frames)
-            audio = graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
-        else:
-            audio = self._forward(kind, torch.from_numpy(keys).to(self.device),
-                                  [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]
-        return audio.unbind(0)
+            return graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
+        return self._forward(kind, torch.from_numpy(keys).to(self.device),
+                             [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]
 
     def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
                  noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:
@@ -562,6 +600,13 @@ class StreamEngine:
         """A step's keyed noise for one NoiseBlock (keys as in :meth:`_forward`): [B, 1, length]."""
         return keyed_normal(keys[2], keys[3], keys[1], call.per_frame, call.start, call.length, call.index,
                             dtype=call.dtype)
+
+
+def joined_audio(pieces: Sequence[Tensor]) -> tuple[Tensor, np.ndarray]:
+    """1-D audio pieces -> (one buffer, offsets int64 [len(pieces) + 1]) as :meth:`StreamEngine.step_rows` returns."""
+    offsets = np.zeros(len(pieces) + 1, np.int64)
+    np.cumsum([p.numel() for p in pieces], out=offsets[1:])
+    return torch.cat(list(pieces)), offsets
 
 
 def _host_numpy(codes: Tensor) -> np.ndarray:

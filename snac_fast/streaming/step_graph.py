@@ -28,9 +28,10 @@ class NoiseCall(NamedTuple):
 class StepGraph:
     """One captured step: static keys and codes in (one pinned host buffer, uploaded by the graph's
     first node), static audio out. Call it with new inputs, or write them into :meth:`inputs` and
-    :meth:`launch` it."""
+    :meth:`launch` it. ``compiled``: the step's kernels were compiled already (a warm-up's pass)."""
 
-    def __init__(self, engine: StreamEngine, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int) -> None:
+    def __init__(self, engine: StreamEngine, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
+                 compiled: bool = False) -> None:
         device = engine.device
         sizes = [keys.size] + [c.size for c in codes]
         with torch.inference_mode(False):
@@ -53,8 +54,9 @@ class StepGraph:
         stream.wait_stream(torch.cuda.current_stream(device))
         noise_calls: list[NoiseCall] = []
         with torch.cuda.stream(stream), torch.inference_mode():
-            with compiling_concurrently():  # a shapes-only pass: the kernels compile concurrently
-                engine._forward(kind, keys_view, codes_views, frames)
+            if not compiled:  # a shapes-only pass: the kernels compile concurrently
+                with compiling_concurrently():
+                    engine._forward(kind, keys_view, codes_views, frames)
             for _ in range(2):
                 noise_calls.clear()
                 engine._forward(kind, keys_view, codes_views, frames,

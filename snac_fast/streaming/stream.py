@@ -15,6 +15,8 @@ class DecoderStream:
     With a token ``layout`` (:mod:`snac_fast.orpheus`), :meth:`push_ids` takes raw LM token ids."""
 
     def __init__(self, engine: StreamEngine, seed: int | None = None, layout=None) -> None:
+        if layout is not None:
+            layout.check_model(engine.config)  # where the stream is made, not at its first push
         self.engine = engine
         self.slot = engine.open(seed)
         self.layout = layout

@@ -1,0 +1,337 @@
+"""The batchers (snac_fast.serving): exact audio through them, every output form, and the faults a
+server meets: a cancelled await, an idle client, pushes after the end, a bad id, an engine call that
+fails. The engine is upstream's float64 model on the CPU (torch ops), so a stream equals the whole
+decode to float64 rounding and a mistake shows as a large error."""
+
+import asyncio
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from helpers import engine64, frames_of, random_codes, upstream64
+from snac_fast.configs import published_config
+from snac_fast.metrics import snr_db
+from snac_fast.noise import decode_with_keyed_noise
+from snac_fast.orpheus import ORPHEUS
+from snac_fast.serving import AsyncStreamBatcher, StreamBatcher
+
+NAME = "snac_24khz"
+CONFIG = published_config(NAME)
+STRIDES = CONFIG["vq_strides"]
+
+
+def expected_audio(codes, seed, narrow=True):
+    return decode_with_keyed_noise(upstream64(NAME, narrow), codes, seed)[0, 0]
+
+
+def as_tensor(piece):
+    return torch.from_numpy(np.asarray(piece)).double() if isinstance(piece, np.ndarray) else piece.double()
+
+
+def test_thread_batcher_no_cross_talk():
+    codes = [random_codes(CONFIG, 6 + i, seed=20 + i) for i in range(4)]
+    expected = [expected_audio(c, 50 + i, narrow=False) for i, c in enumerate(codes)]
+    results = {}
+    with StreamBatcher(engine64(NAME), max_batch=4, max_wait_ms=20) as batcher:
+        def run(i):
+            sid = batcher.open(50 + i)
+            pieces = [batcher.push(sid, frames_of(codes[i], STRIDES, f, f + 1)) for f in range(6 + i)]
+            results[i] = torch.cat(pieces + [batcher.flush(sid)])
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert batcher.batches < sum(6 + i + 1 for i in range(4))  # requests were batched
+        sid = batcher.open(1)
+        with pytest.raises(ValueError, match="do not follow vq_strides"):
+            batcher.push(sid, [codes[0][0][:, :1], codes[0][1][:, :1], codes[0][2][:, :4]])
+    for i in range(4):
+        assert (results[i] - expected[i]).abs().max().item() < 1e-12, f"stream {i}"
+
+
+def test_async_batcher_ordering_and_errors():
+    codes = [random_codes(CONFIG, 6, seed=30 + i) for i in range(3)]
+    expected = [expected_audio(c, i, narrow=False) for i, c in enumerate(codes)]
+
+    async def main():
+        batcher = AsyncStreamBatcher(engine64(NAME), max_batch=8, max_wait_ms=5, layout=ORPHEUS)
+
+        async def one(i):
+            sid = batcher.open(i)
+            ids = ORPHEUS.codes_to_ids(codes[i])
+            # pushes of one stream queued back to back: they must run in order
+            parts = await asyncio.gather(*(batcher.push_ids(sid, ids[j:j + 7]) for j in range(0, ids.numel(), 7)))
+            return torch.cat(list(parts) + [await batcher.flush(sid)])
+
+        outs = await asyncio.gather(*(one(i) for i in range(3)))
+        sid = batcher.open(0)
+        with pytest.raises(ValueError, match="not a code of frame slot"):
+            await batcher.push_ids(sid, torch.tensor([1, 2, 3]))
+        await batcher.__aexit__(None, None, None)
+        return outs
+
+    outs = asyncio.run(main())
+    for i in range(3):
+        assert (outs[i] - expected[i]).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("output", ["tensor", "float32", "int16"])
+def test_async_batcher_outputs_exact_audio_in_every_form(output):
+    """Ten staggered streams, ids cut anywhere (inside frames too), chunks of 3 streams per engine
+    call: each stream's audio equals its whole decode (int16: its rounding of it)."""
+    streams, frames = 10, 7
+    codes = [random_codes(CONFIG, frames, seed=40 + i) for i in range(streams)]
+    expected = [expected_audio(c, 100 + i) for i, c in enumerate(codes)]
+
+    async def main():
+        batcher = AsyncStreamBatcher(engine64(NAME, streams=8, narrow=True), max_batch=3, layout=ORPHEUS, output=output)
+
+        async def one(i):
+            await asyncio.sleep(0.002 * i)
+            sid = batcher.open(100 + i)
+            ids, pieces, at = ORPHEUS.codes_to_ids(codes[i]).tolist(), [], 0
+            for n in [5, 9, 7, 1, 13, 7, 7]:
+                pieces.append(await batcher.push_ids(sid, ids[at:at + n]))
+                at += n
+            assert at == len(ids)
+            pieces.append(await batcher.flush(sid))
+            return pieces
+
+        async with batcher:
+            # 10 streams on 8 slots: the last two open once earlier ones finish
+            first = await asyncio.gather(*(one(i) for i in range(8)))
+            rest = await asyncio.gather(*(one(i) for i in range(8, streams)))
+            assert batcher.batches > 0 and batcher.open_streams == 0
+        return first + rest
+
+    outs = asyncio.run(main())
+    for i, pieces in enumerate(outs):
+        if output == "tensor":
+            assert all(isinstance(p, torch.Tensor) for p in pieces)
+        else:
+            assert all(isinstance(p, np.ndarray) and p.dtype == np.dtype(output) and p.ndim == 1 for p in pieces)
+        got = torch.cat([as_tensor(p) for p in pieces])
+        assert got.shape == expected[i].shape, f"stream {i}"
+        if output == "int16":
+            want = (expected[i].float() * 32767).round().clamp(-32768, 32767)
+            assert (got - want).abs().max().item() <= 1, f"stream {i}"
+        else:
+            tolerance = 1e-12 if output == "tensor" else 1e-6  # float32 rounding of float64 audio
+            assert (got - expected[i]).abs().max().item() < tolerance, f"stream {i}"
+
+
+def test_cancelled_await_releases_only_its_stream():
+    """A web framework cancels the handler of a client that disconnected: its stream is released
+    (the slot freed, later pushes refused) while the other streams of the same batches go on."""
+    frames = 8
+    codes = [random_codes(CONFIG, frames, seed=60 + i) for i in range(4)]
+    expected = [expected_audio(c, i) for i, c in enumerate(codes)]
+    engine = engine64(NAME, streams=4, narrow=True)
+
+    async def main():
+        batcher = AsyncStreamBatcher(engine, max_batch=4, layout=ORPHEUS, output="float32")
+        sids = [batcher.open(i) for i in range(4)]
+        cancelled = asyncio.Event()
+
+        async def one(i):
+            ids = ORPHEUS.codes_to_ids(codes[i]).tolist()
+            pieces = []
+            for f in range(frames):
+                push = asyncio.ensure_future(batcher.push_ids(sids[i], ids[7 * f:7 * f + 7]))
+                if i == 2 and f == 5:
+                    await asyncio.sleep(0)  # the push is queued and awaited: then its client goes
+                    push.cancel()
+                    with pytest.raises(asyncio.CancelledError):
+                        await push
+                    cancelled.set()
+                    return None
+                pieces.append(await push)
+            pieces.append(await batcher.flush(sids[i]))
+            return np.concatenate(pieces)
+
+        outs = await asyncio.gather(*(one(i) for i in range(4)))
+        assert cancelled.is_set()
+        with pytest.raises(ValueError, match="stream 2 has ended .released."):
+            await batcher.push_ids(sids[2], [0] * 7)
+        await asyncio.sleep(0.05)
+        assert engine.open_streams == 0  # the cancelled stream's slot came back too
+        sid = batcher.open(9)  # and the batcher serves on
+        assert (await batcher.push_ids(sid, ORPHEUS.codes_to_ids(codes[0]).tolist())).size > 0
+        batcher.close()
+        return outs
+
+    outs = asyncio.run(main())
+    assert outs[2] is None
+    for i in (0, 1, 3):
+        assert np.abs(outs[i] - expected[i].numpy()).max() < 1e-6, f"stream {i}"
+
+
+def test_idle_stream_is_released_and_pushes_after_the_end_are_refused():
+    engine = engine64(NAME, streams=2, narrow=True)
+    codes = random_codes(CONFIG, 6, seed=70)
+    ids = ORPHEUS.codes_to_ids(codes).tolist()
+    with StreamBatcher(engine, layout=ORPHEUS, idle_timeout_s=0.2) as batcher:
+        idle = batcher.open(1)
+        batcher.push_ids(idle, ids[:14])
+        busy = batcher.open(2)
+        deadline = time.monotonic() + 0.6
+        while time.monotonic() < deadline:  # keeps pushing (partial frames): never idle
+            batcher.push_ids(busy, ids[:3])
+            batcher.push_ids(busy, ids[3:7])
+            time.sleep(0.02)
+        assert batcher.idle_released == 1 and engine.open_streams == 1
+        with pytest.raises(ValueError, match="idle for over 0.2 s"):
+            batcher.push_ids(idle, ids[14:21])
+        batcher.flush(busy)
+        with pytest.raises(ValueError, match="has ended .flushed."):
+            batcher.push_ids(busy, ids[:7])
+        with pytest.raises(ValueError, match="has ended .flushed."):
+            batcher.flush(busy)
+        with pytest.raises(ValueError, match="no open stream 99"):
+            batcher.push_ids(99, ids[:7])
+        assert engine.open_streams == 0
+    with pytest.raises(RuntimeError, match="closed"):
+        batcher.open(3)
+
+
+def test_bad_id_fails_only_its_push_and_the_stream_goes_on():
+    codes = [random_codes(CONFIG, 6, seed=80 + i) for i in range(2)]
+    expected = [expected_audio(c, i) for i, c in enumerate(codes)]
+
+    async def main():
+        batcher = AsyncStreamBatcher(engine64(NAME, streams=2, narrow=True), layout=ORPHEUS, output="float32")
+        sids = [batcher.open(i) for i in range(2)]
+        ids = [ORPHEUS.codes_to_ids(c).tolist() for c in codes]
+        pieces = [[], []]
+        for f in range(6):
+            bad = list(ids[0][7 * f:7 * f + 7])
+            bad[3] = 5  # not a code of slot 3
+            if f == 2:
+                results = await asyncio.gather(batcher.push_ids(sids[0], bad), batcher.push_ids(sids[1], ids[1][7 * f:7 * f + 7]),
+                                               return_exceptions=True)
+                assert isinstance(results[0], ValueError) and "token 17" in str(results[0])
+                pieces[1].append(results[1])
+            else:
+                pieces[1].append(await batcher.push_ids(sids[1], ids[1][7 * f:7 * f + 7]))
+            pieces[0].append(await batcher.push_ids(sids[0], ids[0][7 * f:7 * f + 7]))
+        outs = [np.concatenate(p + [await batcher.flush(s)]) for p, s in zip(pieces, sids)]
+        batcher.close()
+        return outs
+
+    outs = asyncio.run(main())
+    for i in range(2):
+        assert np.abs(outs[i] - expected[i].numpy()).max() < 1e-6, f"stream {i}"
+
+
+def test_failed_engine_call_fails_its_streams_and_the_engine_serves_on(monkeypatch):
+    """An out-of-memory in a step: the streams of that call get the error and are released; the
+    batcher's thread lives, and other streams (before and after) decode exactly."""
+    engine = engine64(NAME, streams=4, narrow=True)
+    codes = [random_codes(CONFIG, 6, seed=90 + i) for i in range(3)]
+    expected = [expected_audio(c, i) for i, c in enumerate(codes)]
+    real_step = engine.step_rows
+    failing = {"slot": None}
+
+    def step_rows(streams, rows, frames):
+        if any(s is failing["slot"] for s in streams):
+            failing["slot"] = None
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(streams, rows, frames)
+
+    monkeypatch.setattr(engine, "step_rows", step_rows)
+    with StreamBatcher(engine, max_batch=1, output="float32") as batcher:
+        sids = [batcher.open(i) for i in range(2)]
+        outs = {0: [], 1: []}
+        for f in range(6):
+            if f == 3:
+                failing["slot"] = batcher._streams[sids[0]].slot
+                futures = [batcher.submit(s, frames_of(codes[i], STRIDES, f, f + 1)) for i, s in enumerate(sids)]
+                with pytest.raises(torch.OutOfMemoryError):
+                    futures[0].result()
+                outs[1].append(futures[1].result())
+                continue
+            for i, s in enumerate(sids):
+                if i == 0 and f > 3:
+                    with pytest.raises(ValueError, match="engine call failed: OutOfMemoryError"):
+                        batcher.push(s, frames_of(codes[i], STRIDES, f, f + 1))
+                    continue
+                outs[i].append(batcher.push(s, frames_of(codes[i], STRIDES, f, f + 1)))
+        outs[1].append(batcher.flush(sids[1]))
+        assert batcher.failed_calls == 1 and engine.open_streams == 0
+        late = batcher.open(2)
+        pieces = [batcher.push(late, frames_of(codes[2], STRIDES, f, f + 1)) for f in range(6)] + [batcher.flush(late)]
+    assert np.abs(np.concatenate(outs[1]) - expected[1].numpy()).max() < 1e-6
+    assert np.abs(np.concatenate(pieces) - expected[2].numpy()).max() < 1e-6
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_batcher_streams_equal_decodes(cuda, no_tf32, dtype):
+    """Twelve staggered streams through CUDA graphs, chunks of 4 streams per engine call, host
+    PCM: float32 equals the whole decode (>= 100 dB); float16 as int16 PCM stays at fp16's
+    distance from the fp16 decode (>= 50 dB), every length exact."""
+    from snac_fast import FastSNAC
+
+    codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=dtype)
+    engine = codec.stream_engine(max_streams=16)
+    engine.warmup(max_batch=4)
+    output = "float32" if dtype == torch.float32 else "int16"
+    streams, frames = 12, 9
+    codes = [random_codes(CONFIG, frames, seed=200 + i) for i in range(streams)]
+
+    async def main():
+        batcher = AsyncStreamBatcher(engine, max_batch=4, layout=ORPHEUS, output=output)
+
+        async def one(i):
+            await asyncio.sleep(0.001 * i)
+            sid = batcher.open(300 + i)
+            ids, pieces = ORPHEUS.codes_to_ids(codes[i]).tolist(), []
+            for f in range(frames):
+                pieces.append(await batcher.push_ids(sid, ids[7 * f:7 * f + 7]))
+            pieces.append(await batcher.flush(sid))
+            return np.concatenate(pieces)
+
+        async with batcher:
+            return await asyncio.gather(*(one(i) for i in range(streams)))
+
+    outs = asyncio.run(main())
+    for i in range(streams):
+        want = codec.decode([c.to(cuda) for c in codes[i]], seed=300 + i)[0, 0].float().cpu()
+        got = torch.from_numpy(outs[i]).float()
+        assert got.shape == want.shape, f"stream {i}"
+        if dtype == torch.float32:
+            assert snr_db(want, got) >= 100, f"stream {i}"
+        else:
+            assert snr_db(want * 32767, got) >= 50, f"stream {i}"
+
+
+def _serve_in_process(first_seed: int, codes: list) -> list:
+    """A worker process of a multi-process server: its own engine and batcher (see docs/serving.md)."""
+    async def main():
+        async with AsyncStreamBatcher(engine64(NAME, streams=2, narrow=True), layout=ORPHEUS, output="float32") as batcher:
+            async def one(i, stream_codes):
+                sid = batcher.open(first_seed + i)
+                ids = ORPHEUS.codes_to_ids(stream_codes).tolist()
+                pieces = [await batcher.push_ids(sid, ids[j:j + 7]) for j in range(0, len(ids), 7)]
+                return np.concatenate(pieces + [await batcher.flush(sid)])
+            return await asyncio.gather(*(one(i, c) for i, c in enumerate(codes)))
+    return asyncio.run(main())
+
+
+def test_one_engine_per_worker_process():
+    """How a host uses its cores: worker processes (spawned, as uvicorn --workers and
+    multiprocessing do), each with its own engine and batcher; each stream's audio is exact."""
+    import multiprocessing
+
+    codes = [[random_codes(CONFIG, 5, seed=400 + 2 * w + i) for i in range(2)] for w in range(2)]
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        outs = pool.starmap(_serve_in_process, [(10 * w, codes[w]) for w in range(2)])
+    for w in range(2):
+        for i in range(2):
+            want = expected_audio(codes[w][i], 10 * w + i).numpy()
+            assert np.abs(outs[w][i] - want).max() < 1e-6, f"worker {w} stream {i}"
