@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import platform
 import statistics
@@ -97,3 +98,29 @@ def interleaved_decodes(codecs: dict, work: dict, rounds: int, calls: int = 5) -
                 run()
                 times[(mode, label)] += [timed_call(run) for _ in range(calls)]
     return {key: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts)) for key, ts in times.items()}
+
+
+class GcProbe:
+    """gc pauses during a load (gc.callbacks): count, longest, full (generation 2) collections."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float]] = []
+        self._start = 0.0
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
+
+    def __enter__(self):
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc):
+        gc.callbacks.remove(self._on_gc)
+
+    def summary(self) -> dict:
+        full = [ms for g, ms in self.pauses if g == 2]
+        return {"gc_pauses": len(self.pauses), "gc_max_pause_ms": max((ms for _, ms in self.pauses), default=0.0),
+                "gc_full": len(full), "gc_full_max_ms": max(full, default=0.0)}

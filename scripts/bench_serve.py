@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, markdown_table, write_results  # noqa: E402
+from bench_common import GcProbe, environment, markdown_table, write_results  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
@@ -50,32 +50,6 @@ from snac_fast.orpheus import ORPHEUS  # noqa: E402
 from snac_fast.serving import AsyncStreamBatcher, StreamBatcher  # noqa: E402
 
 POOL = 32  # distinct code sequences; stream i plays sequence i % POOL with its own seed
-
-
-class GcProbe:
-    """gc pauses during a load (gc.callbacks): count, longest, full (generation 2) collections."""
-
-    def __init__(self) -> None:
-        self.pauses: list[tuple[int, float]] = []
-        self._start = 0.0
-
-    def _on_gc(self, phase, info):
-        if phase == "start":
-            self._start = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], (time.perf_counter() - self._start) * 1e3))
-
-    def __enter__(self):
-        gc.callbacks.append(self._on_gc)
-        return self
-
-    def __exit__(self, *exc):
-        gc.callbacks.remove(self._on_gc)
-
-    def summary(self) -> dict:
-        full = [ms for g, ms in self.pauses if g == 2]
-        return {"gc_pauses": len(self.pauses), "gc_max_pause_ms": max((ms for _, ms in self.pauses), default=0.0),
-                "gc_full": len(full), "gc_full_max_ms": max(full, default=0.0)}
 
 
 def make_pool(config: dict, frames: int, seed: int = 0) -> list[list[torch.Tensor]]:

@@ -36,7 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, markdown_table, write_results  # noqa: E402
+from bench_common import GcProbe, environment, markdown_table, write_results  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.fidelity import true_float32  # noqa: E402
@@ -93,42 +93,38 @@ def stream_fidelity(codec_fp16, codec_fp32, config, frames):
     return out
 
 
-class LoadProbe:
-    """What can stall a push under the simulated load: the garbage collector's pauses (gc.callbacks),
-    each engine call the batcher makes (timed in its thread), graphs captured while serving."""
+class LoadProbe(GcProbe):
+    """What can stall a push under the simulated load: the garbage collector's pauses, each engine
+    call the batcher makes (``step_rows`` and ``advance``, timed in its thread), graphs captured while
+    serving."""
 
     def __init__(self, engine):
-        self.engine, self.pauses, self.calls, self._gc_start = engine, [], [], 0.0
+        super().__init__()
+        self.engine, self.calls = engine, []
         self.graphs_before = len(engine._graphs)
 
-    def _on_gc(self, phase, info):
-        if phase == "start":
-            self._gc_start = time.perf_counter()
-        else:
-            self.pauses.append((info["generation"], (time.perf_counter() - self._gc_start) * 1e3))
-
     def __enter__(self):
-        advance = self.engine.advance
+        for name in ("advance", "step_rows"):
+            setattr(self.engine, name, self._timed(getattr(self.engine, name)))
+        return super().__enter__()
 
-        def timed_advance(*args, **kwargs):
+    def _timed(self, call):
+        def timed(*args, **kwargs):
             t0 = time.perf_counter()
             try:
-                return advance(*args, **kwargs)
+                return call(*args, **kwargs)
             finally:
                 self.calls.append((time.perf_counter() - t0) * 1e3)
-
-        self.engine.advance = timed_advance
-        gc.callbacks.append(self._on_gc)
-        return self
+        return timed
 
     def __exit__(self, *exc):
-        gc.callbacks.remove(self._on_gc)
-        del self.engine.advance
+        super().__exit__(*exc)
+        del self.engine.advance, self.engine.step_rows
 
     def summary(self) -> dict:
-        oldest = [ms for generation, ms in self.pauses if generation == 2]
-        return {"gc_pauses": len(self.pauses), "gc_max_pause_ms": max((ms for _, ms in self.pauses), default=0.0),
-                "gc_gen2_collections": len(oldest), "gc_gen2_max_pause_ms": max(oldest, default=0.0),
+        gc_summary = super().summary()
+        return {"gc_pauses": gc_summary["gc_pauses"], "gc_max_pause_ms": gc_summary["gc_max_pause_ms"],
+                "gc_gen2_collections": gc_summary["gc_full"], "gc_gen2_max_pause_ms": gc_summary["gc_full_max_ms"],
                 "engine_call_max_ms": max(self.calls, default=0.0),
                 "engine_call_p99_ms": statistics.quantiles(self.calls, n=100)[98] if len(self.calls) > 2 else 0.0,
                 "graphs_captured_during_load": len(self.engine._graphs) - self.graphs_before}
