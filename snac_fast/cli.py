@@ -112,7 +112,46 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     p.add_argument("--format", choices=["wav", "flac", "parquet"], default="wav", help="output (default wav)")
     p.add_argument("--seed", type=int, default=0, help="noise seed of every row's decode (default 0)")
+    _add_serve_parser(sub, fmt)
     return parser
+
+
+def _add_serve_parser(sub, fmt) -> None:
+    p = sub.add_parser("serve", help="HTTP/WebSocket server: Orpheus-style TTS audio, batched across connections",
+                       epilog=EPILOG, formatter_class=fmt,
+                       description="POST /v1/audio/speech (OpenAI's speech API) asks the language model at --lm-url "
+                                   "(an OpenAI-compatible completions server: vLLM, SGLang, llama.cpp, LM Studio) for "
+                                   "audio tokens and streams PCM back; WS /v1/audio/stream takes token ids; /health, "
+                                   "/metrics. Needs: pip install 'snac-fast[serve]'.")
+    p.add_argument("--lm-url", help="the LM server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--lm-model", help="model name for the LM's completions requests (default: the request's 'model')")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8880)
+    p.add_argument("--workers", type=int, default=1, help="worker processes, each with its own engine on the GPU")
+    p.add_argument("--max-streams", type=int, default=256, help="concurrent streams per worker")
+    p.add_argument("--max-batch", type=int, default=256, help="streams per engine call")
+    p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle stream is released")
+    p.add_argument("--voice", default="tara", help="voice when a request names none")
+    _add_model_args(p)
+
+
+def cmd_serve(args: argparse.Namespace) -> None:
+    try:
+        import prometheus_client  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"serve needs its extra: pip install 'snac-fast[serve]' ({e})") from None
+    from snac_fast.server import serve
+
+    if args.max_streams < 1 or args.max_batch < 1 or args.workers < 1 or args.idle_timeout <= 0:
+        raise UsageError("--max-streams, --max-batch and --workers must be >= 1, --idle-timeout > 0")
+    if args.lm_url is not None and not args.lm_url.startswith(("http://", "https://")):
+        raise UsageError(f"--lm-url must be an http(s) URL, got {args.lm_url!r}")
+    serve({"model": args.model or DEFAULT_MODEL, "device": args.device, "dtype": args.dtype,
+           "local_files_only": args.local_files_only, "lm_url": args.lm_url, "lm_model": args.lm_model,
+           "max_streams": args.max_streams, "max_batch": args.max_batch, "idle_timeout_s": args.idle_timeout,
+           "voice": args.voice}, host=args.host, port=args.port, workers=args.workers)
 
 
 def _int_list(text: str, name: str) -> list[int]:
@@ -272,7 +311,8 @@ def cmd_decode_dataset(args: argparse.Namespace) -> None:
 
 
 COMMANDS = {"decode": cmd_decode, "encode": cmd_encode, "fidelity": cmd_fidelity, "profile": cmd_profile,
-            "warmup": cmd_warmup, "encode-dataset": cmd_encode_dataset, "decode-dataset": cmd_decode_dataset}
+            "warmup": cmd_warmup, "encode-dataset": cmd_encode_dataset, "decode-dataset": cmd_decode_dataset,
+            "serve": cmd_serve}
 
 
 # one-shot commands that leave nothing running and every file closed when they return

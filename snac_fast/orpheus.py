@@ -160,6 +160,11 @@ class TokenFramer:
         frames, row = self.push_row(ids)
         return None if row is None else self.layout.split_levels(row)
 
+    def drop_incomplete(self) -> int:
+        """Forget the ids of an incomplete frame (an LM stopped mid-frame); returns how many."""
+        dropped, self._partial = self._partial.size, self._partial[:0]
+        return dropped
+
     def finish(self) -> None:
         """ValueError when an incomplete frame is left over (the stream ends mid-frame)."""
         if self._partial.size:

@@ -127,6 +127,10 @@ class _Batcher:
     def open_streams(self) -> int:
         return len(self._streams)
 
+    def is_open(self, stream_id: int) -> bool:
+        """Whether the stream takes pushes (not flushed, released, idled out or failed)."""
+        return stream_id in self._streams
+
     @property
     def queued(self) -> int:
         """Requests waiting for the engine thread."""
@@ -143,7 +147,8 @@ class _Batcher:
             raise ValueError(f"stream {stream_id} has ended ({why}); open a new one")
         return stream
 
-    def _submit_codes(self, stream_id: int, codes: Sequence[Tensor] | None, finish: bool):
+    def _submit_codes(self, stream_id: int, codes: Sequence[Tensor] | None, finish: bool,
+                      drop_incomplete_frame: bool = False):
         stream = self._stream(stream_id)
         frames, row, checked = 0, None, None
         if codes is not None:
@@ -151,7 +156,7 @@ class _Batcher:
             frames, row = checked.frames, self.engine.row_of(checked)
         if finish:
             if stream.framer is not None:
-                stream.framer.finish()
+                stream.framer.drop_incomplete() if drop_incomplete_frame else stream.framer.finish()
             self._end(stream, "flushed")
         return self._queue(_Request(stream, frames, row, finish, self._new_future(), checked=checked))
 
@@ -413,9 +418,10 @@ class StreamBatcher(_Batcher):
     def push_ids(self, stream_id: int, ids):
         return self.submit_ids(stream_id, ids).result()
 
-    def flush(self, stream_id: int):
-        """End the stream: the rest of its audio."""
-        return self.submit(stream_id, finish=True).result()
+    def flush(self, stream_id: int, *, drop_incomplete_frame: bool = False):
+        """End the stream: the rest of its audio. ``drop_incomplete_frame``: ids of a frame left
+        incomplete (an LM cut off mid-frame) are dropped instead of raising ValueError."""
+        return self._submit_codes(stream_id, None, True, drop_incomplete_frame).result()
 
     def _new_future(self) -> Future:
         return Future()
@@ -446,9 +452,9 @@ class AsyncStreamBatcher(_Batcher):
     async def push_ids(self, stream_id: int, ids):
         return await self._awaited(stream_id, self._submit_ids(stream_id, ids))
 
-    async def flush(self, stream_id: int):
-        """End the stream: the rest of its audio."""
-        return await self._awaited(stream_id, self._submit_codes(stream_id, None, True))
+    async def flush(self, stream_id: int, *, drop_incomplete_frame: bool = False):
+        """End the stream: the rest of its audio (``drop_incomplete_frame``: as :meth:`StreamBatcher.flush`)."""
+        return await self._awaited(stream_id, self._submit_codes(stream_id, None, True, drop_incomplete_frame))
 
     async def _awaited(self, stream_id: int, future: asyncio.Future):
         try:

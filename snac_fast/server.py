@@ -1,0 +1,441 @@
+"""``snac-fast serve``: the decode side of an Orpheus-style TTS server, on Starlette (ASGI) and uvicorn.
+
+- ``POST /v1/audio/speech`` (OpenAI's speech API: ``input``, ``voice``, ``response_format`` pcm or
+  wav, plus ``sample_format`` s16/f32, ``seed``, ``stream_format`` audio/sse): the Orpheus prompt goes
+  to an OpenAI-compatible completions server (``--lm-url``) with streaming on; the ``<custom_token_N>``
+  tokens coming back are pushed through one shared :class:`~snac_fast.serving.AsyncStreamBatcher`
+  and each piece of PCM is sent as soon as it is final.
+- ``WS /v1/audio/stream``: ids in (JSON ``{"ids": [...]}`` or binary int32 little-endian), PCM out
+  (binary), ``{"end": true}`` (or closing) ends the stream.
+- ``GET /health``, ``GET /metrics`` (Prometheus text).
+
+Every connection shares one engine: a full engine answers 503 with Retry-After; a client that goes
+away releases its stream at once. Design notes: docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+import numpy as np
+
+from snac_fast.orpheus import ORPHEUS, TokenLayout
+from snac_fast.serving import AsyncStreamBatcher
+
+log = logging.getLogger("snac_fast.server")
+
+# The prompt Orpheus-family models were trained on, in text form: start of human (128259), the text
+# as "voice: text" after <|begin_of_text|>, end of text (128009), end of human (128260), start of AI
+# (128261), start of speech (128257). canopyai/Orpheus-TTS, orpheus_tts/engine_class.py, _format_prompt.
+ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
+CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
+CUSTOM_TOKEN_ID = 128256  # <custom_token_N> is token id 128256 + N
+END_OF_SPEECH = 128258
+RESPONSE_FORMATS = ("pcm", "wav")
+SAMPLE_FORMATS = {"s16": "int16", "f32": "float32"}
+
+
+@dataclass
+class ServeConfig:
+    """What ``snac-fast serve`` takes; see :func:`create_app`."""
+
+    lm_url: str | None = None  # an OpenAI-compatible base URL, e.g. http://127.0.0.1:8000/v1
+    lm_model: str | None = None  # the completions request's model (default: the speech request's)
+    max_streams: int = 256
+    max_batch: int = 256
+    idle_timeout_s: float = 60.0
+    voice: str = "tara"
+    max_tokens: int = 4096
+    temperature: float = 0.6
+    top_p: float = 0.8
+    repetition_penalty: float = 1.3
+    layout: TokenLayout = field(default_factory=lambda: ORPHEUS)
+    lm_timeout_s: float = 60.0
+
+
+class LMOutputError(Exception):
+    """The language model's stream could not be turned into audio (a malformed token, an error)."""
+
+
+class _Metrics:
+    """Prometheus text for /metrics: the batcher's counters read at scrape time, plus the server's own."""
+
+    def __init__(self, server: "SpeechServer") -> None:
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        self.registry = CollectorRegistry()
+        frame_s = server.frame_seconds
+        buckets = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, frame_s, 0.25, 1.0)
+        self.push = Histogram("snac_fast_push_seconds", "push to audio, per push that returned audio",
+                              buckets=buckets, registry=self.registry)
+        self.first_audio = Histogram("snac_fast_first_audio_seconds", "time to first audio added by the server: "
+                                     "from the LM chunk completing the first decodable frames to the first audio out",
+                                     buckets=buckets, registry=self.registry)
+        self.late = Counter("snac_fast_late_chunks", "pushes whose audio took longer than one frame of audio",
+                            registry=self.registry)
+        self.requests = Counter("snac_fast_requests", "requests by endpoint and outcome", ["endpoint", "outcome"],
+                                registry=self.registry)
+        batcher = server.batcher
+
+        class _Batcher:
+            def collect(self):
+                yield GaugeMetricFamily("snac_fast_active_streams", "open streams", value=batcher.open_streams)
+                yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=batcher.engine.max_streams)
+                yield GaugeMetricFamily("snac_fast_queue_depth", "pushes waiting for the engine thread",
+                                        value=batcher.queued)
+                yield CounterMetricFamily("snac_fast_steps", "engine calls", value=batcher.batches)
+                yield CounterMetricFamily("snac_fast_step_requests", "pushes run by engine calls", value=batcher.requests)
+                yield CounterMetricFamily("snac_fast_step_seconds", "engine-thread seconds in engine calls",
+                                          value=batcher.step_seconds)
+                yield CounterMetricFamily("snac_fast_failed_steps", "engine calls that failed", value=batcher.failed_calls)
+                yield CounterMetricFamily("snac_fast_idle_released", "streams released after idling",
+                                          value=batcher.idle_released)
+
+        self.registry.register(_Batcher())
+
+    def observe_push(self, seconds: float, frame_seconds: float) -> None:
+        self.push.observe(seconds)
+        if seconds > frame_seconds:
+            self.late.inc()
+
+
+class SpeechServer:
+    """The state of one serving process: a codec's shared engine behind one batcher, an HTTP client
+    for the LM, metrics. :func:`create_app` wraps it in a Starlette app."""
+
+    def __init__(self, codec, config: ServeConfig) -> None:
+        config.layout.check_model(codec.config)
+        self.codec, self.config = codec, config
+        self.engine = codec.shared_stream_engine(max_streams=config.max_streams)
+        self.rate = int(codec.config["sampling_rate"])
+        self.frame_seconds = self.engine.samples_per_frame / self.rate
+        self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, layout=config.layout,
+                                          output="float32", idle_timeout_s=config.idle_timeout_s)
+        self.metrics = _Metrics(self)
+        self.draining = False
+        self._lm = None
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def open_stream(self, seed: int | None) -> int | None:
+        """A stream id, or None when the engine is full or the server is shutting down."""
+        if self.draining or self.engine.open_streams >= self.engine.max_streams:
+            return None
+        try:
+            return self.batcher.open(seed)
+        except RuntimeError:  # all slots taken between the look and the open
+            return None
+
+    async def push(self, sid: int, ids) -> np.ndarray:
+        start = time.perf_counter()
+        audio = await self.batcher.push_ids(sid, ids)
+        if audio.size:
+            self.metrics.observe_push(time.perf_counter() - start, self.frame_seconds)
+        return audio
+
+    # -- the language model --------------------------------------------------------------------
+
+    async def lm_ids(self, text: str, voice: str, model: str | None) -> AsyncIterator[list[int]]:
+        """The LM's audio token ids for a prompt, as they stream in (control tokens dropped; the end
+        of speech ends it). LMOutputError for anything that is not a completions stream."""
+        import httpx
+
+        if self.config.lm_url is None:
+            raise LMOutputError("this server has no language model: start it with --lm-url")
+        if self._lm is None:
+            self._lm = httpx.AsyncClient(timeout=httpx.Timeout(self.config.lm_timeout_s, connect=5.0))
+        body = {"model": self.config.lm_model or model, "prompt": ORPHEUS_PROMPT.format(voice=voice, text=text),
+                "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
+                "top_p": self.config.top_p, "repetition_penalty": self.config.repetition_penalty, "stream": True}
+        url = self.config.lm_url.rstrip("/") + "/completions"
+        tail = ""  # text after the last whole token: a token can be cut between two chunks
+        async with self._lm.stream("POST", url, json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:200]
+                raise LMOutputError(f"the language model at {url} answered {response.status_code}: {detail}")
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                try:
+                    text_piece = json.loads(data)["choices"][0].get("text") or ""
+                except (ValueError, KeyError, IndexError, TypeError):
+                    raise LMOutputError(f"the language model sent a chunk that is not a completion: {data[:120]!r}") from None
+                tail += text_piece
+                ids, end, cut = [], False, 0
+                for match in CUSTOM_TOKEN.finditer(tail):
+                    cut = match.end()
+                    token = CUSTOM_TOKEN_ID + int(match.group(1))
+                    if token == END_OF_SPEECH:
+                        end = True
+                        break
+                    if token >= self.config.layout.offset:
+                        ids.append(token)
+                tail = tail[cut:]
+                start = tail.rfind("<")
+                tail = tail[start:] if start >= 0 and len(tail) - start < 32 else ""  # keep only a token's beginning
+                if ids:
+                    yield ids
+                if end:
+                    return
+
+    async def close(self) -> None:
+        """Graceful shutdown: no new streams, then wait (up to 30 s) for the open ones to end."""
+        self.draining = True
+        deadline = time.monotonic() + 30.0
+        while self.batcher.open_streams and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await asyncio.get_running_loop().run_in_executor(None, self.batcher.close)
+        if self._lm is not None:
+            await self._lm.aclose()
+
+
+def _wav_header(rate: int, sample_format: str) -> bytes:
+    """A streaming WAV header: the sizes are unknown, written as 0xFFFFFFFF (as streaming servers do)."""
+    bits, code = (16, 1) if sample_format == "s16" else (32, 3)  # PCM / IEEE float
+    block = bits // 8
+    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + b"fmt " + struct.pack("<IHHIIHH", 16, code, 1, rate,
+            rate * block, block, bits) + b"data" + struct.pack("<I", 0xFFFFFFFF))
+
+
+def _pcm_bytes(audio: np.ndarray, sample_format: str) -> bytes:
+    """float32 audio -> little-endian PCM bytes (s16: rounded and clipped like the batcher's int16)."""
+    if sample_format == "s16":
+        return np.clip(np.rint(audio * 32767.0), -32768, 32767).astype("<i2").tobytes()
+    return audio.astype("<f4", copy=False).tobytes()
+
+
+def create_app(codec, config: ServeConfig | None = None):
+    """The Starlette app serving ``codec`` (a :class:`~snac_fast.FastSNAC`) with ``config``."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse, Response, StreamingResponse
+    from starlette.routing import Route, WebSocketRoute
+    from starlette.websockets import WebSocket, WebSocketDisconnect
+
+    server = SpeechServer(codec, config or ServeConfig())
+
+    def error(status: int, message: str, kind: str = "invalid_request_error", **headers) -> JSONResponse:
+        return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
+
+    async def speech(request: Request) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(400, "the body must be JSON")
+        text, voice = body.get("input"), body.get("voice", server.config.voice)
+        response_format = body.get("response_format", "pcm")
+        sample_format = body.get("sample_format", "s16")
+        stream_format = body.get("stream_format", "audio")
+        seed = body.get("seed")
+        problems = [m for ok, m in [
+            (isinstance(text, str) and text.strip(), "'input' must be a non-empty string"),
+            (isinstance(voice, str) and voice, "'voice' must be a string"),
+            (response_format in RESPONSE_FORMATS, f"'response_format' must be one of {list(RESPONSE_FORMATS)}"),
+            (sample_format in SAMPLE_FORMATS, f"'sample_format' must be one of {list(SAMPLE_FORMATS)}"),
+            (stream_format in ("audio", "sse"), "'stream_format' must be 'audio' or 'sse'"),
+            (seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), "'seed' must be an integer"),
+        ] if not ok]
+        if problems:
+            server.metrics.requests.labels("speech", "bad_request").inc()
+            return error(400, problems[0])
+        sid = server.open_stream(seed)
+        if sid is None:
+            server.metrics.requests.labels("speech", "busy").inc()
+            return error(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
+        chunks = _speech_chunks(server, sid, text, voice, body.get("model"), sample_format)
+        try:  # the status is decided by the first audio: an LM that fails before it gets a clear 502
+            first = await chunks.__anext__()
+        except StopAsyncIteration:
+            first = b""
+        except LMOutputError as e:
+            server.metrics.requests.labels("speech", "lm_error").inc()
+            return error(502, str(e), "lm_output_error")
+        media = "audio/wav" if response_format == "wav" else "audio/pcm"
+        head = _wav_header(server.rate, sample_format) if response_format == "wav" else b""
+        headers = {"X-Sample-Rate": str(server.rate), "X-Sample-Format": sample_format}
+        if stream_format == "sse":
+            return StreamingResponse(_sse(server, head + first, chunks), media_type="text/event-stream", headers=headers)
+        return StreamingResponse(_audio(server, head + first, chunks), media_type=media, headers=headers)
+
+    async def stream_ids(websocket: WebSocket) -> None:
+        await websocket.accept()
+        seed = websocket.query_params.get("seed")
+        sid = server.open_stream(int(seed) if seed and seed.lstrip("-").isdigit() else None)
+        if sid is None:
+            await websocket.close(code=1013, reason="all stream slots are in use; retry shortly")
+            return
+        sample_format = websocket.query_params.get("sample_format", "s16")
+        if sample_format not in SAMPLE_FORMATS:
+            server.batcher.release(sid)
+            await websocket.close(code=1003, reason=f"sample_format must be one of {list(SAMPLE_FORMATS)}")
+            return
+        ended = False
+        try:
+            while True:
+                message = await websocket.receive()
+                if message["type"] == "websocket.disconnect":
+                    break
+                if message.get("bytes") is not None:
+                    data = message["bytes"]
+                    if len(data) % 4:
+                        await websocket.send_json({"type": "error", "message": "binary ids must be int32 little-endian"})
+                        continue
+                    ids, end = np.frombuffer(data, "<i4"), False
+                else:
+                    try:
+                        request = json.loads(message.get("text") or "")
+                        ids, end = request.get("ids", []), bool(request.get("end", False))
+                    except (ValueError, AttributeError):
+                        await websocket.send_json({"type": "error", "message": 'text messages must be JSON: {"ids": [...]} or {"end": true}'})
+                        continue
+                try:
+                    if len(ids):
+                        audio = await server.push(sid, ids)
+                        if audio.size:
+                            await websocket.send_bytes(_pcm_bytes(audio, sample_format))
+                    if end:
+                        ended = True
+                        audio = await server.batcher.flush(sid, drop_incomplete_frame=True)
+                        if audio.size:
+                            await websocket.send_bytes(_pcm_bytes(audio, sample_format))
+                        await websocket.send_json({"type": "done"})
+                        await websocket.close()
+                        break
+                except ValueError as e:  # a bad id: this push fails, the stream goes on (if still open)
+                    await websocket.send_json({"type": "error", "message": str(e)})
+                    if not server.batcher.is_open(sid):
+                        await websocket.close(code=1011, reason="the stream has ended")
+                        break
+        except (WebSocketDisconnect, OSError):
+            pass
+        finally:
+            if not ended:
+                server.batcher.release(sid)
+            server.metrics.requests.labels("stream", "done" if ended else "closed").inc()
+
+    async def health(request: Request) -> JSONResponse:
+        status = "draining" if server.draining else "ok"
+        return JSONResponse({"status": status, "open_streams": server.batcher.open_streams,
+                             "slots_in_use": server.engine.open_streams, "max_streams": server.engine.max_streams,
+                             "sampling_rate": server.rate},
+                            status_code=503 if server.draining else 200)
+
+    async def metrics(request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        yield
+        await server.close()
+
+    app = Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]),
+                            WebSocketRoute("/v1/audio/stream", stream_ids),
+                            Route("/health", health), Route("/metrics", metrics)], lifespan=lifespan)
+    app.state.server = server
+    return app
+
+
+async def _speech_chunks(server: SpeechServer, sid: int, text: str, voice: str, model: str | None,
+                         sample_format: str) -> AsyncIterator[bytes]:
+    """PCM bytes of one speech request as they become final; the stream is released on any exit."""
+    finished = False
+    try:
+        first = True
+        async for ids in server.lm_ids(text, voice, model):
+            started = time.perf_counter()
+            try:
+                audio = await server.push(sid, ids)
+            except ValueError as e:
+                raise LMOutputError(f"the language model sent a token that is not audio: {e}") from None
+            if audio.size:
+                if first:
+                    server.metrics.first_audio.observe(time.perf_counter() - started)
+                    first = False
+                yield _pcm_bytes(audio, sample_format)
+        finished = True
+        audio = await server.batcher.flush(sid, drop_incomplete_frame=True)
+        if audio.size:
+            yield _pcm_bytes(audio, sample_format)
+        server.metrics.requests.labels("speech", "done").inc()
+    finally:
+        if not finished:  # an error, or the client went away: free the slot now
+            server.batcher.release(sid)
+
+
+async def _audio(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except LMOutputError as e:  # after the headers: the body ends short (the error is in the log and metrics)
+        log.warning("speech stream cut: %s", e)
+        server.metrics.requests.labels("speech", "lm_error").inc()
+        raise
+
+
+async def _sse(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """OpenAI's speech stream_format="sse": speech.audio.delta events (base64 audio), then
+    speech.audio.done, or an error event."""
+    def event(payload: dict) -> bytes:
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    if first:
+        yield event({"type": "speech.audio.delta", "audio": base64.b64encode(first).decode()})
+    try:
+        async for chunk in chunks:
+            yield event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
+    except LMOutputError as e:
+        server.metrics.requests.labels("speech", "lm_error").inc()
+        yield event({"type": "error", "error": {"message": str(e), "type": "lm_output_error"}})
+        return
+    yield event({"type": "speech.audio.done"})
+
+
+ENVIRONMENT = "SNAC_FAST_SERVE"  # the JSON settings each uvicorn worker process builds its app from
+
+
+def app_from_environment():
+    """uvicorn's app factory (``snac_fast.server:app_from_environment``, ``factory=True``): each
+    worker process loads the model, warms it up and serves its share of the connections with its
+    own engine (docs/serving.md: one engine per worker process)."""
+    import os
+
+    from snac_fast.api import FastSNAC
+
+    settings = json.loads(os.environ[ENVIRONMENT])
+    codec = FastSNAC.from_pretrained(settings.pop("model"), device=settings.pop("device", None),
+                                     dtype=settings.pop("dtype", None),
+                                     local_files_only=settings.pop("local_files_only", False))
+    config = ServeConfig(**settings)
+    if codec.device.type == "cuda":
+        codec.shared_stream_engine(max_streams=config.max_streams)
+        codec.warmup(streams=min(config.max_batch, config.max_streams))
+    return create_app(codec, config)
+
+
+def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: int = 1) -> None:
+    """Run the server with uvicorn: ``settings`` are :class:`ServeConfig`'s fields plus ``model``,
+    ``device``, ``dtype`` and ``local_files_only``."""
+    import os
+
+    import uvicorn
+
+    os.environ[ENVIRONMENT] = json.dumps(settings)
+    uvicorn.run("snac_fast.server:app_from_environment", factory=True, host=host, port=port, workers=workers,
+                timeout_graceful_shutdown=30, log_level="info")

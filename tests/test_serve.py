@@ -1,0 +1,303 @@
+"""`snac-fast serve` (snac_fast.server) over real HTTP and WebSocket connections on the loopback:
+uvicorn serves the app and a fake OpenAI-compatible LM (Starlette) that streams Orpheus tokens,
+cut at random places, with malformed tokens and early stops on request. Every response's audio is
+checked against the offline decode of the codes the LM sent (float32: >= 100 dB)."""
+
+import asyncio
+import base64
+import contextlib
+import json
+import random
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+import torch
+import uvicorn
+from starlette.applications import Starlette
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from helpers import NARROW, random_codes
+from snac_fast import FastSNAC
+from snac_fast.metrics import snr_db
+from snac_fast.orpheus import ORPHEUS
+from snac_fast.server import CUSTOM_TOKEN_ID, ORPHEUS_PROMPT, ServeConfig, create_app
+from snac_fast.testing import synthetic_model
+
+RATE = 24000
+
+
+class LiveServer:
+    """An ASGI app served by uvicorn on 127.0.0.1 (an ephemeral port) in a thread."""
+
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=10))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+class FakeLM:
+    """A completions server that answers each prompt with the ids scripted for its text, as
+    `<custom_token_N>` text cut into random chunks; `bad_at`: a wrong-slot token there; `stop_early`:
+    no end of speech, the last frame cut short; `delay`: seconds between chunks."""
+
+    def __init__(self) -> None:
+        self.scripts: dict[str, dict] = {}
+        self.prompts: list[str] = []
+        self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"])])
+
+    def script(self, text: str, codes, bad_at: int | None = None, stop_early: bool = False, delay: float = 0.0) -> None:
+        ids = ORPHEUS.codes_to_ids(codes).tolist()
+        if bad_at is not None:
+            ids[bad_at] = ORPHEUS.offset + ((bad_at + 1) % 7) * 4096 + 5  # a code of the next slot
+        if stop_early:
+            ids = ids[:-3]
+        self.scripts[text] = {"ids": ids, "end": not stop_early, "delay": delay}
+
+    async def completions(self, request):
+        body = await request.json()
+        self.prompts.append(body["prompt"])
+        assert body["stream"] is True
+        text = body["prompt"].split(": ", 1)[1].split("<|eot_id|>")[0]
+        script = self.scripts[text]
+        tokens = "".join(f"<custom_token_{i - CUSTOM_TOKEN_ID}>" for i in script["ids"])
+        if script["end"]:
+            tokens += "<custom_token_2><custom_token_6>"  # end of speech, end of AI
+        rng = random.Random(len(tokens))
+
+        async def events():
+            at = 0
+            while at < len(tokens):
+                step = rng.randint(1, 60)  # cuts tokens anywhere
+                chunk = {"choices": [{"text": tokens[at:at + step], "index": 0}]}
+                yield f"data: {json.dumps(chunk)}\n\n"
+                at += step
+                if script["delay"]:
+                    await asyncio.sleep(script["delay"])
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", fuse=False)
+
+
+@contextlib.contextmanager
+def serving(codec, **options):
+    lm = FakeLM()
+    with LiveServer(lm.app) as lm_server:
+        config = ServeConfig(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
+        app = create_app(codec, config)
+        with LiveServer(app) as server:
+            yield server, lm, app.state.server
+
+
+def slots_freed(state, timeout: float = 10.0) -> bool:
+    """Whether every engine slot came back within ``timeout`` s (a release runs on the engine thread)."""
+    deadline = time.monotonic() + timeout
+    while state.engine.open_streams and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return state.engine.open_streams == 0
+
+
+def expected(codec, codes, seed):
+    return codec.decode(codes, seed=seed)[0, 0].float()
+
+
+async def speak(url, text, seed, **fields):
+    async with httpx.AsyncClient(timeout=120) as client:
+        body = {"model": "orpheus", "input": text, "voice": "tara", "seed": seed, **fields}
+        async with client.stream("POST", url + "/v1/audio/speech", json=body) as response:
+            data = b"".join([chunk async for chunk in response.aiter_bytes()])
+            return response.status_code, response.headers, data
+
+
+@pytest.mark.heavy
+def test_speech_streams_exact_audio_to_32_concurrent_clients(codec):
+    codes = {f"line {i}": random_codes(codec.config, 5 + i % 2, seed=500 + i) for i in range(32)}
+    with serving(codec, max_streams=32, max_batch=32) as (server, lm, state):
+        for text, c in codes.items():
+            lm.script(text, c)
+
+        async def main():
+            return await asyncio.gather(*(speak(server.url, text, i, response_format="pcm", sample_format="f32")
+                                          for i, text in enumerate(codes)))
+        results = asyncio.run(main())
+        assert lm.prompts[0] == ORPHEUS_PROMPT.format(voice="tara", text=lm.prompts[0].split(": ", 1)[1].split("<|eot_id|>")[0])
+        assert lm.prompts[0].startswith("<custom_token_3><|begin_of_text|>tara: line ")
+        assert slots_freed(state) and state.batcher.batches < sum(5 + i % 2 for i in range(32))
+    for i, (text, c) in enumerate(codes.items()):
+        status, headers, data = results[i]
+        assert status == 200 and headers["content-type"] == "audio/pcm" and headers["x-sample-rate"] == str(RATE)
+        got = torch.from_numpy(np.frombuffer(data, "<f4").copy())
+        want = expected(codec, c, i)
+        assert got.shape == want.shape, text
+        assert snr_db(want, got) >= 100, text
+
+
+def test_speech_wav_int16_sse_and_early_stop(codec):
+    c = random_codes(codec.config, 7, seed=600)
+    with serving(codec) as (server, lm, state):
+        lm.script("wav", c)
+        lm.script("cut", c, stop_early=True)
+        lm.script("sse", c)
+
+        async def main():
+            return await asyncio.gather(speak(server.url, "wav", 1, response_format="wav"),
+                                        speak(server.url, "cut", 2, sample_format="f32"),
+                                        speak(server.url, "sse", 3, stream_format="sse", sample_format="f32"))
+        (s1, h1, wav), (s2, _, cut), (s3, h3, sse) = asyncio.run(main())
+    assert s1 == 200 and h1["content-type"] == "audio/wav" and wav[:4] == b"RIFF" and wav[8:16] == b"WAVEfmt "
+    assert int.from_bytes(wav[24:28], "little") == RATE and int.from_bytes(wav[34:36], "little") == 16
+    pcm = np.frombuffer(wav[44:], "<i2").astype(np.float64)
+    want = expected(codec, c, 1).double().numpy()
+    assert pcm.shape == want.shape and np.abs(pcm - np.rint(want * 32767)).max() <= 1
+    # an LM cut off mid-frame: the whole frames' audio, exactly
+    whole = [level[:, :6 * level.shape[1] // 7] for level in c]
+    got = torch.from_numpy(np.frombuffer(cut, "<f4").copy())
+    assert s2 == 200 and snr_db(expected(codec, whole, 2), got) >= 100
+    events = [json.loads(line[6:]) for line in sse.decode().split("\n\n") if line.startswith("data: ")]
+    assert s3 == 200 and h3["content-type"].startswith("text/event-stream")
+    assert [e["type"] for e in events[-1:]] == ["speech.audio.done"]
+    audio = np.concatenate([np.frombuffer(base64.b64decode(e["audio"]), "<f4") for e in events[:-1]])
+    assert snr_db(expected(codec, c, 3), torch.from_numpy(audio.copy())) >= 100
+
+
+def test_malformed_tokens_give_clear_errors_and_free_the_slot(codec):
+    c = random_codes(codec.config, 8, seed=700)
+    with serving(codec) as (server, lm, state):
+        lm.script("early", c, bad_at=3)  # before the first audio: a 502 with the reason
+        lm.script("late", c, bad_at=45)  # after it: an error event (sse)
+
+        async def main():
+            return await asyncio.gather(speak(server.url, "early", 1), speak(server.url, "late", 2, stream_format="sse"))
+        (s1, _, early), (s2, _, late) = asyncio.run(main())
+        assert s1 == 502
+        assert "not audio" in json.loads(early)["error"]["message"] and "token 3" in json.loads(early)["error"]["message"]
+        events = [json.loads(line[6:]) for line in late.decode().split("\n\n") if line.startswith("data: ")]
+        assert s2 == 200 and events[-1]["type"] == "error" and "token 45" in events[-1]["error"]["message"]
+        assert events[0]["type"] == "speech.audio.delta"
+        assert slots_freed(state)
+        metrics = httpx.get(server.url + "/metrics").text
+        assert 'snac_fast_requests_total{endpoint="speech",outcome="lm_error"} 2.0' in metrics
+
+
+def test_bad_requests_backpressure_and_disconnects(codec):
+    c = random_codes(codec.config, 40, seed=800)
+    with serving(codec, max_streams=2) as (server, lm, state):
+        lm.script("slow", c, delay=0.05)
+        lm.script("quick", [level[:, :5 * level.shape[1] // 40] for level in c])
+        for body, message in [({"voice": "tara"}, "'input'"), ({"input": "x", "response_format": "mp3"}, "response_format"),
+                              ({"input": "x", "seed": "a"}, "'seed'")]:
+            r = httpx.post(server.url + "/v1/audio/speech", json=body)
+            assert r.status_code == 400 and message in r.json()["error"]["message"]
+
+        async def main():
+            async with httpx.AsyncClient(timeout=60) as client:
+                streams = [client.stream("POST", server.url + "/v1/audio/speech", json={"input": "slow"}) for _ in range(2)]
+                first = await streams[0].__aenter__()
+                second = await streams[1].__aenter__()
+                assert first.status_code == second.status_code == 200
+                busy = await client.post(server.url + "/v1/audio/speech", json={"input": "slow"})
+                assert busy.status_code == 503 and busy.headers["retry-after"] == "1"
+                health = (await client.get(server.url + "/health")).json()
+                assert health["open_streams"] == 2 and health["max_streams"] == 2
+                async for _ in first.aiter_bytes():
+                    break
+                await streams[0].__aexit__(None, None, None)  # the client goes away mid-stream
+                await streams[1].__aexit__(None, None, None)
+                for _ in range(100):
+                    if (await client.get(server.url + "/health")).json()["slots_in_use"] == 0:
+                        break
+                    await asyncio.sleep(0.05)
+                assert state.engine.open_streams == 0  # both slots came back at once, not after the LM finished
+                again = await client.post(server.url + "/v1/audio/speech", json={"input": "quick", "seed": 1})
+                assert again.status_code == 200
+        asyncio.run(main())
+
+
+def test_websocket_ids_in_pcm_out(codec):
+    from websockets.asyncio.client import connect
+
+    c = random_codes(codec.config, 9, seed=900)
+    ids = ORPHEUS.codes_to_ids(c).tolist()
+    with serving(codec) as (server, lm, state):
+        async def main():
+            ws_url = server.url.replace("http", "ws") + "/v1/audio/stream?seed=4&sample_format=f32"
+            pieces, errors = [], []
+            async with connect(ws_url) as ws:
+                for at, n in [(0, 5), (5, 16), (21, 7)]:  # JSON, cut inside frames
+                    await ws.send(json.dumps({"ids": ids[at:at + n]}))
+                await ws.send(json.dumps({"ids": [1, 2, 3]}))  # not audio ids: an error event, the stream goes on
+                await ws.send(np.asarray(ids[28:], "<i4").tobytes())  # binary int32
+                await ws.send(json.dumps({"end": True}))
+                while True:  # audio as it becomes final, then "done"
+                    message = await ws.recv()
+                    if isinstance(message, bytes):
+                        pieces.append(message)
+                    elif json.loads(message)["type"] == "error":
+                        errors.append(json.loads(message))
+                    else:
+                        assert json.loads(message) == {"type": "done"}
+                        break
+            async with connect(ws_url) as ws:  # closed mid-stream: the slot comes back
+                await ws.send(json.dumps({"ids": ids[:35]}))
+                await ws.recv()
+            return pieces, errors
+        pieces, errors = asyncio.run(main())
+        assert slots_freed(state)
+    assert errors[0]["type"] == "error" and "not a code of frame slot" in errors[0]["message"]
+    got = torch.from_numpy(np.frombuffer(b"".join(p for p in pieces if isinstance(p, bytes)), "<f4").copy())
+    assert snr_db(expected(codec, c, 4), got) >= 100
+
+
+def test_graceful_shutdown_finishes_streams_in_flight(codec):
+    c = random_codes(codec.config, 12, seed=1000)
+    lm = FakeLM()
+    lm.script("long", c, delay=0.02)
+    with LiveServer(lm.app) as lm_server:
+        app = create_app(codec, ServeConfig(lm_url=lm_server.url + "/v1"))
+        live = LiveServer(app).__enter__()
+        result = {}
+
+        def client():
+            with httpx.stream("POST", live.url + "/v1/audio/speech", json={"input": "long", "seed": 5,
+                                                                           "sample_format": "f32"}, timeout=60) as r:
+                result["status"] = r.status_code
+                result["data"] = b"".join(r.iter_bytes())
+        t = threading.Thread(target=client)
+        t.start()
+        while not app.state.server.batcher.open_streams:
+            time.sleep(0.01)
+        live.__exit__(None, None, None)  # as on SIGTERM: stop accepting, finish what is in flight
+        t.join(60)
+    assert result["status"] == 200
+    got = torch.from_numpy(np.frombuffer(result["data"], "<f4").copy())
+    assert snr_db(expected(codec, c, 5), got) >= 100
+
+
+def test_serve_cli_refuses_bad_arguments(capsys):
+    from snac_fast.cli import main
+
+    assert main(["serve", "--max-streams", "0"]) == 2
+    assert "--max-streams" in capsys.readouterr().err
+    assert main(["serve", "--lm-url", "localhost:8000"]) == 2
+    assert "--lm-url must be an http(s) URL" in capsys.readouterr().err
