@@ -107,6 +107,7 @@ class TokenLayout:
 
 
 ORPHEUS = TokenLayout()
+CUSTOM_TOKEN_ID = 128256  # in text form an Orpheus LM emits id 128256 + N as <custom_token_N>
 
 
 def as_token_ids(ids) -> np.ndarray:

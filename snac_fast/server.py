@@ -28,7 +28,7 @@ from typing import AsyncIterator
 
 import numpy as np
 
-from snac_fast.orpheus import ORPHEUS, TokenLayout
+from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS, TokenLayout
 from snac_fast.serving import AsyncStreamBatcher
 
 log = logging.getLogger("snac_fast.server")
@@ -38,7 +38,6 @@ log = logging.getLogger("snac_fast.server")
 # (128261), start of speech (128257). canopyai/Orpheus-TTS, orpheus_tts/engine_class.py, _format_prompt.
 ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
 CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
-CUSTOM_TOKEN_ID = 128256  # <custom_token_N> is token id 128256 + N
 END_OF_SPEECH = 128258
 RESPONSE_FORMATS = ("pcm", "wav")
 SAMPLE_FORMATS = {"s16": "int16", "f32": "float32"}

@@ -7,7 +7,6 @@ import asyncio
 import base64
 import contextlib
 import json
-import random
 import threading
 import time
 
@@ -16,15 +15,13 @@ import numpy as np
 import pytest
 import torch
 import uvicorn
-from starlette.applications import Starlette
-from starlette.responses import StreamingResponse
-from starlette.routing import Route
 
 from helpers import NARROW, random_codes
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
 from snac_fast.orpheus import ORPHEUS
-from snac_fast.server import CUSTOM_TOKEN_ID, ORPHEUS_PROMPT, ServeConfig, create_app
+from snac_fast.fake_lm import FakeLM
+from snac_fast.server import ORPHEUS_PROMPT, ServeConfig, create_app
 from snac_fast.testing import synthetic_model
 
 RATE = 24000
@@ -53,48 +50,6 @@ class LiveServer:
         self.thread.join(30)
 
 
-class FakeLM:
-    """A completions server that answers each prompt with the ids scripted for its text, as
-    `<custom_token_N>` text cut into random chunks; `bad_at`: a wrong-slot token there; `stop_early`:
-    no end of speech, the last frame cut short; `delay`: seconds between chunks."""
-
-    def __init__(self) -> None:
-        self.scripts: dict[str, dict] = {}
-        self.prompts: list[str] = []
-        self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"])])
-
-    def script(self, text: str, codes, bad_at: int | None = None, stop_early: bool = False, delay: float = 0.0) -> None:
-        ids = ORPHEUS.codes_to_ids(codes).tolist()
-        if bad_at is not None:
-            ids[bad_at] = ORPHEUS.offset + ((bad_at + 1) % 7) * 4096 + 5  # a code of the next slot
-        if stop_early:
-            ids = ids[:-3]
-        self.scripts[text] = {"ids": ids, "end": not stop_early, "delay": delay}
-
-    async def completions(self, request):
-        body = await request.json()
-        self.prompts.append(body["prompt"])
-        assert body["stream"] is True
-        text = body["prompt"].split(": ", 1)[1].split("<|eot_id|>")[0]
-        script = self.scripts[text]
-        tokens = "".join(f"<custom_token_{i - CUSTOM_TOKEN_ID}>" for i in script["ids"])
-        if script["end"]:
-            tokens += "<custom_token_2><custom_token_6>"  # end of speech, end of AI
-        rng = random.Random(len(tokens))
-
-        async def events():
-            at = 0
-            while at < len(tokens):
-                step = rng.randint(1, 60)  # cuts tokens anywhere
-                chunk = {"choices": [{"text": tokens[at:at + step], "index": 0}]}
-                yield f"data: {json.dumps(chunk)}\n\n"
-                at += step
-                if script["delay"]:
-                    await asyncio.sleep(script["delay"])
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(events(), media_type="text/event-stream")
-
-
 @pytest.fixture(scope="module")
 def codec():
     return FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", fuse=False)
@@ -102,7 +57,7 @@ def codec():
 
 @contextlib.contextmanager
 def serving(codec, **options):
-    lm = FakeLM()
+    lm = FakeLM(split_tokens=True)
     with LiveServer(lm.app) as lm_server:
         config = ServeConfig(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
         app = create_app(codec, config)
@@ -271,7 +226,7 @@ def test_websocket_ids_in_pcm_out(codec):
 
 def test_graceful_shutdown_finishes_streams_in_flight(codec):
     c = random_codes(codec.config, 12, seed=1000)
-    lm = FakeLM()
+    lm = FakeLM(split_tokens=True)
     lm.script("long", c, delay=0.02)
     with LiveServer(lm.app) as lm_server:
         app = create_app(codec, ServeConfig(lm_url=lm_server.url + "/v1"))
@@ -301,3 +256,22 @@ def test_serve_cli_refuses_bad_arguments(capsys):
     assert "--max-streams" in capsys.readouterr().err
     assert main(["serve", "--lm-url", "localhost:8000"]) == 2
     assert "--lm-url must be an http(s) URL" in capsys.readouterr().err
+
+
+def test_fake_lm_paces_its_tokens_and_records_first_frames():
+    """The benchmark's LM: random codes for any prompt at the set pace; /stats says when the token
+    completing the first decodable frames left (the start of the server's time to first audio)."""
+    lm = FakeLM(pace=20.0, frames=10)  # 10 frames at 20x real time: ~43 ms
+    with LiveServer(lm.app) as server:
+        start = time.monotonic()
+        with httpx.stream("POST", server.url + "/v1/completions",
+                          json={"prompt": ORPHEUS_PROMPT.format(voice="tara", text="hi"), "stream": True}) as r:
+            text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
+                           if line.startswith("data: {"))
+        took = time.monotonic() - start
+        first = httpx.get(server.url + "/stats").json()["first_sent"]["hi"]
+    tokens = [int(n) for n in text.replace(">", " ").replace("<custom_token_", " ").split()]
+    assert len(tokens) == 10 * 7 + 2 and tokens[-2:] == [2, 6]  # ten frames, then end of speech and of AI
+    ORPHEUS.framer().push_row([128256 + n for n in tokens[:-2]])  # every id in its slot
+    assert 10 * 2048 / 24000 / 20 * 0.9 <= took < 5
+    assert start < first < start + took
