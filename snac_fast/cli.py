@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("decode", help="token file -> WAV", epilog=EPILOG, formatter_class=fmt,
                        description="Decode a token file (torch.save of the codes list, or a dict with 'codes' and 'model') to a WAV at the model's rate.")
     p.add_argument("tokens", type=Path, help="token file (.pt)")
-    p.add_argument("out", type=Path, help="output WAV path")
+    p.add_argument("out", type=Path, help="output audio: .wav (float32 by default), .flac (PCM_16) or .ogg (Vorbis)")
+    p.add_argument("--subtype", help="sample format of the output (soundfile's names: PCM_16, PCM_24, FLOAT, ...)")
     _add_model_args(p, with_seed=True)
 
     p = sub.add_parser("encode", help="audio file -> token file", epilog=EPILOG, formatter_class=fmt,
@@ -192,12 +193,39 @@ class _Stages:
         self._bar.close()
 
 
+# output extension -> (soundfile format, default subtype)
+AUDIO_FORMATS = {".wav": ("WAV", "FLOAT"), ".flac": ("FLAC", "PCM_16"), ".ogg": ("OGG", "VORBIS")}
+
+
+def _audio_output(path: Path, subtype: str | None) -> tuple[str, str]:
+    """(format, subtype) for an output audio path, checked before any work: a known extension, a
+    folder that exists, a subtype the format can hold."""
+    import soundfile
+
+    known = AUDIO_FORMATS.get(path.suffix.lower())
+    if known is None:
+        raise UsageError(f"cannot write {path}: unknown audio format {path.suffix or '(no extension)'!r}; "
+                         f"name it {', '.join(AUDIO_FORMATS)}")
+    _check_folder(path)
+    subtype = (subtype or known[1]).upper()
+    if not soundfile.check_format(known[0], subtype):
+        raise UsageError(f"cannot write {path}: {path.suffix} cannot hold {subtype} samples; choose one of "
+                         f"{', '.join(sorted(soundfile.available_subtypes(known[0])))}")
+    return known[0], subtype
+
+
+def _check_folder(path: Path) -> None:
+    if not path.parent.is_dir():
+        raise UsageError(f"cannot write {path}: the folder {path.parent} does not exist")
+
+
 def cmd_decode(args: argparse.Namespace) -> None:
     import soundfile
 
     from snac_fast.codes import load_tokens
     from snac_fast.warmup import compile_kernels
 
+    audio_format, subtype = _audio_output(args.out, args.subtype)
     codes, file_model = load_tokens(args.tokens)
     if codes[0].dim() == 2 and codes[0].shape[0] != 1:
         raise UsageError(f"{args.tokens} holds a batch of {codes[0].shape[0]}; the CLI writes one WAV, decode batches from Python")
@@ -210,7 +238,7 @@ def cmd_decode(args: argparse.Namespace) -> None:
         stages.next()
         samples = audio[0, 0].float().cpu().numpy()
         try:
-            soundfile.write(str(args.out), samples, model.sampling_rate, subtype="FLOAT")
+            soundfile.write(str(args.out), samples, model.sampling_rate, format=audio_format, subtype=subtype)
         except (OSError, RuntimeError, soundfile.LibsndfileError) as e:
             raise UsageError(f"cannot write {args.out}: {e}") from e
         stages.next()
@@ -223,6 +251,9 @@ def cmd_encode(args: argparse.Namespace) -> None:
 
     from snac_fast.codes import read_mono, save_tokens
 
+    if not args.audio.is_file():
+        raise UsageError(f"cannot read audio {args.audio}: no such file")
+    _check_folder(args.tokens)  # before the encode, not after it
     with _Stages(["reading", "loading model", "encoding", "writing"]) as stages:
         try:
             mono, rate = read_mono(str(args.audio))

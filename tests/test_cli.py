@@ -54,6 +54,20 @@ def test_decode_sample_writes_wav(tmp_path):
     assert np.isfinite(data).all() and np.abs(data).max() <= 1.0 and data.std() > 0
 
 
+def test_decode_writes_flac_and_ogg(tmp_path):
+    """The same seed in three formats: FLAC holds the WAV's float samples to 16 bits, Ogg Vorbis
+    (lossy) the same length."""
+    for name in ("out.wav", "out.flac", "out.ogg"):
+        proc = cli("decode", SAMPLE_24, tmp_path / name, "--seed", "0", "--device", "cpu")
+        assert proc.returncode == 0, proc.stderr
+    wav, _ = soundfile.read(str(tmp_path / "out.wav"), dtype="float64")
+    flac, rate = soundfile.read(str(tmp_path / "out.flac"), dtype="float64")
+    assert soundfile.info(str(tmp_path / "out.flac")).subtype == "PCM_16" and rate == 24000
+    assert flac.shape == wav.shape and np.abs(flac - wav).max() <= 1.01 / 32767
+    ogg, _ = soundfile.read(str(tmp_path / "out.ogg"), dtype="float64")
+    assert ogg.shape == wav.shape
+
+
 def test_encode_then_decode_uses_the_files_model(tmp_path):
     rng = np.random.default_rng(0)
     t = np.arange(int(0.3 * 16000)) / 16000
@@ -102,7 +116,11 @@ def test_model_flag_overrides_the_file(tmp_path):
     (lambda d: ["encode", d / "junk.pt", d / "t.pt", "--model", "synthetic:snac_24khz"], ["cannot read audio"]),
     (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--model", "synthetic:nope"], ["unknown SNAC model"]),
     (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--model", str(d)], ["no config.json"]),
-    (lambda d: ["decode", SAMPLE_24, d / "no" / "dir" / "o.wav", "--device", "cpu"], ["cannot write"]),
+    (lambda d: ["decode", SAMPLE_24, d / "no" / "dir" / "o.wav", "--device", "cpu"], ["cannot write", "does not exist"]),
+    (lambda d: ["decode", SAMPLE_24, d / "out", "--device", "cpu"], ["unknown audio format", ".wav, .flac, .ogg"]),
+    (lambda d: ["decode", SAMPLE_24, d / "o.flac", "--subtype", "FLOAT"], [".flac cannot hold FLOAT", "PCM_16"]),
+    (lambda d: ["encode", d / "missing.wav", d / "t.pt"], ["cannot read audio", "no such file"]),
+    (lambda d: ["encode", d / "junk.pt", d / "no" / "t.pt"], ["cannot write", "does not exist"]),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, make_args, fragments):
     (tmp_path / "junk.pt").write_bytes(b"junk")
