@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None, exit_at_once: bool = False) -> int:
     args = parser.parse_args(argv)
     try:
         status = int(COMMANDS[args.command](args) or 0)
-    except (UsageError, ValueError, OSError) as e:  # bad input: one line, no traceback
+    except (UsageError, ValueError, OSError, ImportError) as e:  # bad input or a missing extra: one line, no traceback
         print(f"snac-fast {args.command}: error: {e}", file=sys.stderr)
         status = 2
     if exit_at_once and args.command in EXIT_AT_ONCE:

@@ -298,6 +298,14 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.parquet"
 
 
+def _require_pyarrow() -> None:
+    """ImportError naming the extra, at the start of a dataset job rather than at its first shard."""
+    try:
+        import pyarrow.parquet  # noqa: F401
+    except ImportError:
+        raise ImportError("datasets need pyarrow: pip install 'snac-fast[datasets]'") from None
+
+
 def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
                    engine: str = "local", address: str | None = None, model_options: dict | None = None,
                    files_per_shard: int = 256, batch_seconds: float = 300.0, pad_seconds: float = 1.0,
@@ -316,6 +324,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     the same shards."""
     if engine not in ("local", "ray"):
         raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
+    _require_pyarrow()
     loaders = loaders or min(16, os.cpu_count() or 1)
     if files_per_shard < 1 or batch_seconds <= 0 or pad_seconds < 0 or loaders < 1:
         raise ValueError("files_per_shard and loaders must be >= 1, batch_seconds > 0 and pad_seconds >= 0")
@@ -605,6 +614,7 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     Returns a summary: rows, written, skipped (already there), errors, wall seconds."""
     if format not in ("wav", "flac", "parquet"):
         raise ValueError(f"format must be wav, flac or parquet, got {format!r}")
+    _require_pyarrow()
     rows = list(read_shards(source))
     names = {r.get("model") for r in rows if r.get("error") is None}
     if codec is None:

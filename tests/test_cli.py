@@ -187,3 +187,16 @@ def test_profile_command(short_tokens, tmp_path):
     proc = cli("profile", short_tokens, "--device", "cpu", "--runs", "1")
     assert proc.returncode == 0 and "untimed decode" in proc.stdout
     assert_usage_error(cli("profile", short_tokens, "--runs", "0"), "--runs")
+
+
+def test_dataset_commands_name_their_extra_when_pyarrow_is_missing(tmp_path, monkeypatch, capsys):
+    """Without pyarrow: one line naming the extra, before any model loads or file is listed."""
+    from snac_fast import cli as cli_module
+
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    for args in (["encode-dataset", str(tmp_path), str(tmp_path / "out"), "--model", "synthetic:nope"],
+                 ["decode-dataset", str(tmp_path), str(tmp_path / "audio")]):
+        assert cli_module.main(args) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "pip install 'snac-fast[datasets]'" in err[0], err
