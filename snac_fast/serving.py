@@ -42,11 +42,13 @@ OUTPUTS = ("tensor", "float32", "int16")
 class _Stream:
     """A batcher's stream: its engine slot, token framer and activity."""
 
-    __slots__ = ("id", "slot", "framer", "last_active", "ended", "dropped")
+    __slots__ = ("id", "slot", "framer", "last_active", "ended", "dropped", "queued", "done")
 
     def __init__(self, stream_id: int, slot: StreamSlot, framer: TokenFramer | None) -> None:
         self.id, self.slot, self.framer = stream_id, slot, framer
         self.last_active = time.monotonic()
+        # requests queued (by callers) and run (by the engine thread): a stream with one in flight is not idle
+        self.queued = self.done = 0
         self.ended: str | None = None  # why it takes no more pushes (flushed, released, ...)
         self.dropped = False  # released without its audio: its queued work is skipped
 
@@ -176,6 +178,7 @@ class _Batcher:
         if self._stopping:
             raise RuntimeError("the batcher is closed")
         request.queued_at = request.stream.last_active = time.monotonic()
+        request.stream.queued += 1
         self._pending.append(request)
         if self._sleeping:
             self._wake.set()
@@ -243,7 +246,7 @@ class _Batcher:
     def _release_idle(self) -> None:
         limit = time.monotonic() - self.idle_timeout
         with self._lock:
-            idle = [s for s in self._streams.values() if s.last_active < limit]
+            idle = [s for s in self._streams.values() if s.last_active < limit and s.queued == s.done]
         for stream in idle:
             self._end(stream, f"idle for over {self.idle_timeout:g} s", drop=True)
             self.engine.close(stream.slot)
@@ -276,6 +279,9 @@ class _Batcher:
             launched.append(self._launch(chunk, lambda c=chunk: self._finish(c)))
         for chunk, pending in launched:
             self._deliver(chunk, pending())
+        now = time.monotonic()
+        for r in requests:  # idle time counts from a push's answer, not from its queueing
+            r.stream.last_active, r.stream.done = now, r.stream.done + 1
         self.step_seconds += time.perf_counter() - started
         self.requests += len(requests)
 

@@ -32,7 +32,7 @@ class LiveServer:
 
     def __init__(self, app) -> None:
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=10))
+                                                    timeout_graceful_shutdown=120))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":
@@ -225,7 +225,7 @@ def test_websocket_ids_in_pcm_out(codec):
 
 
 def test_graceful_shutdown_finishes_streams_in_flight(codec):
-    c = random_codes(codec.config, 12, seed=1000)
+    c = random_codes(codec.config, 8, seed=1000)
     lm = FakeLM(split_tokens=True)
     lm.script("long", c, delay=0.02)
     with LiveServer(lm.app) as lm_server:

@@ -171,6 +171,34 @@ def test_cancelled_await_releases_only_its_stream():
         assert np.abs(outs[i] - expected[i].numpy()).max() < 1e-6, f"stream {i}"
 
 
+def test_a_push_in_flight_is_not_idle():
+    """Streams whose pushes wait longer than the idle timeout for a busy engine are not released
+    under them (seen on a slow CI machine: streams dropped mid-request)."""
+    engine = engine64(NAME, streams=2, narrow=True)
+    real_step = engine.step_rows
+
+    def slow_step(*args):
+        time.sleep(0.5)
+        return real_step(*args)
+
+    engine.step_rows = slow_step
+    codes = [random_codes(CONFIG, 5, seed=71 + i) for i in range(2)]
+    ids = [ORPHEUS.codes_to_ids(c).tolist() for c in codes]
+    with StreamBatcher(engine, layout=ORPHEUS, idle_timeout_s=0.2, output="float32") as batcher:
+        sids = [batcher.open(3 + i) for i in range(2)]
+        pieces = [[], []]
+        for f in range(5):
+            first = batcher.submit_ids(sids[0], ids[0][7 * f:7 * f + 7])
+            time.sleep(0.05)  # the second stream's push queues while the first one's step runs
+            pieces[1].append(batcher.push_ids(sids[1], ids[1][7 * f:7 * f + 7]))
+            pieces[0].append(first.result())
+        for i in range(2):
+            pieces[i].append(batcher.flush(sids[i]))
+        assert batcher.idle_released == 0
+    for i in range(2):
+        assert np.abs(np.concatenate(pieces[i]) - expected_audio(codes[i], 3 + i).numpy()).max() < 1e-6
+
+
 def test_idle_stream_is_released_and_pushes_after_the_end_are_refused():
     engine = engine64(NAME, streams=2, narrow=True)
     codes = random_codes(CONFIG, 6, seed=70)
