@@ -74,6 +74,23 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
     behind = [0.0]
     layout = ORPHEUS if path != "codes" else None
     options = dict(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, layout=layout, output=args.output)
+
+    def record(i: int, start: float, t0: float, t1: float, audio, pieces: list) -> int:
+        """One push: its latency when it returned audio, a slow push's time, the audio of a sampled
+        stream; returns its samples."""
+        if len(audio):
+            latencies.append((t1 - t0) * 1e3)
+        if t1 - t0 > 0.02:
+            slow.append((t0 - start, (t1 - t0) * 1e3))
+        if i in sample:
+            pieces.append(audio)
+        return len(audio)
+
+    def finished(i: int, total: int, pieces: list, tail) -> None:
+        audio_len[i] = total + len(tail)
+        if i in sample:
+            kept[i] = pieces + [tail]
+
     gc.collect()
     if args.gc_freeze:
         gc.freeze()
@@ -103,20 +120,10 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
                         time.sleep(due - now)
                     t0 = time.perf_counter()
                     audio = batcher.push_ids(sid, seq[f])
-                    t1 = time.perf_counter()
-                    if len(audio):
-                        latencies.append((t1 - t0) * 1e3)
-                        total += len(audio)
-                    if t1 - t0 > 0.02:
-                        slow.append((t0 - start, (t1 - t0) * 1e3))
-                    if i in sample:
-                        pieces.append(audio)
+                    total += record(i, start, t0, time.perf_counter(), audio, pieces)
                     due += interval
                 behind[0] = max(behind[0], time.perf_counter() - (due - interval))
-                tail = batcher.flush(sid)
-                audio_len[i] = total + len(tail)
-                if i in sample:
-                    kept[i] = pieces + [tail]
+                finished(i, total, pieces, batcher.flush(sid))
             threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(streams)]
             for t in threads:
                 t.start()
@@ -138,21 +145,10 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
                         await asyncio.sleep(delay)
                     t0 = time.perf_counter()
                     audio = await push(sid, seq[f])
-                    t1 = time.perf_counter()
-                    n = len(audio)
-                    if n:
-                        latencies.append((t1 - t0) * 1e3)
-                        total += n
-                    if t1 - t0 > 0.02:
-                        slow.append((t0 - start, (t1 - t0) * 1e3))
-                    if i in sample:
-                        pieces.append(audio)
+                    total += record(i, start, t0, time.perf_counter(), audio, pieces)
                     due += interval
                 behind[0] = max(behind[0], time.perf_counter() - (due - interval))
-                tail = await batcher.flush(sid)
-                audio_len[i] = total + len(tail)
-                if i in sample:
-                    kept[i] = pieces + [tail]
+                finished(i, total, pieces, await batcher.flush(sid))
 
             async def main() -> None:
                 start = time.perf_counter() + 0.05

@@ -6,7 +6,7 @@
 ``concurrent.futures.Future``). Both share one design, built for the host to keep up with the GPU:
 
 - A push is checked and framed on the caller's thread with numpy alone (ids to codes, no torch
-  call), then appended to a list; the engine thread is woken only when it waits.
+  call), then appended to a deque (no lock); the engine thread is woken only when it sleeps.
 - The engine thread takes whatever is pending when the GPU frees (``max_wait_ms`` > 0: waits that
   long for more when fewer than ``max_batch`` are pending), runs it in chunks of ``max_batch``
   streams, one :meth:`StreamEngine.step_rows` each, and hands each chunk's results to the event loop
