@@ -16,8 +16,9 @@ GPU span (CUDA events; an upper bound of the GPU's busy time) over the wall time
 time, gc pauses, and checks every stream's audio length and, on a sample of streams, that the audio
 equals the offline decode of its codes (same seed; fp16: the fp16 rounding apart).
 
-``--processes P`` runs the scenario in P processes at once, each with its own engine on the same GPU
-and streams/P of the streams (how a host uses its cores: one engine per worker process).
+``--processes P`` runs the scenario in P processes at once, each with its own engine and streams/P
+of the streams (how a host uses its cores: one engine per worker process); ``--gpus G`` puts
+process k on GPU k % G.
 
     python scripts/bench_serve.py --streams 64,256,1024 --pace 2,1 --paths ids --seconds 60 --out benchmarks
 """
@@ -222,7 +223,8 @@ def build(args, device):
 
 
 def worker_process(args, streams, pace, path, index, ready, go, out) -> None:
-    torch.cuda.set_device(0)
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus)))).split(",")
+    os.environ["CUDA_VISIBLE_DEVICES"] = visible[index % args.gpus]  # before CUDA starts in this process
     codec, engine, warm = build(args, torch.device("cuda"))
     pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
     ready.put(warm)
@@ -275,6 +277,7 @@ def main() -> None:
     parser.add_argument("--max-streams", type=int, default=None, help="engine slots (default: the most streams asked)")
     parser.add_argument("--output", default="int16", choices=["tensor", "float32", "int16"])
     parser.add_argument("--processes", type=int, default=1)
+    parser.add_argument("--gpus", type=int, default=1, help="GPUs the processes are spread over")
     parser.add_argument("--gc-freeze", action="store_true")
     parser.add_argument("--spin-gpu", type=float, default=0.0, metavar="S",
                         help="keep the GPU busy for S seconds right before each load (clocks up after an idle gap)")
@@ -325,7 +328,7 @@ def main() -> None:
                     p.join()
                 checks = [r.pop("check") for r in raws]
                 results.setdefault("warmup_per_process", []).append(warms)
-            row = {"streams": streams, "pace": pace, "path": path, "processes": args.processes,
+            row = {"streams": streams, "pace": pace, "path": path, "processes": args.processes, "gpus": args.gpus,
                    **summarize(raws, frame_ms),
                    "lengths_ok": all(c["lengths_ok"] for c in checks),
                    "snr_db_min": min((c["snr_db_min"] for c in checks if c["snr_db_min"] is not None), default=None)}
@@ -347,7 +350,7 @@ def _markdown(r: dict) -> str:
     lines = [f"# Serving under load, {r['model']} ({env['device']}, {env['date']})\n",
              f"`python scripts/bench_serve.py {'--scenarios ' + a['scenarios'] if a['scenarios'] else '--streams %s --pace %s' % (a['streams'], a['pace'])} --paths {a['paths']} "
              f"--seconds {a['seconds']:g} --max-batch {a['max_batch']} --output {a['output']}"
-             f"{' --processes %d' % a['processes'] if a['processes'] > 1 else ''}{' --gc-freeze' if a['gc_freeze'] else ''}{' --uvloop' if a['uvloop'] else ''}{' --spin-gpu %g' % a['spin_gpu'] if a['spin_gpu'] else ''}{' --cold-start %d' % a['cold_start'] if a['cold_start'] else ''}`. "
+             f"{' --processes %d' % a['processes'] if a['processes'] > 1 else ''}{' --gpus %d' % a['gpus'] if a.get('gpus', 1) > 1 else ''}{' --gc-freeze' if a['gc_freeze'] else ''}{' --uvloop' if a['uvloop'] else ''}{' --spin-gpu %g' % a['spin_gpu'] if a['spin_gpu'] else ''}{' --cold-start %d' % a['cold_start'] if a['cold_start'] else ''}`. "
              f"Staggered streams, one frame per push, gc {'frozen after warm-up' if a['gc_freeze'] else 'on'}; "
              f"push-to-audio latency of the pushes that returned audio; late: over one frame ({r['frame_ms']:.1f} ms).\n"]
     if "warmup" in r:
@@ -358,14 +361,14 @@ def _markdown(r: dict) -> str:
                      f"{c['empty_cache']['warmup_s']:.1f} s with an empty Triton cache (stream steps "
                      f"{c['empty_cache'].get('stream_s', 0):.1f} s), {c['warm_cache']['warmup_s']:.1f} s with a warm one "
                      f"(stream steps {c['warm_cache'].get('stream_s', 0):.1f} s).\n")
-    rows = [[x["streams"], f"{x['pace']:g}x", x["path"], x["processes"], f"{x['p50_ms']:.1f}", f"{x['p99_ms']:.1f}",
+    rows = [[x["streams"], f"{x['pace']:g}x", x["path"], x["processes"], x.get("gpus", 1), f"{x['p50_ms']:.1f}", f"{x['p99_ms']:.1f}",
              f"{x['p999_ms']:.1f}", f"{x['max_ms']:.1f}", f"{x['late_pushes']} of {x['pushes']}",
              f"{x['wall_s']:.1f} / {x['scenario_s']:.1f}", "yes" if x["keeps_pace"] else f"no ({x['behind_ms']:.0f} ms)",
              f"{x['gpu_busy_upper']:.2f}", f"{x['cpu_cores']:.2f}", x["engine_calls"],
              f"{x['gc_full']} / {x['gc_max_pause_ms']:.0f}",
              "ok" if x["lengths_ok"] else "WRONG", "-" if x["snr_db_min"] is None else f"{x['snr_db_min']:.1f}"]
             for x in r["rows"]]
-    lines.append(markdown_table(["streams", "pace", "path", "procs", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "late",
+    lines.append(markdown_table(["streams", "pace", "path", "procs", "GPUs", "p50 ms", "p99 ms", "p99.9 ms", "max ms", "late",
                                  "wall / scenario s", "keeps pace", "GPU busy (upper)", "CPU cores", "engine calls",
                                  "gc full / longest pause ms", "lengths", "SNR vs decode dB"], rows))
     return "\n".join(lines)

@@ -8,9 +8,14 @@ chunk. Reported per client count:
 - time to first audio added by the server: first audio byte at the client minus the moment the LM
   sent the token that completed the first decodable frames (``time.monotonic()``, one host);
 - gaps between audio chunks at the client (p50/p99/max) and how many exceed one frame of audio;
-- real time: each stream's last audio byte against its LM's last token (the audio that waits for
-  the stream's end comes out with the flush), and whether every stream got all its audio;
+- real time: how long after its nominal length (frames / pace) each stream's last byte came (the
+  audio that waits for the stream's end comes out with the flush), and whether every stream got all
+  its audio;
 - the server's own push-to-audio histogram (/metrics).
+
+One Python process cannot stream a thousand SSE answers nor read a thousand PCM streams at real time,
+so the fake LM (``--lm-workers``) and the clients (``--client-procs``) can run in several processes;
+times are ``time.monotonic()``, one clock for all processes of the host.
 
     python scripts/bench_serve_http.py --clients 64,256,1024 --pace 1 --seconds 20 --out benchmarks
 """
@@ -19,16 +24,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
+from snac_fast.fake_lm import read_stats_dir
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import markdown_table, write_results  # noqa: E402
+from bench_common import markdown_table, write_results
 
 FRAME_S = 2048 / 24000
 
@@ -39,14 +48,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list[str], health: str, timeout: float = 600.0) -> subprocess.Popen:
+def start(cmd: list[str], health: str, log: Path, timeout: float = 600.0) -> subprocess.Popen:
+    """Start ``cmd`` with its output to ``log`` (a pipe nobody reads would fill with access-log lines
+    and block the server), and wait until ``health`` answers."""
     import httpx
 
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{cmd[:4]} exited: {proc.stderr.read()[-2000:]}")
+            raise RuntimeError(f"{cmd[:4]} exited: {log.read_text()[-2000:]}")
         try:
             if httpx.get(health, timeout=1).status_code < 500:
                 return proc
@@ -57,13 +69,13 @@ def start(cmd: list[str], health: str, timeout: float = 600.0) -> subprocess.Pop
     raise RuntimeError(f"{cmd[:4]} did not come up in {timeout:.0f} s")
 
 
-async def run_clients(server: str, clients: int, tag: str) -> list[dict]:
+async def run_clients(server: str, indices: list[int], clients: int, tag: str, t_start: float) -> list[dict]:
     import httpx
 
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=clients + 8)
+    limits = httpx.Limits(max_connections=len(indices) + 8, max_keepalive_connections=len(indices) + 8)
     async with httpx.AsyncClient(timeout=httpx.Timeout(300.0, connect=30.0), limits=limits) as client:
         async def one(i: int) -> dict:
-            await asyncio.sleep(FRAME_S * i / clients)  # staggered over one frame
+            await asyncio.sleep(max(0.0, t_start + FRAME_S * i / clients - time.monotonic()))  # staggered over one frame
             text = f"{tag} client {i}"
             record = {"text": text, "start": time.monotonic(), "chunks": []}
             async with client.stream("POST", server + "/v1/audio/speech",
@@ -73,20 +85,93 @@ async def run_clients(server: str, clients: int, tag: str) -> list[dict]:
                     record["chunks"].append((time.monotonic(), len(chunk)))
             record["end"] = time.monotonic()
             return record
-        return await asyncio.gather(*(one(i) for i in range(clients)))
+        return await asyncio.gather(*(one(i) for i in indices))
 
 
-def summarize(records: list[dict], first_sent: dict, frames: int, scrape: str) -> dict:
+def client_process(server: str, indices: list[int], clients: int, tag: str, t_start: float) -> list[dict]:
+    try:
+        import uvloop
+
+        uvloop.install()
+    except ImportError:
+        pass
+    return asyncio.run(run_clients(server, indices, clients, tag, t_start))
+
+
+def all_clients(server: str, clients: int, tag: str, procs: int) -> list[dict]:
+    """``clients`` clients over ``procs`` processes (client i in process i % procs), one schedule."""
+    t_start = time.monotonic() + (5.0 if procs > 1 else 0.0)  # time for the processes to start
+    if procs == 1:
+        return client_process(server, list(range(clients)), clients, tag, t_start)
+    with mp.get_context("spawn").Pool(procs) as pool:
+        parts = pool.starmap(client_process, [(server, list(range(k, clients, procs)), clients, tag, t_start)
+                                               for k in range(procs)])
+    return [r for part in parts for r in part]
+
+
+def stream_geometry() -> dict:
+    """Where a 24 kHz stream's audio ends after n frames (the synthetic model's geometry, on CPU)."""
+    from snac_fast import FastSNAC
+    from snac_fast.orpheus import ORPHEUS
+
+    engine = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu", fuse=False).stream_engine(max_streams=1)
+    return {"frame_samples": engine.samples_per_frame, "lookahead": engine.lookahead_samples,
+            "per_frame": ORPHEUS.frame_size}
+
+
+def chunk_delays(record: dict, sends: list, frame_samples: int, lookahead: int, per_frame: int) -> list[float]:
+    """Per audio chunk of one response (s): its arrival minus when the LM sent the token that
+    completed the frames it needed. A stream's audio after n frames ends at n * frame_samples -
+    lookahead, so a chunk ending at sample S needed frames (S + lookahead) / frame_samples; the flush's
+    chunk (the tail after the last frame) is left out."""
+    times = np.array([t for t, _ in sends])
+    tokens = np.array([n for _, n in sends])
+    out, received = [], 0
+    for t, size in record["chunks"]:
+        received += size // 2  # int16
+        frames, rest = divmod(received + lookahead, frame_samples)
+        if rest == 0 and frames * per_frame <= tokens[-1]:
+            out.append(t - times[np.searchsorted(tokens, frames * per_frame)])
+    return out
+
+
+def playback_stalls(record: dict, rate: int) -> float:
+    """Silence (s) a player would add that starts at the first byte and plays on as bytes come."""
+    chunks = record["chunks"]
+    if not chunks:
+        return 0.0
+    start, stall, played = chunks[0][0], 0.0, chunks[0][1] // 2
+    for t, size in chunks[1:]:
+        due = start + stall + played / rate  # when the player runs out of what it has
+        stall += max(0.0, t - due)
+        played += size // 2
+    return stall
+
+
+def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scrape: str, geometry: dict) -> dict:
     ok = [r for r in records if r["status"] == 200]
-    ttfa = [(r["chunks"][0][0] - first_sent[r["text"]]) * 1e3 for r in ok if r["chunks"] and r["text"] in first_sent]
+    frame_ms = FRAME_S * 1e3
+    ttfa = [(r["chunks"][0][0] - lm_stats[r["text"]]["first_sent"]) * 1e3
+            for r in ok if r["chunks"] and r["text"] in lm_stats]
+    added = np.array([d for r in ok if r["text"] in lm_stats
+                      for d in chunk_delays(r, lm_stats[r["text"]]["sends"], **geometry)]) * 1e3
     gaps = np.concatenate([np.diff([t for t, _ in r["chunks"]]) * 1e3 for r in ok if len(r["chunks"]) > 1] or [np.zeros(0)])
+    lm_gaps = np.concatenate([np.diff([t for t, n in stats["sends"]]) for stats in lm_stats.values()] or [np.zeros(0)]) * 1e3
+    stalls = np.array([playback_stalls(r, 24000) for r in ok]) * 1e3
     want_bytes = frames * 2048 * 2
     complete = sum(1 for r in ok if sum(n for _, n in r["chunks"]) == want_bytes)
     pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
+    over = [(r["end"] - r["start"] - frames * FRAME_S / pace) * 1e3 for r in ok]  # past the stream's nominal length
     return {"clients": len(records), "ok": len(ok), "complete_audio": complete,
             "ttfa_p50_ms": pct(ttfa, 50), "ttfa_p99_ms": pct(ttfa, 99), "ttfa_max_ms": max(ttfa, default=float("nan")),
+            "chunk_added_p50_ms": pct(added, 50), "chunk_added_p99_ms": pct(added, 99),
+            "chunk_added_p999_ms": pct(added, 99.9), "chunk_added_max_ms": float(added.max()) if len(added) else float("nan"),
+            "chunks_timed": len(added), "chunks_added_over_frame": int((added > frame_ms).sum()),
             "gap_p50_ms": pct(gaps, 50), "gap_p99_ms": pct(gaps, 99), "gap_max_ms": float(gaps.max()) if len(gaps) else float("nan"),
-            "gaps_over_frame": int((gaps > FRAME_S * 1e3).sum()), "gaps": int(len(gaps)),
+            "gaps_over_frame": int((gaps > frame_ms).sum()), "gaps": len(gaps),
+            "lm_chunk_gap_p99_ms": pct(lm_gaps, 99), "lm_chunk_gap_max_ms": float(lm_gaps.max()) if len(lm_gaps) else float("nan"),
+            "streams_with_stall": int((stalls > 0).sum()), "stall_max_ms": float(stalls.max()) if len(stalls) else float("nan"),
+            "end_over_nominal_p99_ms": pct(over, 99), "end_over_nominal_max_ms": max(over, default=float("nan")),
             "server_push_histogram": [line for line in scrape.splitlines()
                                       if line.startswith(("snac_fast_push_seconds_bucket", "snac_fast_late_chunks_total",
                                                           "snac_fast_first_audio_seconds_count"))]}
@@ -103,26 +188,40 @@ def main() -> None:
     parser.add_argument("--max-streams", type=int, default=1024, help="per worker")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--lm-workers", type=int, default=1, help="fake LM processes")
+    parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--profile-server", type=float, default=0.0, metavar="S",
+                        help="py-spy the server (and its workers) for S seconds, 5 s into each run, into --logs")
+    parser.add_argument("--logs", default=None, help="folder for the LM's and the server's output (default: a temporary one)")
     args = parser.parse_args()
+    logs = Path(args.logs or tempfile.mkdtemp(prefix="bench_serve_http_"))
+    logs.mkdir(parents=True, exist_ok=True)
     frames = int(args.seconds / FRAME_S)
     lm_port, port = free_port(), free_port()
+    stats_dir = tempfile.mkdtemp(prefix="fake_lm_stats_")
     lm = start([sys.executable, "-m", "snac_fast.fake_lm", "--port", str(lm_port), "--pace", str(args.pace),
-                "--frames", str(frames)], f"http://127.0.0.1:{lm_port}/stats")
+                "--frames", str(frames), "--workers", str(args.lm_workers), "--stats-dir", stats_dir],
+               f"http://127.0.0.1:{lm_port}/stats", logs / "fake_lm.log")
     t0 = time.monotonic()
     serve = [sys.executable, "-m", "snac_fast.cli", "serve", "--model", "synthetic:snac_24khz", "--port", str(port),
              "--lm-url", f"http://127.0.0.1:{lm_port}/v1", "--workers", str(args.workers),
              "--max-streams", str(args.max_streams), "--max-batch", str(args.max_batch)]
     if args.device:
         serve += ["--device", args.device]
-    server = start(serve, f"http://127.0.0.1:{port}/health")
+    server = start(serve, f"http://127.0.0.1:{port}/health", logs / "server.log")
+    print(f"server up in {time.monotonic() - t0:.1f} s; logs in {logs}", flush=True)
     results = {"args": vars(args), "server_start_s": time.monotonic() - t0, "rows": []}
+    geometry = stream_geometry()
     try:
         for clients in [int(c) for c in args.clients.split(",")]:
-            records = asyncio.run(run_clients(f"http://127.0.0.1:{port}", clients, f"run{clients}"))
-            first_sent = httpx.get(f"http://127.0.0.1:{lm_port}/stats").json()["first_sent"]
+            if args.profile_server:
+                out = logs / f"server_profile_{clients}.txt"
+                subprocess.Popen(["bash", "-c", f"sleep 5 && py-spy record -p {server.pid} --subprocesses --threads "
+                                  f"-d {args.profile_server:g} -r 100 -f raw -o {out} > {out}.log 2>&1"])
+            records = all_clients(f"http://127.0.0.1:{port}", clients, f"run{clients}", args.client_procs)
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            row = summarize(records, first_sent, frames, scrape)
+            row = summarize(records, read_stats_dir(stats_dir), frames, args.pace, scrape, geometry)
             results["rows"].append(row)
             print({k: v for k, v in row.items() if k != "server_push_histogram"}, flush=True)
     finally:
@@ -138,14 +237,30 @@ def main() -> None:
         results["device"] = "unknown"
     results["date"] = time.strftime("%Y-%m-%d")
     if args.out:
-        rows = [[r["clients"], f"{r['ok']} / {r['complete_audio']}", f"{r['ttfa_p50_ms']:.1f}", f"{r['ttfa_p99_ms']:.1f}",
-                 f"{r['ttfa_max_ms']:.1f}", f"{r['gap_p50_ms']:.1f}", f"{r['gap_p99_ms']:.1f}", f"{r['gap_max_ms']:.1f}",
-                 f"{r['gaps_over_frame']} of {r['gaps']}"] for r in results["rows"]]
+        rows = [[r["clients"], f"{r['ok']} / {r['complete_audio']}", f"{r['ttfa_p50_ms']:.1f} / {r['ttfa_p99_ms']:.1f} / {r['ttfa_max_ms']:.1f}",
+                 f"{r['chunk_added_p50_ms']:.1f} / {r['chunk_added_p99_ms']:.1f} / {r['chunk_added_p999_ms']:.1f} / {r['chunk_added_max_ms']:.1f}",
+                 f"{r['chunks_added_over_frame']} of {r['chunks_timed']}",
+                 f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}",
+                 f"{r['lm_chunk_gap_p99_ms']:.1f} / {r['lm_chunk_gap_max_ms']:.1f}",
+                 f"{r['streams_with_stall']} / {r['stall_max_ms']:.0f}",
+                 f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}"] for r in results["rows"]]
         md = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
               f"`python scripts/bench_serve_http.py --clients {args.clients} --pace {args.pace:g} --seconds {args.seconds:g} "
-              f"--workers {args.workers}`: fake LM at {args.pace:g}x real time, {frames} frames per request, int16 PCM.\n\n"
-              + markdown_table(["clients", "200 / complete audio", "TTFA added p50 ms", "p99", "max", "chunk gap p50 ms",
-                                "p99", "max", "gaps over one frame"], rows))
+              f"--workers {args.workers} --lm-workers {args.lm_workers} --client-procs {args.client_procs}`: fake LM at "
+              f"{args.pace:g}x real time (1-4 tokens a chunk), {frames} frames per request, int16 PCM over HTTP.\n\n"
+              "- TTFA added: first audio byte at the client after the LM sent the token completing the first 4 frames.\n"
+              "- Chunk added: each audio chunk's arrival at the client after the LM sent the token that completed the "
+              "frames it needed (the flush's tail left out); over one frame: later than 85.3 ms.\n"
+              "- Chunk gap: between successive audio chunks at the client; at 1x pace it is the LM's own frame "
+              "period (85.3 ms) plus the jitter of its chunking (a frame's last token rides in a chunk of 1-4 "
+              "tokens), shown beside as the LM's gaps between its chunks.\n"
+              "- Stalls: a player that starts at the first byte and plays on as bytes come: streams that ever ran "
+              "dry, and the longest total silence added.\n"
+              "- End past nominal: last byte after the request's start + frames / pace.\n\n"
+              + markdown_table(["clients", "200 / complete", "TTFA added p50 / p99 / max ms",
+                                "chunk added p50 / p99 / p99.9 / max ms", "chunks added > 1 frame",
+                                "chunk gap p50 / p99 / max ms", "LM chunk gap p99 / max ms",
+                                "streams stalled / longest ms", "end past nominal p99 / max ms"], rows))
         name = results["device"]
         tag = "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
         write_results(Path(args.out), f"serve_http_24khz_{tag}", results, md)

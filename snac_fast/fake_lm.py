@@ -7,19 +7,26 @@ trying ``snac-fast serve`` without a GPU-hungry LM:
 
 ``GET /stats`` reports, per request tag (the prompt's text), when the token that completed the
 first ``first_frames`` frames was sent (``time.monotonic()``, comparable across processes of one
-host): the start of the time to first audio a server adds.
+host): the start of the time to first audio a server adds. With ``--stats-dir`` each process also
+appends, per finished request, that time and when each chunk left with how many whole tokens sent so
+far (one JSON line), from which the benchmark times every chunk of audio the server adds; with
+``--workers N`` (uvicorn worker processes, for loads one Python process cannot stream) that folder is
+the only full record, since ``/stats`` answers from one worker.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
+from pathlib import Path
 
 import numpy as np
 
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS, TokenLayout
+
 END_OF_SPEECH_TEXT = "<custom_token_2><custom_token_6>"  # end of speech (128258), end of AI (128262)
 
 
@@ -27,10 +34,13 @@ class FakeLM:
     """The app (:attr:`app`, Starlette) and its scripts. ``pace``: frames of audio per frame time
     (1: real time at 24 kHz, 7 tokens per 85.3 ms; 0: as fast as possible). ``frames``: the length of
     the random codes made for a prompt with no script. ``first_frames``: see :attr:`first_sent`.
-    ``split_tokens``: chunks cut at any character, inside tokens too."""
+    ``split_tokens``: chunks cut at any character, inside tokens too. ``stats_dir``: a folder where
+    each finished request's first-frames time and chunk times are appended as a JSON line (one file
+    per process)."""
 
     def __init__(self, pace: float = 0.0, frames: int = 60, frame_seconds: float = 2048 / 24000,
-                 layout: TokenLayout = ORPHEUS, first_frames: int = 4, seed: int = 0, split_tokens: bool = False) -> None:
+                 layout: TokenLayout = ORPHEUS, first_frames: int = 4, seed: int = 0, split_tokens: bool = False,
+                 stats_dir: str | None = None) -> None:
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse
         from starlette.routing import Route
@@ -40,6 +50,10 @@ class FakeLM:
         self.scripts: dict[str, dict] = {}
         self.prompts: list[str] = []
         self.first_sent: dict[str, float] = {}  # prompt text -> when its first_frames-th frame's last token left
+        self._stats_path = None
+        if stats_dir is not None:
+            Path(stats_dir).mkdir(parents=True, exist_ok=True)
+            self._stats_path = Path(stats_dir) / f"{os.getpid()}.jsonl"
 
         async def stats(request):
             return JSONResponse({"first_sent": self.first_sent})
@@ -83,6 +97,7 @@ class FakeLM:
 
         async def events():
             start, at = time.monotonic(), 0
+            sends = []  # (when a chunk left, whole tokens sent so far)
             while at < len(text_out):
                 if self.split_tokens:  # cut anywhere, tokens too: a server must join them again
                     end = min(at + rng.randint(1, 60), len(text_out))
@@ -94,13 +109,38 @@ class FakeLM:
                 if wait > 0:
                     await asyncio.sleep(wait)
                 yield f"data: {json.dumps({'choices': [{'text': text_out[at:end], 'index': 0}]})}\n\n"
+                sent = time.monotonic()
+                sends.append((sent, whole))
                 if at < first_end <= end:
-                    self.first_sent[text] = time.monotonic()
+                    self.first_sent[text] = sent
                 at = end
+            if self._stats_path is not None:  # one line per request
+                with open(self._stats_path, "a") as f:  # noqa: ASYNC230 (a local file, once a request)
+                    f.write(json.dumps({"text": text, "first_sent": self.first_sent.get(text), "sends": sends}) + "\n")
             if script["end"]:
                 yield f"data: {json.dumps({'choices': [{'text': END_OF_SPEECH_TEXT, 'index': 0}]})}\n\n"
             yield "data: [DONE]\n\n"
         return StreamingResponse(events(), media_type="text/event-stream")
+
+
+ENVIRONMENT = "SNAC_FAST_FAKE_LM"  # FakeLM's settings (JSON) for each uvicorn worker process
+
+
+def app_from_environment():
+    """uvicorn's app factory for ``--workers``: a FakeLM from the settings in ``SNAC_FAST_FAKE_LM``."""
+    return FakeLM(**json.loads(os.environ[ENVIRONMENT])).app
+
+
+def read_stats_dir(stats_dir: str) -> dict[str, dict]:
+    """What every worker appended to ``stats_dir``: prompt text -> {"first_sent": time, "sends":
+    [(time, whole tokens sent), ...]}."""
+    out = {}
+    for path in Path(stats_dir).glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                out[entry.pop("text")] = entry
+    return out
 
 
 def main() -> None:
@@ -113,8 +153,12 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--pace", type=float, default=1.0, help="real-time factor (0: as fast as possible)")
     parser.add_argument("--frames", type=int, default=60, help="frames of audio per answer")
+    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    parser.add_argument("--stats-dir", default=None, help="folder for each worker's first-frames times")
     args = parser.parse_args()
-    uvicorn.run(FakeLM(pace=args.pace, frames=args.frames).app, host=args.host, port=args.port, log_level="warning")
+    os.environ[ENVIRONMENT] = json.dumps({"pace": args.pace, "frames": args.frames, "stats_dir": args.stats_dir})
+    uvicorn.run("snac_fast.fake_lm:app_from_environment", factory=True, host=args.host, port=args.port,
+                workers=args.workers, log_level="warning")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,10 @@ import json
 import logging
 import re
 import struct
+import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import AsyncIterator
 
 import numpy as np
 
@@ -40,6 +41,7 @@ ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><cus
 CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
 END_OF_SPEECH = 128258
 RESPONSE_FORMATS = ("pcm", "wav")
+SWITCH_INTERVAL_S = 0.0005
 SAMPLE_FORMATS = {"s16": "int16", "f32": "float32"}
 
 
@@ -68,7 +70,7 @@ class LMOutputError(Exception):
 class _Metrics:
     """Prometheus text for /metrics: the batcher's counters read at scrape time, plus the server's own."""
 
-    def __init__(self, server: "SpeechServer") -> None:
+    def __init__(self, server: SpeechServer) -> None:
         from prometheus_client import CollectorRegistry, Counter, Histogram
         from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -108,64 +110,35 @@ class _Metrics:
             self.late.inc()
 
 
-class SpeechServer:
-    """The state of one serving process: a codec's shared engine behind one batcher, an HTTP client
-    for the LM, metrics. :func:`create_app` wraps it in a Starlette app."""
+class LMClient:
+    """Streams audio token ids from an OpenAI-compatible completions API (``config.lm_url``), one
+    HTTP connection per stream."""
 
-    def __init__(self, codec, config: ServeConfig) -> None:
-        config.layout.check_model(codec.config)
-        self.codec, self.config = codec, config
-        self.engine = codec.shared_stream_engine(max_streams=config.max_streams)
-        self.rate = int(codec.config["sampling_rate"])
-        self.frame_seconds = self.engine.samples_per_frame / self.rate
-        self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, layout=config.layout,
-                                          output="float32", idle_timeout_s=config.idle_timeout_s)
-        self.metrics = _Metrics(self)
-        self.draining = False
-        self._lm = None
+    def __init__(self, config: ServeConfig) -> None:
+        self.config = config
+        self._client = None
+        if config.lm_url is not None:  # made now: importing httpx at the first request delayed its audio
+            import httpx
 
-    # -- streams -------------------------------------------------------------------------------
+            # one connection per stream: httpx's default pool (100) would queue the streams past it
+            limits = httpx.Limits(max_connections=config.max_streams + 8, max_keepalive_connections=config.max_streams + 8)
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(config.lm_timeout_s, connect=5.0), limits=limits)
 
-    def open_stream(self, seed: int | None) -> int | None:
-        """A stream id, or None when the engine is full or the server is shutting down."""
-        if self.draining or self.engine.open_streams >= self.engine.max_streams:
-            return None
-        try:
-            return self.batcher.open(seed)
-        except RuntimeError:  # all slots taken between the look and the open
-            return None
-
-    async def push(self, sid: int, ids) -> np.ndarray:
-        start = time.perf_counter()
-        audio = await self.batcher.push_ids(sid, ids)
-        if audio.size:
-            self.metrics.observe_push(time.perf_counter() - start, self.frame_seconds)
-        return audio
-
-    # -- the language model --------------------------------------------------------------------
-
-    async def lm_ids(self, text: str, voice: str, model: str | None) -> AsyncIterator[list[int]]:
+    async def ids(self, text: str, voice: str, model: str | None) -> AsyncIterator[list[int]]:
         """The LM's audio token ids for a prompt, as they stream in (control tokens dropped; the end
         of speech ends it). LMOutputError for anything that is not a completions stream."""
-        import httpx
-
-        if self.config.lm_url is None:
+        if self._client is None:
             raise LMOutputError("this server has no language model: start it with --lm-url")
-        if self._lm is None:
-            self._lm = httpx.AsyncClient(timeout=httpx.Timeout(self.config.lm_timeout_s, connect=5.0))
         body = {"model": self.config.lm_model or model, "prompt": ORPHEUS_PROMPT.format(voice=voice, text=text),
                 "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
                 "top_p": self.config.top_p, "repetition_penalty": self.config.repetition_penalty, "stream": True}
         url = self.config.lm_url.rstrip("/") + "/completions"
         tail = ""  # text after the last whole token: a token can be cut between two chunks
-        async with self._lm.stream("POST", url, json=body) as response:
+        async with self._client.stream("POST", url, json=body) as response:
             if response.status_code != 200:
                 detail = (await response.aread()).decode(errors="replace")[:200]
                 raise LMOutputError(f"the language model at {url} answered {response.status_code}: {detail}")
-            async for line in response.aiter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
+            async for data in _sse_data(response):
                 if data == "[DONE]":
                     return
                 try:
@@ -190,6 +163,63 @@ class SpeechServer:
                 if end:
                     return
 
+    async def aclose(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+
+
+async def _sse_data(response) -> AsyncIterator[str]:
+    """The ``data:`` fields of a server-sent-event stream, read from the raw bytes (httpx's text and
+    line decoders cost a fifth of the event loop at 256 streams)."""
+    buffer = b""
+    async for raw in response.aiter_bytes():
+        buffer += raw
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+    if buffer.startswith(b"data:"):
+        yield buffer[5:].strip().decode()
+
+
+class SpeechServer:
+    """The state of one serving process: a codec's shared engine behind one batcher, an HTTP client
+    for the LM, metrics. :func:`create_app` wraps it in a Starlette app."""
+
+    def __init__(self, codec, config: ServeConfig) -> None:
+        config.layout.check_model(codec.config)
+        # The engine thread takes the GIL back after each CUDA wait; with the event loop always busy,
+        # each take waited out the default 5 ms switch interval: engine calls of 50-250 ms at 256
+        # HTTP streams. This process is ours (a server), so it may set the interpreter's interval.
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
+        self.codec, self.config = codec, config
+        self.engine = codec.shared_stream_engine(max_streams=config.max_streams)
+        self.rate = int(codec.config["sampling_rate"])
+        self.frame_seconds = self.engine.samples_per_frame / self.rate
+        self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, layout=config.layout,
+                                          output="float32", idle_timeout_s=config.idle_timeout_s)
+        self.metrics = _Metrics(self)
+        self.draining = False
+        self.lm = LMClient(config)
+
+    # -- streams -------------------------------------------------------------------------------
+
+    def open_stream(self, seed: int | None) -> int | None:
+        """A stream id, or None when the engine is full or the server is shutting down."""
+        if self.draining or self.engine.open_streams >= self.engine.max_streams:
+            return None
+        try:
+            return self.batcher.open(seed)
+        except RuntimeError:  # all slots taken between the look and the open
+            return None
+
+    async def push(self, sid: int, ids) -> np.ndarray:
+        start = time.perf_counter()
+        audio = await self.batcher.push_ids(sid, ids)
+        if audio.size:
+            self.metrics.observe_push(time.perf_counter() - start, self.frame_seconds)
+        return audio
+
     async def close(self) -> None:
         """Graceful shutdown: no new streams, then wait (up to 30 s) for the open ones to end."""
         self.draining = True
@@ -197,8 +227,7 @@ class SpeechServer:
         while self.batcher.open_streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         await asyncio.get_running_loop().run_in_executor(None, self.batcher.close)
-        if self._lm is not None:
-            await self._lm.aclose()
+        await self.lm.aclose()
 
 
 def _wav_header(rate: int, sample_format: str) -> bytes:
@@ -211,8 +240,12 @@ def _wav_header(rate: int, sample_format: str) -> bytes:
 
 def _pcm_bytes(audio: np.ndarray, sample_format: str) -> bytes:
     """float32 audio -> little-endian PCM bytes (s16: rounded and clipped like the batcher's int16)."""
-    if sample_format == "s16":
-        return np.clip(np.rint(audio * 32767.0), -32768, 32767).astype("<i2").tobytes()
+    if sample_format == "s16":  # ufuncs in place: np.clip's Python wrappers cost more than the math here
+        scaled = audio * np.float32(32767.0)
+        np.rint(scaled, out=scaled)
+        np.minimum(scaled, 32767.0, out=scaled)
+        np.maximum(scaled, -32768.0, out=scaled)
+        return scaled.astype("<i2").tobytes()
     return audio.astype("<f4", copy=False).tobytes()
 
 
@@ -355,7 +388,7 @@ async def _speech_chunks(server: SpeechServer, sid: int, text: str, voice: str, 
     finished = False
     try:
         first = True
-        async for ids in server.lm_ids(text, voice, model):
+        async for ids in server.lm.ids(text, voice, model):
             started = time.perf_counter()
             try:
                 audio = await server.push(sid, ids)

@@ -21,7 +21,7 @@ from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.fake_lm import FakeLM
-from snac_fast.server import ORPHEUS_PROMPT, ServeConfig, create_app
+from snac_fast.server import ORPHEUS_PROMPT, LMClient, ServeConfig, create_app
 from snac_fast.testing import synthetic_model
 
 RATE = 24000
@@ -256,6 +256,32 @@ def test_serve_cli_refuses_bad_arguments(capsys):
     assert "--max-streams" in capsys.readouterr().err
     assert main(["serve", "--lm-url", "localhost:8000"]) == 2
     assert "--lm-url must be an http(s) URL" in capsys.readouterr().err
+
+
+def test_lm_client_streams_as_many_requests_at_once_as_the_server_has_streams():
+    """Every stream holds its own LM connection: 150 streams at once reach the LM together (httpx's
+    default pool of 100 connections queued the rest behind whole answers)."""
+    lm = FakeLM(pace=0.05, frames=3)  # slow answers: ~0.24 s a token, all held open together
+    streams = 150
+    with LiveServer(lm.app) as lm_server:
+        async def run() -> int:
+            client = LMClient(ServeConfig(lm_url=lm_server.url + "/v1", max_streams=streams))
+            release = asyncio.Event()
+
+            async def one(i: int) -> None:
+                async for _ in client.ids(f"held {i}", "tara", "orpheus"):
+                    await release.wait()
+                    break
+            tasks = [asyncio.create_task(one(i)) for i in range(streams)]
+            deadline = time.monotonic() + 20
+            while len(lm.prompts) < streams and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            reached = len(lm.prompts)
+            release.set()
+            await asyncio.gather(*tasks)
+            await client.aclose()
+            return reached
+        assert asyncio.run(run()) == streams
 
 
 def test_fake_lm_paces_its_tokens_and_records_first_frames():

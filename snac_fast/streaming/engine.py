@@ -479,7 +479,9 @@ class StreamEngine:
         while streams:
             slots = _slots_of(streams)
             frames = self._step_frames_of(self._pending.tail[slots] - self._pending.head[slots])
-            for k in np.unique(frames[frames > 0]).tolist():
+            # the distinct step sizes, without np.unique: its first call imports numpy.ma (a 50-130 ms
+            # stall, seen as the first prefills' slow pushes under load)
+            for k in sorted(set(frames[frames > 0].tolist())):
                 picked = np.flatnonzero(frames == k)
                 group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
                 for chunk in self._chunks(group):
@@ -537,8 +539,7 @@ class StreamEngine:
         keys = np.empty((4, bucket), np.int64)
         self._write_keys(keys, slots)
         if kind != FLUSH:
-            taken = self._pending.take(slots, frames) if codes is None else codes
-            codes = taken if n == bucket else [np.pad(level, ((0, bucket - n), (0, 0))) for level in taken]
+            codes = self._pending.take(slots, frames) if codes is None else codes  # n rows
             self._consumed[slots] += frames
         else:
             codes = []
@@ -548,8 +549,10 @@ class StreamEngine:
             if graph is None:
                 if len(self._graphs) >= self.max_graphs:
                     self._graphs.pop(next(iter(self._graphs)))
+                padded = [np.pad(level, ((0, bucket - n), (0, 0))) for level in codes]  # the graph's shapes
                 with out_of_memory_explained(f"capturing a stream step's CUDA graph ({kind}, {bucket} rows)"):
-                    graph = self._graphs[key] = StepGraph(self, kind, keys, codes, frames)
+                    graph = self._graphs[key] = StepGraph(self, kind, keys, padded, frames)
+            # rows past n keep earlier calls' codes: valid codes, decoded into the scratch slot
             return graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
         return self._forward(kind, torch.from_numpy(keys).to(self.device),
                              [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]

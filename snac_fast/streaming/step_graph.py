@@ -105,8 +105,9 @@ class StepGraph:
         return self.output
 
     def _fill(self, keys: np.ndarray, codes: list[np.ndarray]) -> None:
+        """keys: all B rows; codes: the first n <= B rows (the rest keep what they held)."""
         for view, array in zip(self.inputs(), [keys, *codes]):
-            view[...] = array
+            view[:len(array)] = array
 
     def __call__(self, keys: np.ndarray, codes: list[np.ndarray]) -> Tensor:
         self._fill(keys, codes)
