@@ -377,19 +377,18 @@ def test_pointwise_conv_tma_kernel(dtype, poisoned_empty):
     close(spent, ref, dtype)
 
 
-def test_pointwise_conv_tma_rule(monkeypatch):
+def test_pointwise_conv_tma_rule():
     """Which calls take the TMA kernel on Hopper: half precision, 256+ output channels, problems
-    large enough for the plain kernel's biggest tile, 16-byte aligned rows and bases."""
+    large enough for the plain kernel's biggest tile, 16-byte aligned rows and bases; never on
+    an sm_89 card."""
     from snac_fast.ops import pointwise
+    from snac_fast.ops._runtime import GPUS, emulate_gpu
 
-    monkeypatch.setattr(pointwise, "has_tma", lambda device: True)
-    monkeypatch.setattr(pointwise, "TRITON_INTERPRET", False)
-    monkeypatch.setattr(pointwise, "wave_programs", lambda device: 128)
-
-    def tile(B, C_out, C_in, T, dtype=torch.float16, offset=0):
+    def tile(B, C_out, C_in, T, dtype=torch.float16, offset=0, gpu="h100"):
         h = torch.empty(B * C_in * T + offset, dtype=dtype)[offset:].view(B, C_in, T)
-        plain = pointwise._pw_config(B, C_out, C_in, T, h.device)
-        return pointwise._tma_tile(h, torch.empty(C_out, C_in, dtype=dtype), plain)
+        with emulate_gpu(GPUS[gpu]):  # the rules of that card, on CPU tensors
+            plain = pointwise._pw_config(B, C_out, C_in, T, h.device)
+            return pointwise._tma_tile(h, torch.empty(C_out, C_in, dtype=dtype), plain)
 
     assert tile(1, 768, 768, 39936) == (128, 128, 64, 8, 3)
     assert tile(1, 1536, 1024, 4992) == (128, 128, 64, 8, 3)
@@ -399,6 +398,7 @@ def test_pointwise_conv_tma_rule(monkeypatch):
     assert tile(1, 768, 768, 39932 + 3) is None  # rows not 16-byte aligned
     assert tile(1, 768, 768, 39936, offset=4) is None  # base not 16-byte aligned
     assert tile(1, 768, 768, 256) is None  # a B=1 streaming chunk: small tiles fill the GPU
+    assert tile(1, 768, 768, 39936, gpu="rtx4090") is None  # no TMA before sm_90
 
 
 def test_pointwise_conv_in_place_over_the_residual(poisoned_empty):

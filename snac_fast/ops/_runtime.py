@@ -9,6 +9,9 @@ import hashlib
 import json
 import os
 import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -35,13 +38,106 @@ if HAS_TRITON:
             tl.extra.cuda.gdc_launch_dependents()
 
 
+@dataclass(frozen=True)
+class GpuLimits:
+    """What the launch rules may assume of a CUDA device: its compute capability (TMA and dependent
+    launch need 9.0), its SM count (tiles are chosen so that a launch fills the SMs) and the shared
+    memory one block may use (the opt-in maximum, bytes)."""
+
+    name: str
+    capability: tuple[int, int]
+    sms: int
+    shared_memory: int
+
+    def __post_init__(self) -> None:
+        if self.sms < 1 or self.shared_memory < 1:
+            raise ValueError(f"{self.name}: SM count and shared memory must be positive")
+
+
+# The cards users decode on, by the limits the rules see (CUDA programming guide, compute
+# capabilities table: 163 KB a block on sm_80, 99 KB on sm_86/sm_89, 227 KB on sm_90).
+GPUS = {
+    "a100": GpuLimits("A100 (sm_80)", (8, 0), 108, 166912),
+    "a10g": GpuLimits("A10G (sm_86)", (8, 6), 80, 101376),
+    "rtx3090": GpuLimits("RTX 3090 (sm_86)", (8, 6), 82, 101376),
+    "l4": GpuLimits("L4 (sm_89)", (8, 9), 58, 101376),
+    "rtx4090": GpuLimits("RTX 4090 (sm_89)", (8, 9), 128, 101376),
+    "l40s": GpuLimits("L40S (sm_89)", (8, 9), 142, 101376),
+    "h100": GpuLimits("H100 SXM (sm_90)", (9, 0), 132, 232448),
+}
+
+# SNAC_FAST_GPU_LIMITS=<name of GPUS>: run as if the device had no more than that card's limits
+# (portable mode: on an H100, "rtx3090" gives sm_86's rules, no TMA, no dependent launch, 99 KB).
+GPU_LIMITS_ENV = "SNAC_FAST_GPU_LIMITS"
+
+_emulated: GpuLimits | None = None  # set by emulate_gpu: the rules pick that card's configurations
+
+
+@contextlib.contextmanager
+def emulate_gpu(limits: GpuLimits):
+    """Within it, every launch rule chooses what it would on a device of ``limits`` whatever the
+    tensors' device (how :mod:`snac_fast.targets` records a card's launches on a CPU machine)."""
+    global _emulated
+    previous, _emulated = _emulated, limits
+    try:
+        yield limits
+    finally:
+        _emulated = previous
+
+
+def gpu_limits(device: torch.device) -> GpuLimits | None:
+    """The limits the rules use for launches on ``device``: the emulated card's inside
+    :func:`emulate_gpu`; None where kernels run in Triton's interpreter or not at all; else the CUDA
+    device's own, capped by ``SNAC_FAST_GPU_LIMITS``."""
+    if _emulated is not None:
+        return _emulated
+    if device.type != "cuda" or TRITON_INTERPRET:
+        return None
+    return _device_limits(cuda_index(device))
+
+
+def interpreter_configs() -> bool:
+    """Whether launch rules pick the interpreter's configurations (few, big programs: it pays per
+    program), not a GPU's."""
+    return TRITON_INTERPRET and _emulated is None
+
+
+@functools.lru_cache(maxsize=None)
+def _device_limits(index: int) -> GpuLimits:
+    props = torch.cuda.get_device_properties(index)
+    own = GpuLimits(props.name, (props.major, props.minor), props.multi_processor_count,
+                    getattr(props, "shared_memory_per_block_optin", 0) or 101376)
+    cap = os.environ.get(GPU_LIMITS_ENV, "").strip().lower()
+    if not cap:
+        return own
+    if cap not in GPUS:
+        raise ValueError(f"{GPU_LIMITS_ENV}={cap!r}: expected one of {', '.join(GPUS)}")
+    other = GPUS[cap]
+    return GpuLimits(f"{own.name} as {other.name}", min(own.capability, other.capability),
+                     min(own.sms, other.sms), min(own.shared_memory, other.shared_memory))
+
+
+MIN_CAPABILITY = (8, 0)  # Ampere: the oldest architecture the kernels are checked for (snac_fast.targets)
+
+
 def runs_triton(t: torch.Tensor) -> bool:
-    """True when ``t``'s device can run our Triton kernels in this process."""
+    """True when ``t``'s device can run our Triton kernels in this process (CUDA: Ampere or later)."""
     if not HAS_TRITON:
         return False
     if t.device.type == "cuda":
-        return not TRITON_INTERPRET
+        return not TRITON_INTERPRET and _supported(t.device.index if t.device.index is not None else 0)
     return t.device.type == "cpu" and TRITON_INTERPRET
+
+
+@functools.lru_cache(maxsize=None)
+def _supported(index: int) -> bool:
+    """Whether CUDA device ``index`` is one the kernels are checked for; warns once if not."""
+    capability = torch.cuda.get_device_capability(index)
+    if capability >= MIN_CAPABILITY:
+        return True
+    warnings.warn(f"{torch.cuda.get_device_name(index)} (sm_{capability[0]}{capability[1]}) is older than Ampere: "
+                  "snac-fast runs its torch reference path there (upstream's speed)", RuntimeWarning, stacklevel=3)
+    return False
 
 
 _runtime_warmup: list[threading.Thread] = []
@@ -143,16 +239,17 @@ def dependent_launch(device: torch.device, programs: int) -> bool:
     before (H200, 24 kHz streaming chunk: graph replay 0.209 -> 0.200 ms). Long grids lose by it
     (60 s decode: 5.59 -> 6.10 ms with every kernel on PDL): their next kernel's waiting programs
     take SM slots from the last wave."""
-    if device.type != "cuda" or TRITON_INTERPRET or os.environ.get("SNAC_FAST_PDL", "1") == "0":
+    limits = gpu_limits(device)
+    if limits is None or os.environ.get("SNAC_FAST_PDL", "1") == "0":
         return False
-    index = cuda_index(device)
-    return programs <= 8 * _wave_programs(index) and _capability(index) >= (9, 0)
+    return programs <= 8 * _power_of_two_below(limits.sms) and limits.capability >= (9, 0)
 
 
 def has_tma(device: torch.device) -> bool:
     """Whether compiled Triton kernels on ``device`` can move tiles with the Tensor Memory
     Accelerator (CUDA compute capability 9.0+: Hopper and later)."""
-    return device.type == "cuda" and not TRITON_INTERPRET and HAS_TRITON and _capability(cuda_index(device)) >= (9, 0)
+    limits = gpu_limits(device)
+    return HAS_TRITON and limits is not None and limits.capability >= (9, 0)
 
 
 def through_op(*tensors: torch.Tensor | None) -> bool:
@@ -187,22 +284,15 @@ def launch_flags(device: torch.device, programs: int) -> dict[str, bool]:
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def wave_programs(device: torch.device) -> int:
     """How many programs a launch needs to occupy ``device``: its SM count rounded down to a power
     of two (128 on H100/H200). 1 for Triton's interpreter, which pays per program: biggest tiles."""
-    if device.type != "cuda" or TRITON_INTERPRET:
-        return 1
-    return _wave_programs(cuda_index(device))
+    limits = gpu_limits(device)
+    return 1 if limits is None else _power_of_two_below(limits.sms)
 
 
-@functools.lru_cache(maxsize=None)
-def _wave_programs(index: int) -> int:
-    return 1 << (torch.cuda.get_device_properties(index).multi_processor_count.bit_length() - 1)
+def _power_of_two_below(n: int) -> int:
+    return 1 << (n.bit_length() - 1)
 
 
 def first_filling(tiles: list[tuple[int, ...]], programs, target: int) -> tuple[int, ...]:
@@ -213,3 +303,41 @@ def first_filling(tiles: list[tuple[int, ...]], programs, target: int) -> tuple[
         if programs(tile) >= target:
             return tile
     return tiles[-1]
+
+
+GemmConfig = tuple[int, int, int, int, int]  # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)
+_fitted: dict[tuple, GemmConfig] = {}
+
+
+def smaller_gemm_config(config: GemmConfig) -> GemmConfig | None:
+    """The next configuration to try when one does not fit: one pipeline stage fewer, then half the
+    K step, then half the column tile (shared memory is stages x (BLOCK_M + BLOCK_N) x BLOCK_K)."""
+    block_m, block_n, block_k, warps, stages = config
+    if stages > 1:
+        return block_m, block_n, block_k, warps, stages - 1
+    if block_k > 16:
+        return block_m, block_n, block_k // 2, warps, stages
+    if block_n > 16:
+        return block_m, block_n // 2, block_k, warps, stages
+    return None
+
+
+def launch_fitting(key: tuple, config: GemmConfig, launch: Callable[[GemmConfig], object]):
+    """``launch(config)``; where the device refuses it for its resources (Triton's OutOfResources:
+    the shared memory or registers of a card the rules did not foresee), the first of
+    :func:`smaller_gemm_config`'s configurations that launches, remembered per ``key`` and config
+    (one warning each) so later calls go straight to it."""
+    from triton.runtime.errors import OutOfResources
+
+    fitted = _fitted.get((key, config), config)
+    while True:
+        try:
+            return launch(fitted)
+        except OutOfResources as error:
+            smaller = smaller_gemm_config(fitted)
+            if smaller is None:
+                raise
+            if (key, config) not in _fitted:
+                warnings.warn(f"{key[0]}: configuration {config} does not fit this GPU ({error}); "
+                              "using smaller ones", RuntimeWarning, stacklevel=3)
+            fitted = _fitted[(key, config)] = smaller

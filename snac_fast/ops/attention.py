@@ -19,7 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, await_previous_kernel, launch_flags, runs_triton, through_op
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    TRITON_INTERPRET,
+    await_previous_kernel,
+    launch_flags,
+    runs_triton,
+    through_op,
+)
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

@@ -15,8 +15,15 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, runs_triton, through_op,
-                                    wave_programs)
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    first_filling,
+    interpreter_configs,
+    launch_flags,
+    runs_triton,
+    through_op,
+    wave_programs,
+)
 from snac_fast.ops.common import check_same_device
 from snac_fast.ops.snake import KERNEL_DTYPES
 
@@ -126,7 +133,7 @@ def _codes_to_latent_triton(codes, codebooks, weights, biases, strides, dtype, b
     if out.numel() == 0:
         return out
     pad = lambda xs: [x.contiguous() for x in xs] + [xs[0]] * (MAX_LEVELS - len(xs))  # noqa: E731
-    block_t = min(triton.next_power_of_2(T), 1024 if TRITON_INTERPRET else 64)
+    block_t = min(triton.next_power_of_2(T), 1024 if interpreter_configs() else 64)
     block_c = first_filling([(min(triton.next_power_of_2(C), c),) for c in (64, 32, 16)],
                             lambda t: B * triton.cdiv(C, t[0]) * triton.cdiv(T, block_t), wave_programs(out.device))[0]
     n_c, n_t = triton.cdiv(C, block_c), triton.cdiv(T, block_t)
@@ -223,9 +230,9 @@ def _nearest_codeword(encodings: Tensor, table: Tensor, table_sq: Tensor | None 
         return torch.empty(0, dtype=torch.int64, device=encodings.device)
     encodings, table = encodings.contiguous(), table.contiguous()
     table_sq = table.pow(2).sum(1) if table_sq is None else table_sq.contiguous()
-    block_r = 16 if TRITON_INTERPRET else 32
+    block_r = 16 if interpreter_configs() else 32
     if splits is None:
-        splits = 1 if TRITON_INTERPRET else max(1, min(n_codes // 256, 2048 // N))
+        splits = 1 if interpreter_configs() else max(1, min(n_codes // 256, 2048 // N))
     while n_codes % (splits * 128):
         splits -= 1
     best = torch.empty((splits, N), dtype=torch.float32, device=encodings.device)

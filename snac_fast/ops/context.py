@@ -12,7 +12,11 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, runs_triton
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    interpreter_configs,
+    runs_triton,
+)
 
 if HAS_TRITON:
     import triton
@@ -90,7 +94,7 @@ def context_step(state: Tensor, slots: Tensor, new: Tensor, channels_last: bool 
         else torch.empty((B, C, H + N), device=new.device, dtype=new.dtype)
     if not runs_triton(new):
         return context_step_reference(state, slots, new, out)
-    if TRITON_INTERPRET:  # few, large programs: the interpreter's cost is per program and op
+    if interpreter_configs():  # few, large programs: the interpreter's cost is per program and op
         BLOCK_T, BLOCK_C = 256, min(triton.next_power_of_2(C), 256)
     else:
         BLOCK_T, BLOCK_C = _context_tile(C, H + N, channels_last)

@@ -12,8 +12,21 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, through_op, wave_programs
-from snac_fast.ops.common import _check_per_channel, _compute_dtype, check_floating, check_same_device
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    TRITON_INTERPRET,
+    first_filling,
+    interpreter_configs,
+    launch_flags,
+    through_op,
+    wave_programs,
+)
+from snac_fast.ops.common import (
+    _check_per_channel,
+    _compute_dtype,
+    check_floating,
+    check_same_device,
+)
 from snac_fast.ops.snake import kernel_applies
 
 if HAS_TRITON:
@@ -128,7 +141,7 @@ _TANH_TILES = ((16, 256), (32, 128), (64, 64), (64, 32))
 
 
 def _conv_tanh_config(rows: int, T: int, device: torch.device) -> tuple[int, int, int]:
-    if TRITON_INTERPRET:
+    if interpreter_configs():
         return 64, 4096, 4
     block_c, block_t = first_filling(_TANH_TILES, lambda t: rows * triton.cdiv(T, t[1]), wave_programs(device))
     return block_c, block_t, 4
@@ -166,7 +179,7 @@ def _conv_tanh_by_taps(x, weight, bias, block_t=None):
     rows = C_out * K
     taps = torch.empty((B, rows, T), dtype=torch.float32, device=x.device)
     block_c = max(16, min(64, triton.next_power_of_2(C_in)))
-    block_t = min(max(16, triton.next_power_of_2(T)), block_t or (4096 if TRITON_INTERPRET else 128))
+    block_t = min(max(16, triton.next_power_of_2(T)), block_t or (4096 if interpreter_configs() else 128))
     n_t = triton.cdiv(T, block_t)
     _tap_sums_kernel[(B * n_t,)](
         x, weight.contiguous(), taps, C_in, T, n_t, rows,

@@ -24,8 +24,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, through_op, wave_programs
-from snac_fast.ops.common import _compute_dtype, _maybe_snake, check_floating, check_same_device, is_channels_last
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    TRITON_INTERPRET,
+    first_filling,
+    interpreter_configs,
+    launch_fitting,
+    launch_flags,
+    through_op,
+    wave_programs,
+)
+from snac_fast.ops.common import (
+    _compute_dtype,
+    _maybe_snake,
+    check_floating,
+    check_same_device,
+    is_channels_last,
+)
 from snac_fast.ops.snake import kernel_applies, snake
 
 if HAS_TRITON:
@@ -209,7 +224,7 @@ def _convt_config(C_out: int, phases: int, C_in: int, n_cols: int, batches: int,
     every SM a program (streaming chunks are latency-bound: 1.5-2x faster than one big tile on an
     H200); 32-deep K steps for the biggest tiles; float32 takes at most 32 and 2 stages to fit
     shared memory."""
-    if TRITON_INTERPRET:
+    if interpreter_configs():
         block_m = max(1, min(triton.next_power_of_2(C_out), 1024 // phases))
         return block_m, max(16, min(256, triton.next_power_of_2(n_cols))), _block_k(C_in), 4, 3
     cap_m, cap_j = triton.next_power_of_2(C_out), max(16, triton.next_power_of_2(n_cols))
@@ -242,19 +257,22 @@ def _conv_transpose_triton(x, packed, bias, stride, config=None):
         x = x.contiguous()
     fold = folds_batches(B, T_in)
     grid_batches, n_cols = (1, B * T_in) if fold else (B, T_in)
-    block_m, block_j, block_k, warps, stages = config or _convt_config(
-        C_out, phases, C_in, n_cols, grid_batches, x.element_size(), x.device)
-    block_m = max(block_m, 16 // per_channel)  # tl.dot needs 16 rows
-    n_m, n_j = triton.cdiv(C_out, block_m), triton.cdiv(n_cols, block_j)
-    _conv_transpose_kernel[(grid_batches * n_m * n_j,)](
-        x, packed, packed if bias is None else bias, out,
-        C_in, C_out, T_in, n_cols, n_m, n_j,
-        STRIDE=stride, PHASES=phases, SPLIT=split, PER_CHANNEL=per_channel, FOLD=fold, CHANNELS_LAST=channels_last,
-        HAS_BIAS=bias is not None,
-        IEEE=x.dtype == torch.float32, UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
-        BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
-        num_warps=warps, num_stages=stages, **launch_flags(x.device, grid_batches * n_m * n_j),
-    )
+    config = config or _convt_config(C_out, phases, C_in, n_cols, grid_batches, x.element_size(), x.device)
+
+    def launch(config):
+        block_m, block_j, block_k, warps, stages = config
+        block_m = max(block_m, 16 // per_channel)  # tl.dot needs 16 rows
+        n_m, n_j = triton.cdiv(C_out, block_m), triton.cdiv(n_cols, block_j)
+        _conv_transpose_kernel[(grid_batches * n_m * n_j,)](
+            x, packed, packed if bias is None else bias, out,
+            C_in, C_out, T_in, n_cols, n_m, n_j,
+            STRIDE=stride, PHASES=phases, SPLIT=split, PER_CHANNEL=per_channel, FOLD=fold,
+            CHANNELS_LAST=channels_last, HAS_BIAS=bias is not None,
+            IEEE=x.dtype == torch.float32, UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
+            BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
+            num_warps=warps, num_stages=stages, **launch_flags(x.device, grid_batches * n_m * n_j),
+        )
+    launch_fitting(("conv_transpose", x.device, x.dtype), config, launch)
     return out
 
 

@@ -17,8 +17,22 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, first_filling, launch_flags, through_op, wave_programs
-from snac_fast.ops.common import _compute_dtype, check_floating, check_same_device, is_channels_last
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    TRITON_INTERPRET,
+    first_filling,
+    interpreter_configs,
+    launch_fitting,
+    launch_flags,
+    through_op,
+    wave_programs,
+)
+from snac_fast.ops.common import (
+    _compute_dtype,
+    check_floating,
+    check_same_device,
+    is_channels_last,
+)
 from snac_fast.ops.snake import kernel_applies, snake_reference
 
 if HAS_TRITON:
@@ -86,7 +100,7 @@ def _dense_config(B: int, C_out: int, K_total: int, T_out: int, elem_bytes: int,
                   device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); K_total = taps x input channels."""
     block_k = max(16, min(64, triton.next_power_of_2(K_total)))
-    if TRITON_INTERPRET:
+    if interpreter_configs():
         return (max(16, min(128, triton.next_power_of_2(C_out))), max(16, min(512, triton.next_power_of_2(T_out))),
                 block_k, 4, 3)
     cap_m, cap_n = max(16, triton.next_power_of_2(C_out)), max(16, triton.next_power_of_2(T_out))
@@ -109,18 +123,22 @@ def _dense_conv_triton(x, packed, bias, stride, padding, pair_alpha, config=None
         return out if pair_out is None else (out, pair_out)
     if not is_channels_last(x):  # the kernel reads [B, T, C] memory (the same as [B, C, T] for one channel)
         x = x.transpose(1, 2).contiguous().transpose(1, 2)
-    block_m, block_n, block_k, warps, stages = config or _dense_config(B, C_out, K_total, T_out, x.element_size(), x.device)
-    n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T_out, block_n)
-    grid = (B * n_m * n_t,)
-    _dense_conv_kernel[grid](
-        x, packed, packed if bias is None else bias, packed if pair_alpha is None else pair_alpha.reshape(-1), out,
-        out if pair_out is None else pair_out,
-        C_out, T_in, T_out, n_m, n_t,
-        C_IN=C_in, KS=K, STRIDE=stride, PAD=padding, HAS_BIAS=bias is not None, PAIR=pair_alpha is not None,
-        IEEE=x.dtype == torch.float32, UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(K_total, block_k),
-        num_warps=warps, num_stages=stages, **launch_flags(x.device, grid[0]),
-    )
+    config = config or _dense_config(B, C_out, K_total, T_out, x.element_size(), x.device)
+
+    def launch(config):
+        block_m, block_n, block_k, warps, stages = config
+        n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T_out, block_n)
+        grid = (B * n_m * n_t,)
+        _dense_conv_kernel[grid](
+            x, packed, packed if bias is None else bias, packed if pair_alpha is None else pair_alpha.reshape(-1), out,
+            out if pair_out is None else pair_out,
+            C_out, T_in, T_out, n_m, n_t,
+            C_IN=C_in, KS=K, STRIDE=stride, PAD=padding, HAS_BIAS=bias is not None, PAIR=pair_alpha is not None,
+            IEEE=x.dtype == torch.float32, UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
+            BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(K_total, block_k),
+            num_warps=warps, num_stages=stages, **launch_flags(x.device, grid[0]),
+        )
+    launch_fitting(("dense_conv", x.device, x.dtype), config, launch)
     return out if pair_out is None else (out, pair_out)
 
 

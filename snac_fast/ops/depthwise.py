@@ -18,8 +18,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, launch_flags, through_op, wave_programs
-from snac_fast.ops.common import _check_per_channel, _compute_dtype, _maybe_snake, check_floating, check_same_device
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    interpreter_configs,
+    launch_flags,
+    through_op,
+    wave_programs,
+)
+from snac_fast.ops.common import (
+    _check_per_channel,
+    _compute_dtype,
+    _maybe_snake,
+    check_floating,
+    check_same_device,
+)
 from snac_fast.ops.snake import kernel_applies
 
 if HAS_TRITON:
@@ -180,7 +192,7 @@ def _dw_config(n_rows: int, T: int, halo: int, device: torch.device) -> tuple[in
     of 256-step tiles, 32 outputs per thread (an H100 sweep at stream-step shapes); longer rows in
     2048-step tiles of 32 outputs per thread. Other T: per-tap loads (RUN = 0), 512-element tiles
     of one warp, or of four while the grid is small."""
-    if TRITON_INTERPRET:  # few, big programs of per-tap loads: the interpreter pays per program and per
+    if interpreter_configs():  # few, big programs of per-tap loads: the interpreter pays per program and per
         # op (the runs' register shuffles cost it 15-40% more); tests cover the runs with explicit configs
         block_t = min(triton.next_power_of_2(T), 1 << 16)
         rows = min(triton.next_power_of_2(n_rows), max(1, (1 << 16) // block_t))

@@ -25,20 +25,41 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (HAS_TRITON, TRITON_INTERPRET, first_filling, has_tma, launch_flags,
-                                    through_op, wave_programs)
-from snac_fast.ops.common import (_check_per_channel, _compute_dtype, _maybe_snake, _with_layout, check_floating,
-                                  check_same_device, is_channels_last)
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    TRITON_INTERPRET,
+    first_filling,
+    has_tma,
+    interpreter_configs,
+    launch_fitting,
+    launch_flags,
+    through_op,
+    wave_programs,
+)
+from snac_fast.ops.common import (
+    _check_per_channel,
+    _compute_dtype,
+    _maybe_snake,
+    _with_layout,
+    check_floating,
+    check_same_device,
+    is_channels_last,
+)
 from snac_fast.ops.snake import kernel_applies, snake_reference
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
-
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.common import _dot_accumulate, _gemm_tile, _program_tile, _snake_rows, _store_with_pair
+    from snac_fast.ops.common import (
+        _dot_accumulate,
+        _gemm_tile,
+        _program_tile,
+        _snake_rows,
+        _store_with_pair,
+    )
 
     @triton.jit
     def _pointwise_conv_kernel(
@@ -196,7 +217,7 @@ def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> t
     bias folded, the tiles of every other call win at most recorded calls (H100, 192 channels,
     60 s at 32 kHz: 674 -> 571 us) and lose 1-3 us at a few short 768-channel ones
     (``scripts/ab_noise_fold.py``, ``benchmarks/noise_fold_ab_h100.log``)."""
-    if TRITON_INTERPRET:
+    if interpreter_configs():
         return (max(16, min(128, triton.next_power_of_2(C_out))), max(16, min(1024, triton.next_power_of_2(T))),
                 max(16, min(64, triton.next_power_of_2(C_in))), 4, 3)
     cap_m, cap_n = max(16, triton.next_power_of_2(C_out)), max(16, triton.next_power_of_2(T))
@@ -259,35 +280,37 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
             tma, config = tma_config is not None, tma_config or config
     out_stride_c, out_stride_t = (1, C_out) if out_channels_last else (T, 1)
     scale = None if scale is None else scale.contiguous()
-    block_m, block_n, block_k, warps, stages = config
-    n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
-    if rows_fastest is None:
+
+    def launch(config):
+        block_m, block_n, block_k, warps, stages = config
+        n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
         # the output-channel blocks of one time tile run together, so h's columns come from HBM once
         # (H100, fp16, 60 s: the 32 kHz units' GEMMs 1.85 -> 1.36 ms, 24 kHz 0.98 -> 0.86 ms; chunks
         # within +-5%; scripts/tune_tiles.py --only pw-order)
-        rows_fastest = n_m > 1
-    flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
-    flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
-                 HAS_RES_BIAS=residual_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
-                 IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
-                 BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
-                 ROWS_FASTEST=rows_fastest,
-                 num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t))
-    if tma:
-        out_desc = _descriptor(out, block_m, block_n, out_channels_last, True)  # out is [B, T, C] when channels-last
-        h_cl, res_cl = is_channels_last(h), residual is not None and is_channels_last(residual)
-        _pointwise_conv_tma_kernel[(B * n_m * n_t,)](
-            TensorDescriptor.from_tensor(w, [block_m, block_k]), _descriptor(h, block_k, block_n, h_cl), flat(bias),
-            out_desc if residual is None else _descriptor(residual, block_m, block_n, res_cl),
-            out if scale is None else scale, flat(residual_bias), flat(alpha_out), out_desc, flat(pair_alpha),
-            out_desc if pair_out is None else _descriptor(pair_out, block_m, block_n, out_channels_last, True),
-            C_out, T, n_m, n_t, H_CL=h_cl, RES_CL=res_cl, OUT_CL=out_channels_last, **flags)
-        return
-    _pointwise_conv_kernel[(B * n_m * n_t,)](
-        w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
-        flat(residual_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
-        C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
-        **flags)
+        order = n_m > 1 if rows_fastest is None else rows_fastest
+        flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
+        flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,
+                     HAS_RES_BIAS=residual_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
+                     IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
+                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
+                     ROWS_FASTEST=order,
+                     num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t))
+        if tma:
+            out_desc = _descriptor(out, block_m, block_n, out_channels_last, True)  # out is [B, T, C] when channels-last
+            h_cl, res_cl = is_channels_last(h), residual is not None and is_channels_last(residual)
+            _pointwise_conv_tma_kernel[(B * n_m * n_t,)](
+                TensorDescriptor.from_tensor(w, [block_m, block_k]), _descriptor(h, block_k, block_n, h_cl), flat(bias),
+                out_desc if residual is None else _descriptor(residual, block_m, block_n, res_cl),
+                out if scale is None else scale, flat(residual_bias), flat(alpha_out), out_desc, flat(pair_alpha),
+                out_desc if pair_out is None else _descriptor(pair_out, block_m, block_n, out_channels_last, True),
+                C_out, T, n_m, n_t, H_CL=h_cl, RES_CL=res_cl, OUT_CL=out_channels_last, **flags)
+            return
+        _pointwise_conv_kernel[(B * n_m * n_t,)](
+            w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
+            flat(residual_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
+            C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
+            **flags)
+    launch_fitting(("pointwise_conv_tma" if tma else "pointwise_conv", h.device, h.dtype), config, launch)
 
 
 def _descriptor(x: Tensor, rows: int, cols: int, channels_last: bool,

@@ -16,7 +16,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET, launch_flags, runs_triton, through_op
+from snac_fast.ops._runtime import (
+    HAS_TRITON,
+    interpreter_configs,
+    launch_flags,
+    runs_triton,
+    through_op,
+)
 
 EPS = 1e-9  # upstream's guard in 1 / (alpha + 1e-9)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -169,7 +175,7 @@ def _launch_config(n_rows: int, T: int, elem_bytes: int, backward: bool = False)
     tensors get smaller tiles so they still spread over the SMs. Long rows get one-row tiles, short
     rows are stacked ROWS to a tile so no lanes idle.
     """
-    if TRITON_INTERPRET:  # the interpreter pays per program, not per element: few big tiles
+    if interpreter_configs():  # the interpreter pays per program, not per element: few big tiles
         tile = 1 << 16
     else:
         tile = 2048 if backward else 8192 // elem_bytes

@@ -1,0 +1,124 @@
+"""The GPUs users have (Ampere, Ada), checked on a CPU machine: the launch rules read a device's
+limits (capability, SM count, shared memory), a configuration a device refuses falls back to a
+smaller one, and every configuration the rules choose for the three models' workloads on an A100,
+RTX 3090, L4 and RTX 4090 compiles for that architecture within its shared memory (snac_fast.targets)."""
+
+import warnings
+
+import pytest
+import torch
+
+from snac_fast.ops import _runtime
+from snac_fast.ops._runtime import (
+    GPUS,
+    GpuLimits,
+    emulate_gpu,
+    gpu_limits,
+    has_tma,
+    launch_flags,
+    wave_programs,
+)
+from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference
+
+pytestmark = pytest.mark.skipif(not _runtime.TRITON_INTERPRET, reason="records launches through Triton's interpreter")
+CPU = torch.device("cpu")
+
+
+def close(got, ref):
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+def test_rules_read_the_emulated_devices_limits():
+    assert gpu_limits(CPU) is None and wave_programs(CPU) == 1  # the interpreter's own configurations
+    with emulate_gpu(GPUS["l4"]):
+        assert wave_programs(CPU) == 32 and not has_tma(CPU) and launch_flags(CPU, 4) == {"PDL": False, "launch_pdl": False}
+    with emulate_gpu(GPUS["rtx4090"]):
+        assert wave_programs(CPU) == 128 and not has_tma(CPU)
+    with emulate_gpu(GPUS["h100"]):
+        assert wave_programs(CPU) == 128 and has_tma(CPU) and launch_flags(CPU, 4)["PDL"]
+        assert not launch_flags(CPU, 8 * 128 + 1)["PDL"]  # long grids lose by dependent launch
+    assert gpu_limits(CPU) is None
+    with pytest.raises(ValueError, match="must be positive"):
+        GpuLimits("none", (8, 6), 0, 1)
+
+
+def test_gpus_before_ampere_take_the_reference_path_with_one_warning(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Tesla T4")
+    _runtime._supported.cache_clear()
+    try:
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
+        with pytest.warns(RuntimeWarning, match=r"Tesla T4 \(sm_75\) is older than Ampere"):
+            assert not _runtime._supported(0)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert not _runtime._supported(0)  # once
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 6))
+        assert _runtime._supported(1)
+    finally:
+        _runtime._supported.cache_clear()
+
+
+def test_a_configuration_the_device_refuses_falls_back_to_a_smaller_one(monkeypatch):
+    """A card with less shared memory than the rules assumed: the transposed conv's launch raises
+    OutOfResources for stages > 1 or BLOCK_K > 16 (as Triton does at launch); the call still returns
+    the right audio, warns once, and the next call goes straight to the configuration that fits."""
+    from triton.runtime.errors import OutOfResources
+
+    from snac_fast.ops import conv_transpose as module
+
+    kernel, refused = module._conv_transpose_kernel, []
+
+    class SmallCard:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if kwargs["num_stages"] > 1 or kwargs["BLOCK_K"] > 16:
+                    refused.append((kwargs["num_stages"], kwargs["BLOCK_K"]))
+                    raise OutOfResources(150000, 101376, "shared memory")
+                return kernel[grid](*args, **kwargs)
+            return launch
+
+    monkeypatch.setattr(module, "_conv_transpose_kernel", SmallCard())
+    monkeypatch.setattr(_runtime, "_fitted", {})
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = torch.randn(2, 64, 9, generator=gen), torch.randn(64, 32, 8, generator=gen) / 8, torch.randn(32, generator=gen)
+    ref = conv_transpose_reference(x.double(), w.double(), b.double(), 4)
+    with pytest.warns(RuntimeWarning, match="does not fit this GPU"):
+        close(conv_transpose(x, w, b, 4), ref)
+    assert refused and refused[-1] == (1, 32)  # stages 3 -> 2 -> 1, then BLOCK_K 64 -> 32 -> 16
+    refused.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        close(conv_transpose(x, w, b, 4), ref)
+    assert refused == []  # remembered
+
+
+@pytest.mark.heavy
+def test_every_configuration_the_rules_choose_fits_ampere_and_ada():
+    """Decode chunks at B=1/32, 5 s and 60 s decodes, a 5 s encode and stream steps of 1/64/256
+    streams of the three models in fp16, with the rules of an A100, RTX 3090, L4 and RTX 4090 (their
+    SM counts give three wave sizes): every distinct kernel launch, compiled ahead of time for sm_86,
+    uses no more shared memory than a block may have there (99 KB, the least of the four) and at
+    most 255 registers a thread. sm_80 and sm_89 compile the same kernels (Triton's MMA v2 path):
+    checked on the launches with the most shared memory."""
+    from snac_fast.targets import MODELS, check_fits, record_launches, workloads
+
+    launches = {}
+    for gpu in ("a100", "rtx3090", "l4", "rtx4090"):
+        for model in MODELS:
+            for run in workloads(model).values():
+                launches.update(dict.fromkeys(record_launches(run, GPUS[gpu])))
+    kinds = {launch.kernel for launch in launches}
+    assert {"_conv_transpose_kernel", "_pointwise_conv_kernel", "_depthwise_conv_snake_kernel",
+            "_dense_conv_kernel", "_local_attention_kernel"} <= kinds  # the workloads reached the kernels
+    assert "_pointwise_conv_tma_kernel" not in kinds  # no TMA before sm_90
+    fits = check_fits(list(launches), GPUS["rtx3090"], workers=2)
+    assert len(fits) == len(launches)
+    too_big = [(f.launch.describe(), f.shared, f.registers) for f in fits if not f.fits]
+    assert not too_big, too_big
+    biggest = sorted(fits, key=lambda f: -f.shared)[:4]
+    small = GpuLimits("a card of 64 KB", (8, 6), 82, 65536)
+    assert not check_fits([biggest[0].launch], small, workers=1)[0].fits  # the check can fail
+    for gpu in ("a100", "rtx4090"):
+        same = check_fits([f.launch for f in biggest], GPUS[gpu], workers=2)
+        assert [f.shared for f in same] == [f.shared for f in biggest]
+        assert all(f.fits for f in same)
