@@ -23,8 +23,11 @@ class UsageError(Exception):
     """Bad input: reported in one line, exit code 2."""
 
 
-def _add_model_args(p: argparse.ArgumentParser, with_seed: bool = False) -> None:
+def _add_model_args(p: argparse.ArgumentParser, with_seed: bool = False, reads_tokens: bool = False) -> None:
     p.add_argument("--model", help="hub id, local folder, or synthetic:<name> (see below)")
+    if reads_tokens:
+        p.add_argument("--ignore-file-model", action="store_true",
+                       help="decode with --model although the token file names another model")
     p.add_argument("--device", help="cuda, cuda:1, cpu (default: cuda if available)")
     p.add_argument("--dtype", choices=["float16", "bfloat16", "float32"],
                    help="compute dtype (default: float16 on cuda, float32 on cpu)")
@@ -45,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("tokens", type=Path, help="token file (.pt)")
     p.add_argument("out", type=Path, help="output audio: .wav (float32 by default), .flac (PCM_16) or .ogg (Vorbis)")
     p.add_argument("--subtype", help="sample format of the output (soundfile's names: PCM_16, PCM_24, FLOAT, ...)")
-    _add_model_args(p, with_seed=True)
+    _add_model_args(p, with_seed=True, reads_tokens=True)
 
     p = sub.add_parser("encode", help="audio file -> token file", epilog=EPILOG, formatter_class=fmt,
                        description="Encode any soundfile-readable audio: mixed to mono, resampled to the model's rate; writes {'codes', 'model'}.")
@@ -58,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "same noise) and with plain upstream at the same dtype; print SNR, max error, log-mel "
                                    "distance. Exit code 1 when the check fails.")
     p.add_argument("tokens", type=Path, help="token file (.pt)")
-    _add_model_args(p)
+    _add_model_args(p, reads_tokens=True)
     p.add_argument("--seed", type=int, default=0, help="noise seed shared by all decodes (default 0)")
     p.add_argument("--no-baseline", action="store_true", help="skip the plain-upstream decode at the fast dtype")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
@@ -67,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Time every decoder layer (CUDA events on a GPU, wall clock on CPU), median of --runs "
                                    "runs after warm-up, for snac-fast and the original upstream model.")
     p.add_argument("tokens", type=Path, help="token file (.pt)")
-    _add_model_args(p)
+    _add_model_args(p, reads_tokens=True)
     p.add_argument("--runs", type=int, default=10, help="timed runs per model (default 10)")
     p.add_argument("--original-dtype", choices=["float16", "bfloat16", "float32"],
                    help="dtype of the original model (default: the fast model's)")
@@ -168,6 +171,9 @@ def _int_list(text: str, name: str) -> list[int]:
 def _load_model(args: argparse.Namespace, file_model: str | None, **options):
     from snac_fast.api import FastSNAC
 
+    if args.model and file_model and args.model != file_model and not getattr(args, "ignore_file_model", False):
+        raise UsageError(f"{args.tokens} was encoded with {file_model}, not --model {args.model}: another model "
+                         "decodes it to wrong audio (pass --ignore-file-model to do it anyway)")
     name = args.model or file_model or DEFAULT_MODEL
     return FastSNAC.from_pretrained(name, device=args.device, dtype=args.dtype, local_files_only=args.local_files_only,
                                     **options)

@@ -105,17 +105,24 @@ def test_dataset_commands_round_trip(tmp_path):
     assert_usage_error(cli("encode-dataset", corpus, tmp_path / "x", "--files-per-shard", "0"), "--files-per-shard")
 
 
-def test_model_flag_overrides_the_file(tmp_path):
+def test_a_model_flag_that_disagrees_with_the_file_is_refused_unless_forced(tmp_path):
     proc = cli("decode", SAMPLE_24, tmp_path / "x.wav", "--model", "synthetic:snac_32khz", "--device", "cpu")
-    assert_usage_error(proc, "4 code levels")
+    assert_usage_error(proc, "was encoded with synthetic:snac_24khz, not --model synthetic:snac_32khz",
+                       "--ignore-file-model")
+    assert not (tmp_path / "x.wav").exists()
+    proc = cli("decode", SAMPLE_24, tmp_path / "x.wav", "--model", "synthetic:snac_32khz", "--device", "cpu",
+               "--ignore-file-model")
+    assert_usage_error(proc, "4 code levels")  # forced: the codes themselves do not fit that model
+    proc = cli("fidelity", SAMPLE_24, "--model", "synthetic:snac_44khz", "--device", "cpu")
+    assert_usage_error(proc, "was encoded with synthetic:snac_24khz")
 
 
 @pytest.mark.parametrize("make_args, fragments", [
     (lambda d: ["decode", d / "missing.pt", d / "o.wav"], ["does not exist"]),
     (lambda d: ["decode", d / "junk.pt", d / "o.wav"], ["cannot read token file"]),
     (lambda d: ["encode", d / "junk.pt", d / "t.pt", "--model", "synthetic:snac_24khz"], ["cannot read audio"]),
-    (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--model", "synthetic:nope"], ["unknown SNAC model"]),
-    (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--model", str(d)], ["no config.json"]),
+    (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--model", "synthetic:nope", "--ignore-file-model"], ["unknown SNAC model"]),
+    (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--model", str(d), "--ignore-file-model"], ["no config.json"]),
     (lambda d: ["decode", SAMPLE_24, d / "no" / "dir" / "o.wav", "--device", "cpu"], ["cannot write", "does not exist"]),
     (lambda d: ["decode", SAMPLE_24, d / "out", "--device", "cpu"], ["unknown audio format", ".wav, .flac, .ogg"]),
     (lambda d: ["decode", SAMPLE_24, d / "o.flac", "--subtype", "FLOAT"], [".flac cannot hold FLOAT", "PCM_16"]),
