@@ -74,9 +74,35 @@ def _from_folder(folder: Path) -> Checkpoint:
     return Checkpoint(str(folder), _read_config(config_path, str(folder)), lambda: read_weights(weights), str(weights))
 
 
+HUB_PROBE_SECONDS = 2.0
+
+
+def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
+    """Whether a TCP connection to the hub's endpoint (``HF_ENDPOINT``) opens within ``timeout``
+    seconds. Behind a proxy (``HTTPS_PROXY``, ``ALL_PROXY``) it answers True without trying: the
+    proxy, not a direct connection, decides. huggingface_hub itself retries an unreachable host five
+    times with backoff (~25 s before its error), which an offline user should not wait for."""
+    import socket
+    from urllib.parse import urlsplit
+
+    from huggingface_hub import constants
+
+    if any(os.environ.get(k) for k in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlsplit(constants.ENDPOINT)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
 def _from_hub(repo_id: str, revision: str | None, cache_dir: str | None, local_files_only: bool, token: str | bool | None) -> Checkpoint:
     from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hf_errors
+
+    if not local_files_only and not hub_reachable():
+        local_files_only = True  # the hub cache may still hold it; else the offline error below, at once
 
     def download(filename: str) -> str:
         return hf_hub_download(repo_id, filename, revision=revision, cache_dir=cache_dir,

@@ -95,6 +95,19 @@ def test_offline_and_not_cached_says_what_to_do(tmp_path):
     assert "CheckpointError" in proc.stderr and "local folder" in proc.stderr
 
 
+def test_unreachable_hub_uses_the_cache_or_fails_at_once(tmp_path, checkpoint_dir):
+    """No network (the endpoint refuses connections) and no HF_HUB_OFFLINE: a cached model loads from
+    the cache, an uncached one fails with the offline hint, without huggingface_hub's five retries."""
+    unreachable = {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HOME": str(tmp_path / "home")}
+    fill_hub_cache(tmp_path / "hub", REPO, checkpoint_dir)
+    code = f"from snac_fast import FastSNAC; print(FastSNAC.from_pretrained({REPO!r}, device='cpu').source)"
+    proc = run_python(code, {**unreachable, "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert proc.returncode == 0 and proc.stdout.split() == [REPO], proc.stderr
+    proc = run_python(code, {**unreachable, "HF_HUB_CACHE": str(tmp_path / "empty")})
+    assert proc.returncode != 0 and "not in the hub cache" in proc.stderr
+    assert "Retrying" not in proc.stderr
+
+
 def test_folder_errors(tmp_path, checkpoint_dir):
     empty = tmp_path / "empty"
     empty.mkdir()
