@@ -608,9 +608,12 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
                    device: str | None = None, dtype: str | None = None) -> dict:
     """Decode the code shards of ``source`` (a shard file or a folder of them) with ``codec``
     (default: the model named in the shards, or ``model``, loaded with ``model_options``). ``format`` "wav"/"flac": one file per
-    row at ``out/<id>.<format>`` (a leading '/' and '..' dropped from the id); "parquet": shards
-    with ``id``, ``sampling_rate`` and ``audio`` (float32 list). Noise is seeded with ``seed`` for every row (each decoded alone: the audio of a
-    row does not depend on the others). Rows with an error are listed in ``out/_errors.jsonl``.
+    row named after its source, ``out/<id with its extension replaced>`` (``a.wav`` -> ``a.flac``; a
+    leading '/' and '..' dropped; ids that would share a name keep theirs and add the extension);
+    "parquet": shards with ``id``, ``sampling_rate`` and ``audio`` (float32 list). The audio is cut to
+    the source's duration (the codes cover whole frames). Noise is seeded with ``seed`` for every row
+    (each decoded alone: the audio of a row does not depend on the others). Rows with an error (at
+    encode, or a decode that fails) are listed in ``out/_errors.jsonl`` and the run goes on.
     Returns a summary: rows, written, skipped (already there), errors, wall seconds."""
     if format not in ("wav", "flac", "parquet"):
         raise ValueError(f"format must be wav, flac or parquet, got {format!r}")
@@ -627,22 +630,32 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     summary = {"rows": len(rows), "written": 0, "skipped": 0, "errors": 0}
     start = time.perf_counter()
     errors, table_rows = [], []
+    names = _output_names([r.get("id") for r in rows if r.get("id") is not None], format)
     with _progress(len(rows), progress) as bar:
         for n, row in enumerate(rows):
             bar.update()
             if row.get("error") is not None or any(row.get(f"codes_{i}") is None for i in range(levels)):
                 errors.append({"id": row.get("id"), "error": row.get("error") or "no codes"})
                 continue
-            target = out / f"{_relative_name(row['id'])}.{format}"
+            if row["id"] not in names:
+                errors.append({"id": row["id"], "error": "the id names no file"})
+                continue
+            target = out / names[row["id"]]
             if format != "parquet" and target.exists():
                 summary["skipped"] += 1
                 continue
-            codes = [torch.tensor(row[f"codes_{i}"], dtype=torch.int64).view(1, -1) for i in range(levels)]
-            audio = codec.decode(codes, seed=seed)[0, 0].float().cpu().numpy()
-            if format == "parquet":
-                table_rows.append({"id": row["id"], "sampling_rate": codec.sampling_rate, "audio": audio})
-            else:
-                _write_audio(target, audio, codec.sampling_rate)
+            try:
+                codes = [torch.tensor(row[f"codes_{i}"], dtype=torch.int64).view(1, -1) for i in range(levels)]
+                audio = codec.decode(codes, seed=seed)[0, 0].float().cpu().numpy()
+                if row.get("duration"):  # the codes cover whole frames: back to the source's length
+                    audio = audio[:round(row["duration"] * codec.sampling_rate)]
+                if format == "parquet":
+                    table_rows.append({"id": row["id"], "sampling_rate": codec.sampling_rate, "audio": audio})
+                else:
+                    _write_audio(target, audio, codec.sampling_rate)
+            except (ValueError, RuntimeError, OSError) as e:  # one bad row: recorded, the run goes on
+                errors.append({"id": row["id"], "error": f"decode failed: {e}"})
+                continue
             summary["written"] += 1
     if format == "parquet":
         _write_audio_shards(table_rows, out, rows_per_shard)
@@ -650,6 +663,21 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     (out / "_errors.jsonl").write_text("".join(json.dumps(e) + "\n" for e in errors))
     summary["wall_seconds"] = time.perf_counter() - start
     return summary
+
+
+def _output_names(ids: list[str], format: str) -> dict[str, str]:
+    """Each id's output file inside the output folder: its path with the extension replaced by
+    ``format``'s; ids that would collide that way (``a.wav`` and ``a.flac``) keep their name and add it."""
+    stem = {}
+    for i in ids:
+        try:
+            stem[i] = str(Path(_relative_name(i)).with_suffix(f".{format}"))
+        except ValueError:  # names no file: the row is recorded as an error
+            continue
+    count: dict[str, int] = {}
+    for name in stem.values():
+        count[name] = count.get(name, 0) + 1
+    return {i: name if count[name] == 1 else f"{_relative_name(i)}.{format}" for i, name in stem.items()}
 
 
 def _relative_name(id: str) -> str:

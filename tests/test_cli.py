@@ -100,7 +100,7 @@ def test_dataset_commands_round_trip(tmp_path):
     assert "2 files in 2 shards (0 already done)" in proc.stdout and "1 errors" in proc.stdout
     proc = cli("decode-dataset", tmp_path / "codes", tmp_path / "audio", "--device", "cpu")  # the shards name the model
     assert proc.returncode == 0, proc.stderr
-    assert "1 written" in proc.stdout and soundfile.info(str(tmp_path / "audio" / "one.wav.wav")).samplerate == 24000
+    assert "1 written" in proc.stdout and soundfile.info(str(tmp_path / "audio" / "one.wav")).samplerate == 24000
     assert_usage_error(cli("encode-dataset", tmp_path / "nowhere", tmp_path / "x", "--device", "cpu"), "does not exist")
     assert_usage_error(cli("encode-dataset", corpus, tmp_path / "x", "--files-per-shard", "0"), "--files-per-shard")
 

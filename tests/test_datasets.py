@@ -169,14 +169,31 @@ def test_decode_back_to_audio(codec, corpus, tmp_path):
     b_id = str(corpus / "sub" / "b.flac")
     row = rows_of(codes_dir)[b_id]
     expected = codec.decode([torch.tensor(row[f"codes_{i}"]).view(1, -1) for i in range(3)], seed=3)[0, 0]
-    audio, rate = soundfile.read(out / (b_id.lstrip("/") + ".wav"), dtype="float32")  # ids stay inside out/
-    assert rate == 24000 and np.array_equal(audio, expected.numpy())
+    audio, rate = soundfile.read(out / (b_id.lstrip("/")[:-len(".flac")] + ".wav"), dtype="float32")  # inside out/
+    length = round(row["duration"] * 24000)  # the source's length, not whole frames'
+    assert length < expected.numel() and rate == 24000 and np.array_equal(audio, expected.numpy()[:length])
     assert ds.decode_dataset(codes_dir, out, codec, seed=3, progress=False)["skipped"] == 2  # resumable
     ds.decode_dataset(codes_dir, tmp_path / "pq", codec, seed=3, format="parquet", progress=False)
     back = {r["id"]: r for r in ds.read_shards(tmp_path / "pq")}
-    assert np.array_equal(np.asarray(back[b_id]["audio"], np.float32), expected.numpy())
+    assert np.array_equal(np.asarray(back[b_id]["audio"], np.float32), expected.numpy()[:length])
     with pytest.raises(ValueError, match="format"):
         ds.decode_dataset(codes_dir, out, codec, format="mp3")
+
+
+def test_decode_names_outputs_after_their_sources_and_records_failed_rows(codec, tmp_path, monkeypatch):
+    """a.wav -> a.wav, b.flac -> b.wav, but a.wav and a.flac both kept apart; a row whose decode
+    fails is recorded and the others are written."""
+    assert ds._output_names(["x/a.wav", "b.flac", "c", "d.wav", "d.flac"], "wav") == {
+        "x/a.wav": "x/a.wav", "b.flac": "b.wav", "c": "c.wav", "d.wav": "d.wav.wav", "d.flac": "d.flac.wav"}
+    codes = [np.zeros(4 * 4 // s, np.int64) for s in (4, 2, 1)]  # 4 frames: 0.34 s of audio
+    clips = [ds.Clip(ds.AudioInput(name, name), None, 0.3, 24000, None) for name in ("good.wav", "bad.wav")]
+    table = ds.shard_table(clips, [codes, [c + 5000 for c in codes]], "in-memory", 3)  # 5000: past the codebook
+    ds._write_atomically(table, tmp_path / "s.parquet")
+    summary = ds.decode_dataset(tmp_path / "s.parquet", tmp_path / "out", codec, progress=False)
+    assert summary["written"] == 1 and summary["errors"] == 1
+    error = json.loads((tmp_path / "out" / "_errors.jsonl").read_text())
+    assert error["id"] == "bad.wav" and "decode failed" in error["error"] and "codebook" in error["error"]
+    assert soundfile.info(str(tmp_path / "out" / "good.wav")).frames == round(0.3 * 24000)
 
 
 def test_ray_engine_writes_the_same_shards(corpus, tmp_path):
