@@ -216,7 +216,7 @@ def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> t
     transposed conv took 128 x 64 tiles while it added the conv's bias to every h tile; with the
     bias folded, the tiles of every other call win at most recorded calls (H100, 192 channels,
     60 s at 32 kHz: 674 -> 571 us) and lose 1-3 us at a few short 768-channel ones
-    (``scripts/ab_noise_fold.py``, ``benchmarks/noise_fold_ab_h100.log``)."""
+    (``scripts/experiments/ab_noise_fold.py``, ``benchmarks/logs/noise_fold_ab_h100.log``)."""
     if interpreter_configs():
         return (max(16, min(128, triton.next_power_of_2(C_out))), max(16, min(1024, triton.next_power_of_2(T))),
                 max(16, min(64, triton.next_power_of_2(C_in))), 4, 3)
@@ -238,13 +238,13 @@ def _tma_tile(h: Tensor, w: Tensor, plain: tuple[int, ...],
     tile (``plain``: the call's :func:`_pw_config`), on Hopper, with 16-byte aligned rows
     (channels and time steps multiples of 8) and bases.
     There it runs 128 x 128 tiles on 8 warps (the plain kernel at that tile: 0.6-1.3x its own).
-    H100, fp16, every such call of the decodes (``scripts/ab_pw_tma.py``,
-    ``benchmarks/pw_tma_ab_h100.log``, bitwise the same outputs): 0.97-1.43x per call (1536
+    H100, fp16, every such call of the decodes (``scripts/experiments/ab_pw_tma.py``,
+    ``benchmarks/logs/pw_tma_ab_h100.log``, bitwise the same outputs): 0.97-1.43x per call (1536
     channels 74 -> 54 us, 768 channels at 32 kHz 60 s 164 -> 147 us), 1.07-1.27x over a decode's
     calls; whole decodes 1.0-3.4% faster from 5 s and B=32 chunks up (near that A/B's noise: B=1
     chunks, with no such call, measured 0.7-3.6% apart). Below 256 channels it gained nothing
     overall (0.94-1.17x per call at the plain kernel's tiles, 0.88-1.02x at 128 x 128;
-    ``benchmarks/pw_tma_calls_h100.log``), and persistent programs looping over tiles were
+    ``benchmarks/logs/pw_tma_calls_h100.log``), and persistent programs looping over tiles were
     0.6-0.8x. Its K loop accumulates inside the MMA (``tl.dot(a, b, acc)``): ``acc + tl.dot(a, b)``
     made the calls with [B, T, C] input 0.78-0.88x the plain kernel."""
     B, C_in, T = h.shape

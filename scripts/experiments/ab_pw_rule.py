@@ -6,7 +6,7 @@ found it faster kernel by kernel and nowhere slower). Per call with sync, interl
 the order alternating, 10 timed calls a round after an untimed one; medians; and how far the two
 outputs differ.
 
-    python scripts/ab_pw_rule.py --models snac_24khz snac_32khz snac_44khz [--rounds 20]
+    python scripts/experiments/ab_pw_rule.py --models snac_24khz snac_32khz snac_44khz [--rounds 20]
 
 ``--tabulate pw_calls_*.json`` prints, without a GPU, each workload's GEMM time in a
 ``tune_tiles.py --only pw-calls`` sweep at the package rule, at the candidate, and at each call's best.
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_common
 from bench_common import interleaved_decodes  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402

@@ -11,7 +11,7 @@ synthetic seeded weights, one process:
 3. stream-engine steps (24 kHz), 1 and 64 streams: per call with sync and the replay alone.
 
     git show REV:snac_fast/ops/pointwise.py > old_pointwise.py
-    python scripts/ab_noise_fold.py --against old_pointwise.py [--models snac_24khz ...] [--rounds 10]
+    python scripts/experiments/ab_noise_fold.py --against old_pointwise.py [--models snac_24khz ...] [--rounds 10]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_common
 from bench_common import interleaved_decodes, median_ms, timed_call  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402

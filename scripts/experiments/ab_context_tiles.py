@@ -4,7 +4,7 @@ program, their step graphs replayed interleaved at 1/16/64/256 streams (GPU time
 medians of 300), outputs compared bitwise, then the context kernels' time per replay from the
 profiler. Prints each stage's context shapes once.
 
-    python scripts/ab_context_tiles.py
+    python scripts/experiments/ab_context_tiles.py
 """
 import statistics
 import sys
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_common
 from bench_common import timed_call  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402

@@ -5,7 +5,7 @@ upstream's module kept in float32 (``fuse=False``'s path), everything else the s
 with sync (CUDA graphs), interleaved rounds, medians; decode fidelity of each against float32 and
 the encode codes' agreement with the default.
 
-    python scripts/ab_attention.py --model snac_32khz [--rounds 10]
+    python scripts/experiments/ab_attention.py --model snac_32khz [--rounds 10]
 """
 
 from __future__ import annotations

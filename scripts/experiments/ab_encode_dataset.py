@@ -3,7 +3,7 @@ against this one's, on one speech-like corpus, alternating fresh processes (each
 whole run first, then times a second one).
 
     git archive <commit> snac_fast | tar -x -C /tmp/base
-    python scripts/ab_encode_dataset.py /tmp/base --files 4000 --rounds 3 --out benchmarks/encode_corpus_ab_h100.json
+    python scripts/experiments/ab_encode_dataset.py /tmp/base --files 4000 --rounds 3 --out benchmarks/encode_corpus_ab_h100.json
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def one_run(corpus: str, out: str) -> None:

@@ -7,11 +7,11 @@ one process:
 2. whole decodes with CUDA graphs (chunk B=1 and B=32, 5 s, 60 s), one codec captured with the
    TMA rule switched off and one with it: per call with sync and GPU, interleaved rounds, medians.
 
-    python scripts/ab_pw_tma.py [--models snac_32khz ...] [--rounds 10]
+    python scripts/experiments/ab_pw_tma.py [--models snac_32khz ...] [--rounds 10]
 
 The variants measured before the rule was chosen (the TMA kernel at the plain kernel's tiles,
-128 x 256 and 64 x 256 tiles, persistent programs): ``git show 5ca413d:scripts/ab_pw_tma.py``,
-``benchmarks/pw_tma_calls_h100.log``.
+128 x 256 and 64 x 256 tiles, persistent programs): ``git show 5ca413d:scripts/experiments/ab_pw_tma.py``,
+``benchmarks/logs/pw_tma_calls_h100.log``.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_common
 from ab_noise_fold import codes_for, workloads as decode_workloads  # noqa: E402
 from bench_common import interleaved_decodes  # noqa: E402
 from tune_tiles import harvest_calls, pw_call_key, timed, workloads  # noqa: E402
