@@ -77,5 +77,6 @@ def test_gpu_fp32_reproduces_reference(cuda, no_tf32, name):
     fast = FastSNAC(synthetic_model(name, seed=entry["checkpoint_seed"]), device=cuda, dtype=torch.float32)
     got = fast.decode(codes, generator=torch.Generator().manual_seed(entry["noise_seed"]))  # graphs too
     snr = snr_db(expected, got)
-    print(f"GPU fp32 {name}: SNR {snr:.2f} dB, max abs error {max_abs_error(expected, got):.3g}")
-    assert snr >= 60
+    error = max_abs_error(expected, got)
+    print(f"GPU fp32 {name}: SNR {snr:.2f} dB, max abs error {error:.3g}")
+    assert snr >= 100 and error <= 1e-5  # measured 123 dB; a 1e-4 error in one layer costs 86-104 dB

@@ -268,7 +268,8 @@ def test_reduced_lookahead_is_shorter_and_close():
     got = stream_through(fast, fast.open(1), codes, strides, [1] * 12)
     assert got.shape == expected.shape
     error = (got - expected).abs().max().item()
-    assert 1e-9 < error and snr_db(expected, got) > 0  # approximate, not exact, and not garbage
+    # approximate, not exact; 25-26 dB at half the lookahead (seeds 3-5, noise on): garbage is ~0
+    assert 1e-9 < error and snr_db(expected, got) > 20
     with pytest.raises(ValueError, match="lookahead"):
         engine64(name, lookahead=exact.lookahead_samples + 1)
 
