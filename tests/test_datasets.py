@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pyarrow as pa
@@ -12,10 +13,11 @@ import pyarrow.parquet as pq
 import pytest
 import soundfile
 import torch
-
 from helpers import NARROW
+
 from snac_fast import FastSNAC
 from snac_fast import datasets as ds
+from snac_fast.configs import published_config
 from snac_fast.testing import make_checkpoint, speech_like, synthetic_model
 
 
@@ -238,7 +240,12 @@ def test_float16_batches_round_as_the_model_would():
     rng = np.random.default_rng(0)
     x = np.concatenate([rng.standard_normal(100_000).astype(np.float32) * 10.0 ** rng.integers(-9, 5, 100_000),
                         np.float32([6.1e-5, 5.96e-8, 2.98e-8, 65504.0, -0.0, 1.0 + 2.0 ** -11])]).astype(np.float32)
-    assert torch.equal(torch.from_numpy(x.astype(np.float16)), torch.from_numpy(x).to(torch.float16))
+    codec = SimpleNamespace(config=published_config("snac_24khz"), dtype=torch.float16, device=torch.device("cpu"))
+    clip = ds.Clip(ds.AudioInput("x"), x, x.size / 24000, 24000, None)
+    [(rows, batch)] = ds.batch_audio(codec, [clip], pad_seconds=0, batch_seconds=1e9)  # the project's batching
+    assert rows == [0] and batch.dtype == torch.float16
+    assert torch.equal(batch[0, 0, :x.size], torch.from_numpy(x).to(torch.float16))  # as the model would round
+    assert not batch[0, 0, x.size:].any()  # zero padding
 
 
 def test_readers_run_at_the_lowest_priority():
