@@ -109,8 +109,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("decode-dataset", help="Parquet code shards -> audio files or Parquet",
                        epilog=EPILOG, formatter_class=fmt,
-                       description="Decode the code shards of SRC (a shard or a folder of them) to OUT/<id>.wav (or .flac), "
-                                   "or to Parquet shards with an audio column; rows with an error go to OUT/_errors.jsonl.")
+                       description="Decode the code shards of SRC (a shard or a folder of them) to one file per row, named after "
+                                   "its source with the extension replaced (a.flac -> OUT/a.wav) and cut to the source's "
+                                   "length, or to Parquet shards with an audio column; rows with an error go to "
+                                   "OUT/_errors.jsonl.")
     p.add_argument("src", type=Path, help="a shard file or a folder of shards")
     p.add_argument("out", type=Path, help="output folder")
     _add_model_args(p)

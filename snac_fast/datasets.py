@@ -668,16 +668,15 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
 def _output_names(ids: list[str], format: str) -> dict[str, str]:
     """Each id's output file inside the output folder: its path with the extension replaced by
     ``format``'s; ids that would collide that way (``a.wav`` and ``a.flac``) keep their name and add it."""
-    stem = {}
+    relative = {}
     for i in ids:
         try:
-            stem[i] = str(Path(_relative_name(i)).with_suffix(f".{format}"))
+            relative[i] = _relative_name(i)
         except ValueError:  # names no file: the row is recorded as an error
             continue
-    count: dict[str, int] = {}
-    for name in stem.values():
-        count[name] = count.get(name, 0) + 1
-    return {i: name if count[name] == 1 else f"{_relative_name(i)}.{format}" for i, name in stem.items()}
+    stem = {i: str(Path(name).with_suffix(f".{format}")) for i, name in relative.items()}
+    count = Counter(stem.values())
+    return {i: name if count[name] == 1 else f"{relative[i]}.{format}" for i, name in stem.items()}
 
 
 def _relative_name(id: str) -> str:

@@ -240,12 +240,8 @@ def _wav_header(rate: int, sample_format: str) -> bytes:
 
 def _pcm_bytes(audio: np.ndarray, sample_format: str) -> bytes:
     """float32 audio -> little-endian PCM bytes (s16: rounded and clipped like the batcher's int16)."""
-    if sample_format == "s16":  # ufuncs in place: np.clip's Python wrappers cost more than the math here
-        scaled = audio * np.float32(32767.0)
-        np.rint(scaled, out=scaled)
-        np.minimum(scaled, 32767.0, out=scaled)
-        np.maximum(scaled, -32768.0, out=scaled)
-        return scaled.astype("<i2").tobytes()
+    if sample_format == "s16":
+        return np.clip(np.rint(audio * 32767.0), -32768, 32767).astype("<i2").tobytes()
     return audio.astype("<f4", copy=False).tobytes()
 
 
