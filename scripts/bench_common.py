@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import gc
 import json
+import os
 import platform
 import statistics
 import time
@@ -56,6 +57,8 @@ def environment() -> dict:
         "torch": torch.__version__,
         "triton": triton.__version__,
         "python": platform.python_version(),
+        # portable mode (another card's launch rules, no TMA, no dependent launch): what was measured
+        "gpu_limits": os.environ.get("SNAC_FAST_GPU_LIMITS") or None,
     }
 
 

@@ -180,7 +180,8 @@ def main() -> None:
             rows.append([label, mode, f"{r['median_ms']:.3f}", f"{r['gpu_median_ms']:.3f}", f"{r['rtf']:.0f}", vs_eager,
                          vs_compile, f"{r['build_and_warmup_s']:.1f}"])
     md = (f"# Decode benchmark: {args.model}\n\n{env['device']}, {env['date']}, torch {env['torch']}, triton {env['triton']}. "
-          f"`python scripts/bench_decode.py --model {args.model} --rounds {args.rounds}"
+          f"`{'SNAC_FAST_GPU_LIMITS=' + env['gpu_limits'] + ' ' if env['gpu_limits'] else ''}"
+          f"python scripts/bench_decode.py --model {args.model} --rounds {args.rounds}"
           + (f" --workloads {' '.join(args.workloads)}" if args.workloads else "") + "`. Every mode built afresh per "
           "workload (torch.compile peers: reduce-overhead, `dynamic=False`, one shape each); modes timed in "
           f"{args.rounds} interleaved rounds over {N_SETS} rotated code sets; per call = wall clock with a synchronize, "

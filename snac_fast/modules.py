@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from snac_fast.ops._runtime import exact_float32_cudnn
 from snac_fast.ops.snake import snake
 
 
@@ -379,8 +380,9 @@ class FusedConvTranspose1d(_FromConv, _PackedWeights, nn.ConvTranspose1d):
         if not self.runs_cudnn(out_elements):
             return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=packed)
         bias = None if self.defers_bias(out_elements) else self.bias
-        y = F.conv_transpose2d(x.unsqueeze(2), cudnn_weight, bias, (1, self.stride[0]), (0, self.padding[0]),
-                               (0, self.output_padding[0]))
+        with exact_float32_cudnn(x):
+            y = F.conv_transpose2d(x.unsqueeze(2), cudnn_weight, bias, (1, self.stride[0]), (0, self.padding[0]),
+                                   (0, self.output_padding[0]))
         return y.squeeze(2)
 
 

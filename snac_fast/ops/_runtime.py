@@ -273,6 +273,25 @@ def device_scope(device: torch.device):
     return torch.cuda.device(device)
 
 
+@contextlib.contextmanager
+def _cudnn_without_tf32():
+    saved = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32 = saved
+
+
+def exact_float32_cudnn(x: torch.Tensor):
+    """A context for a cuDNN call on ``x``: float32 on CUDA runs in real float32 (cuDNN's TF32,
+    PyTorch's default, costs a float32 decode ~50 dB: 70 against 121 dB from upstream's float32);
+    other dtypes and devices, and traced calls (the compiler picks its own convs), are untouched."""
+    if x.dtype != torch.float32 or not x.is_cuda or torch.compiler.is_compiling() or not torch.backends.cudnn.allow_tf32:
+        return contextlib.nullcontext()
+    return _cudnn_without_tf32()
+
+
 def cuda_index(device: torch.device) -> int:
     """The ordinal of a CUDA ``device`` ("cuda" alone means the current device)."""
     return device.index if device.index is not None else torch.cuda.current_device()
