@@ -211,7 +211,7 @@ class FastSNAC:
 
         return warmup(self, batch_sizes, frames, streams)
 
-    def stream_engine(self, max_streams: int = 256, *, lookahead: int | None = None, **options):
+    def stream_engine(self, max_streams: int = 256, *, lookahead: int | str | None = None, **options):
         """A :class:`snac_fast.streaming.StreamEngine` for many concurrent streams on this codec
         (its own state rows for ``max_streams`` streams; see :mod:`snac_fast.streaming`)."""
         from snac_fast.streaming import StreamEngine
@@ -220,17 +220,20 @@ class FastSNAC:
         return StreamEngine(self.model, self.config, max_streams, device=self.device, dtype=self.dtype,
                             lookahead=lookahead, lock=self.lock, **options)
 
-    def stream(self, seed: int | None = None, *, lookahead: int | None = None, layout=None):
+    def stream(self, seed: int | None = None, *, lookahead: int | str | None = None, layout=None):
         """A :class:`snac_fast.streaming.DecoderStream`: ``push(codes)`` of k >= 1 new frames returns
-        the audio that is now final, ``flush()`` the rest; all of it equals ``decode(codes, seed=seed)``
-        (exact; ``lookahead`` in samples below ``stream().lookahead_samples`` trades exactness for
-        latency). ``layout``: a token layout (:data:`snac_fast.orpheus.ORPHEUS`) for ``push_ids``.
+        the audio that is now final, ``flush()`` the rest; all of it equals ``decode(codes, seed=seed)``.
+        ``lookahead``: samples of audio the output may trail the newest frame by, below the exact
+        receptive field (``stream().lookahead_samples``), or ``"fp16"`` (the least whose error stays
+        below an fp16 decode's): earlier first audio; each push then emits the decode of all codes so
+        far up to that point, never revised (a window decode with every earlier frame as context).
+        ``layout``: a token layout (:data:`snac_fast.orpheus.ORPHEUS`) for ``push_ids``.
         Streams share one engine per lookahead (:meth:`shared_stream_engine`)."""
         from snac_fast.streaming import DecoderStream
 
         return DecoderStream(self.shared_stream_engine(lookahead), seed, layout)
 
-    def shared_stream_engine(self, lookahead: int | None = None, *, max_streams: int | None = None):
+    def shared_stream_engine(self, lookahead: int | str | None = None, *, max_streams: int | None = None):
         """The engine that :meth:`stream` and :meth:`warmup` use for this ``lookahead``: 256 stream
         slots, or ``max_streams`` (a server sizes it once, before opening streams: an engine with
         open streams is not resized)."""

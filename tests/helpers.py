@@ -19,6 +19,45 @@ FP32_UPSTREAM_SNR_DB = 110.0
 FP32_UPSTREAM_MAX_ERROR = 2e-6
 
 
+def _weight(module):
+    """The tensor that scales a conv's weight: weight norm's magnitude g where there is one (scaling
+    its direction v changes nothing), else the weight."""
+    from torch.nn.utils import parametrize
+
+    if parametrize.is_parametrized(module, "weight"):
+        return module.parametrizations.weight.original0
+    return module.weight
+
+
+def _decoder(model, kind, where=lambda module: True, last=False):
+    found = [module for module in model.decoder.modules() if isinstance(module, kind) and where(module)]
+    return found[-1] if last else found[0]
+
+
+def _snake(model, last=False):
+    from snac.layers import Snake1d
+
+    return _decoder(model, Snake1d, last=last).alpha
+
+
+# The mutation tests' small errors: (model, codes it will decode) -> the tensor scaled by 1 + 1e-4,
+# each standing for a kernel slightly off in one layer (a codebook row the codes use: a wrong gather)
+PERTURBATIONS = {
+    "first decoder Snake alpha": lambda m, codes: _snake(m),
+    "last decoder Snake alpha": lambda m, codes: _snake(m, last=True),
+    "a 1x1 conv weight": lambda m, codes: _weight(_decoder(m, torch.nn.Conv1d, lambda c: c.kernel_size[0] == 1)),
+    "a transposed conv weight": lambda m, codes: _weight(_decoder(m, torch.nn.ConvTranspose1d)),
+    "a depthwise conv weight": lambda m, codes: _weight(_decoder(m, torch.nn.Conv1d, lambda c: c.groups > 1)),
+    "a used codebook row": lambda m, codes: m.quantizer.quantizers[0].codebook.weight[int(codes[0][0, 0])],
+}
+
+
+def perturb(model, what: str, codes, relative: float = 1e-4) -> None:
+    """Scale one tensor of an upstream ``model`` (:data:`PERTURBATIONS`) by 1 + ``relative``, in place."""
+    with torch.no_grad():
+        PERTURBATIONS[what](model, codes).mul_(1 + relative)
+
+
 def assert_matches_upstream_fp32(expected: torch.Tensor, got: torch.Tensor) -> None:
     """A float32 snac-fast output against upstream's: SNR and max error both within the bounds."""
     from snac_fast.metrics import max_abs_error, snr_db

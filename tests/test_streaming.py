@@ -257,21 +257,103 @@ def test_half_stream_with_half_attention_is_as_faithful_as_half_decode():
     assert streamed >= decoded - 1.5 and decoded > 25
 
 
-def test_reduced_lookahead_is_shorter_and_close():
+def approximate_reference(name, codes, strides, splits, lookahead, per_frame, seed=1, narrow=True):
+    """What an approximate stream must emit, built from whole decodes: after each push, the decode
+    of every code so far up to ``lookahead`` samples before its end (from where the last push's
+    output stopped); the flush, the rest of the whole decode."""
+    pieces, emitted, f = [], 0, 0
+    for k in splits:
+        f += k
+        prefix = decode_with_keyed_noise(upstream64(name, narrow), frames_of(codes, strides, 0, f), seed)[0, 0]
+        end = max(emitted, f * per_frame - lookahead)
+        pieces.append(prefix[emitted:end])
+        emitted = end
+    pieces.append(decode_with_keyed_noise(upstream64(name, narrow), codes, seed)[0, 0][emitted:])
+    return pieces
+
+
+@pytest.mark.parametrize("name, lookahead", [("snac_24khz", 0), ("snac_24khz", 2048), ("snac_24khz", 3000),
+                                             ("snac_32khz", 0), ("snac_32khz", 6144), ("snac_44khz", 1024)])
+def test_approximate_stream_is_a_window_decode_with_all_left_context(name, lookahead):
+    """Below the exact lookahead a stream emits, at each push, the decode of all its codes so far
+    up to ``lookahead`` samples before their end (zero-padded there, as a whole decode pads), and
+    never revises it: equal to that construction from whole decodes to float64 rounding, over
+    pushes of one group and of several frames at once (where its exact audio is emitted too)."""
+    config, strides = {**published_config(name), **NARROW}, published_config(name)["vq_strides"]
+    engine = engine64(name, streams=2, narrow=True, lookahead=lookahead)
+    g, per_frame = engine.frames_per_group, engine.samples_per_frame
+    assert engine.lookahead_samples == lookahead < engine.exact_lookahead_samples
+    splits = [g, g, 3 * g, g, 4 * g, g]
+    codes = random_codes(config, sum(splits), seed=7)
+    slot = engine.open(1)
+    want = approximate_reference(name, codes, strides, splits, lookahead, per_frame)
+    got, f = [], 0
+    for k in splits:
+        got.append(engine.advance({slot: frames_of(codes, strides, f, f + k)})[slot])
+        f += k
+    got.append(engine.advance(finish=[slot])[slot])
+    assert [len(p) for p in got] == [len(p) for p in want]
+    first = next(i for i, p in enumerate(got) if len(p))
+    assert sum(splits[:first + 1]) == engine.first_audio_frames or (first and sum(splits[:first]) < engine.first_audio_frames)
+    torch.testing.assert_close(torch.cat(got), torch.cat(want), rtol=0, atol=1e-10)
+
+
+def test_approximate_stream_fidelity_and_first_audio():
+    """24 kHz, one frame per push: two frames of lookahead (4,096 samples, 171 ms) reach 80 dB of the
+    whole decode and first audio after 3 frames (exact: 5,124 samples, after 4); no lookahead gives
+    first audio after one frame; the emitted audio always trails the codes by the lookahead."""
     name = "snac_24khz"
     config, strides = published_config(name), published_config(name)["vq_strides"]
-    exact = engine64(name)
-    fast = engine64(name, lookahead=exact.lookahead_samples // 2)
-    assert fast.lookahead_samples < exact.lookahead_samples
-    codes = random_codes(config, 12, seed=3)
+    codes = random_codes(config, 16, seed=3)
     expected = decode_with_keyed_noise(upstream64(name), codes, 1)[0, 0]
-    got = stream_through(fast, fast.open(1), codes, strides, [1] * 12)
-    assert got.shape == expected.shape
-    error = (got - expected).abs().max().item()
-    # approximate, not exact; 25-26 dB at half the lookahead (seeds 3-5, noise on): garbage is ~0
-    assert 1e-9 < error and snr_db(expected, got) > 20
-    with pytest.raises(ValueError, match="lookahead"):
-        engine64(name, lookahead=exact.lookahead_samples + 1)
+    for lookahead, first_frames, floor in [(4096, 3, 78), (0, 1, 15)]:
+        engine = engine64(name, lookahead=lookahead)
+        assert engine.first_audio_frames == first_frames and engine.first_audio_ms == pytest.approx(first_frames * 2048 / 24)
+        slot, emitted = engine.open(1), 0
+        pieces = []
+        for f in range(16):
+            pieces.append(engine.advance({slot: frames_of(codes, strides, f, f + 1)})[slot])
+            emitted += len(pieces[-1])
+            assert emitted == max(0, (f + 1) * 2048 - lookahead)
+            assert (emitted > 0) == (f + 1 >= first_frames)
+        pieces.append(engine.advance(finish=[slot])[slot])
+        got = torch.cat(pieces)
+        assert got.shape == expected.shape and snr_db(expected, got) > floor
+    assert engine64(name).first_audio_frames == engine64(name).prefill_frames == 4
+    for bad in (-1, 5125, 1.5, True):
+        with pytest.raises(ValueError, match="lookahead"):
+            engine64(name, lookahead=bad)
+
+
+def test_approximate_streams_batched_through_step_and_step_rows():
+    """The batched entry points of an approximate engine (what the batchers call) emit what each
+    stream would alone: streams at different points (one not yet started) in one call."""
+    name = "snac_24khz"
+    config, strides = {**published_config(name), **NARROW}, published_config(name)["vq_strides"]
+    lookahead = 1500
+    solo, batched = (engine64(name, streams=4, narrow=True, lookahead=lookahead) for _ in range(2))
+    codes = [random_codes(config, 6, seed=s) for s in range(3)]
+    alone = {i: [] for i in range(3)}
+    together = {i: [] for i in range(3)}
+    solo_slots = [solo.open(i) for i in range(3)]
+    slots = [batched.open(i) for i in range(3)]
+    for f in range(6):
+        active = [i for i in range(3) if f >= i]  # stream i starts i frames late
+        for i in active:
+            alone[i].append(solo.advance({solo_slots[i]: frames_of(codes[i], strides, f - i, f - i + 1)})[solo_slots[i]])
+        if f % 2:
+            rows = torch.stack([torch.cat([c[0] for c in frames_of(codes[i], strides, f - i, f - i + 1)]) for i in active])
+            audio, offsets = batched.step_rows([slots[i] for i in active], rows.numpy(), 1)
+            out = [audio[offsets[j]:offsets[j + 1]] for j in range(len(active))]
+        else:
+            out = batched.step([slots[i] for i in active],
+                               [torch.cat([frames_of(codes[i], strides, f - i, f - i + 1)[lv] for i in active])
+                                for lv in range(len(strides))])
+        for i, piece in zip(active, out):
+            together[i].append(piece)
+    for i in range(3):
+        assert [len(p) for p in together[i]] == [len(p) for p in alone[i]]
+        torch.testing.assert_close(torch.cat(together[i]), torch.cat(alone[i]), rtol=0, atol=1e-12)
 
 
 def test_stream_input_errors():

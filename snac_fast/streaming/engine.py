@@ -25,6 +25,21 @@ PREFILL, STEP, FLUSH = "prefill", "step", "flush"
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
+# lookahead="fp16": per sampling rate, the least lookahead (samples) whose approximate stream is
+# closer to the whole float32 decode than an fp16 decode is (scripts/lookahead_curve.py, docs/streaming.md)
+FP16_LOOKAHEAD = {24000: 0, 32000: 0, 44100: 0}
+
+
+def preset_lookahead(config: dict, name: str) -> int | None:
+    """A named lookahead for a model's ``config``: ``"fp16"`` (:data:`FP16_LOOKAHEAD`; None, the
+    exact stream, for a sampling rate it was not measured at) or ``"exact"`` (None)."""
+    if name == "exact":
+        return None
+    if name != "fp16":
+        raise ValueError(f"lookahead must be samples (an int), None, 'fp16' or 'exact'; got {name!r}")
+    return FP16_LOOKAHEAD.get(int(config["sampling_rate"]))
+
+
 @dataclass(eq=False)
 class StreamSlot:
     """One stream's place in a :class:`StreamEngine` (its state row ``slot``) and noise key."""
@@ -65,13 +80,16 @@ class StreamEngine:
     :meth:`open` a stream, then :meth:`advance` any set of streams with their new codes (and ends);
     each call returns every stream's audio that is now final. Rows are batched per kind of step;
     on CUDA each (kind, batch bucket, frames) shape replays a CUDA graph. Thread-safe: calls are
-    serialized by ``lock`` (the codec's). ``lookahead``: None for exact
-    streams; fewer audio samples of lookahead than :attr:`exact_lookahead_samples` cut every stage's
-    right context in proportion (lower latency, approximate audio; see README).
+    serialized by ``lock`` (the codec's). ``lookahead``: None for exact streams; L samples, fewer
+    than :attr:`exact_lookahead_samples`, for approximate ones (lower latency): the state stays exact
+    and each call emits each stream's audio up to L samples before its newest frame, read from the
+    decode of all its codes so far as if the stream ended there (a flush of a copy of its state:
+    the convs' zero padding at the end, as a window decode pads); audio emitted is never revised.
+    So an approximate stream is a window decode whose window holds every earlier frame.
     """
 
     def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, lookahead: int | None = None, cuda_graphs: bool = False,
+                 dtype: torch.dtype = torch.float32, lookahead: int | str | None = None, cuda_graphs: bool = False,
                  max_frames_per_step: int = 8, max_graphs: int = 48, lock=None) -> None:
         if max_streams < 1:
             raise ValueError("max_streams must be at least 1")
@@ -83,13 +101,13 @@ class StreamEngine:
         window = config.get("attn_window_size")
         exact = Geometry.of(stages, self.strides[0], window)
         self.exact_lookahead_samples = exact.lookahead_samples
-        if lookahead is not None:
-            if not 0 <= lookahead <= exact.lookahead_samples:
-                raise ValueError(f"lookahead must be 0..{exact.lookahead_samples} samples (exact), got {lookahead}")
-            fraction = lookahead / exact.lookahead_samples
-            for stage in stages:
-                unit = window if stage.post else 1
-                stage.right = int(stage.right * fraction) // unit * unit
+        if isinstance(lookahead, str):
+            lookahead = preset_lookahead(config, lookahead)
+        if lookahead is not None and (isinstance(lookahead, bool) or not isinstance(lookahead, int)
+                                      or not 0 <= lookahead <= exact.lookahead_samples):
+            raise ValueError(f"lookahead must be an int of 0..{exact.lookahead_samples} samples (exact), got {lookahead!r}")
+        # lookahead < exact: approximate streams, emitted from a flush of a copy of the exact state
+        self.approximate_lookahead = lookahead if lookahead is not None and lookahead < exact.lookahead_samples else None
         _align_contexts(stages, exact)  # its a and group: neither depends on the contexts
         self.geometry = Geometry.of(stages, self.strides[0], window)
         self.max_streams = max_streams
@@ -103,6 +121,9 @@ class StreamEngine:
         # per slot, the key rows of a step (frames consumed, seed, row): one gather for all three
         self._slot_keys = np.zeros((3, max_streams + 1), np.int64)
         self._consumed, self._seeds, self._rows = self._slot_keys
+        # approximate streams, per slot: exact audio produced so far, and audio emitted (samples)
+        self._exact_out = np.zeros(max_streams + 1, np.int64)
+        self._emitted = np.zeros(max_streams + 1, np.int64)
         self._step_config = {**config, "attn_window_size": None}  # step takes any frame count; groups are the engine's
         self._step_signatures: set[tuple] = set()  # (type, dtype, shape) per level of step's codes, validated
         self._step_batches: dict[tuple, _StepBatch] = {}  # step's streams -> their slots and keys
@@ -132,7 +153,25 @@ class StreamEngine:
 
     @property
     def lookahead_samples(self) -> int:
+        """Audio a stream's output trails its newest frame by (the exact receptive field, or the
+        approximate lookahead asked for)."""
+        if self.approximate_lookahead is not None:
+            return self.approximate_lookahead
         return self.geometry.lookahead_samples
+
+    @property
+    def first_audio_frames(self) -> int:
+        """Frames a stream must push before its first audio: the prefill for exact streams; for
+        approximate ones the fewest whole attention windows (groups) whose audio passes the lookahead."""
+        if self.approximate_lookahead is None:
+            return self.prefill_frames
+        frames = self.approximate_lookahead // self.samples_per_frame + 1
+        return -(-frames // self.frames_per_group) * self.frames_per_group
+
+    @property
+    def first_audio_ms(self) -> float:
+        """Audio time of :attr:`first_audio_frames` (what an LM generating in real time waits for)."""
+        return 1000.0 * self.first_audio_frames * self.samples_per_frame / int(self.config["sampling_rate"])
 
     @property
     def lookahead_ms(self) -> float:
@@ -203,6 +242,7 @@ class StreamEngine:
             slot = self._free.pop()
             self._pending.clear(slot)
             self._consumed[slot], self._seeds[slot], self._rows[slot] = 0, seed, row
+            self._exact_out[slot] = self._emitted[slot] = 0
             return StreamSlot(self, slot, seed, row)
 
     def close(self, stream: StreamSlot) -> None:
@@ -270,8 +310,15 @@ class StreamEngine:
         (``finish``: decode all they hold, release their slots). Returns, for every stream named,
         its audio that became final: a 1-D tensor on the engine's device, possibly empty (streams
         of one call may share an output buffer)."""
-        pushes = pushes or {}
         finish = list(dict.fromkeys(finish))
+        if self.approximate_lookahead is None:
+            return self._advance(pushes or {}, finish)
+        with self._lock:
+            exact = self._advance(pushes or {}, finish)
+            return dict(zip(exact, self._emit(list(exact), list(exact.values()), set(finish))))
+
+    def _advance(self, pushes: Mapping[StreamSlot, Sequence[Tensor]], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
+        """:meth:`advance` of exact streams (the exact audio of approximate ones)."""
         checked = {s: self._check_shapes(c) for s, c in pushes.items()}
         with self._lock:
             all_started = self._check_streams(list(checked) + finish)
@@ -301,6 +348,12 @@ class StreamEngine:
         streams = tuple(streams)
         if not streams:
             raise ValueError("step needs at least one stream")
+        if self.approximate_lookahead is not None:
+            with self._lock:
+                return self._emit(list(streams), self._step(streams, codes), set())
+        return self._step(streams, codes)
+
+    def _step(self, streams: tuple, codes: Sequence[Tensor]) -> list[Tensor]:
         self._check_step_shapes(codes, len(streams))
         arrays = [_host_numpy(c) for c in codes]  # [B, L_i], any integer dtype
         frames = arrays[0].shape[1] // self._ratios[0]
@@ -321,6 +374,14 @@ class StreamEngine:
         of every frame, then level 1, ...: :meth:`row_of`). Returns the batch's new audio in one
         buffer: (audio 1-D in the engine's dtype on its device, offsets int64 [len(streams) + 1]);
         stream j's audio is ``audio[offsets[j]:offsets[j + 1]]``."""
+        if self.approximate_lookahead is not None:
+            with self._lock:
+                audio, offsets = self._step_rows(streams, rows, frames)
+                exact = [audio[offsets[j]:offsets[j + 1]] for j in range(len(streams))]
+                return joined_audio(self._emit(list(streams), exact, set()))
+        return self._step_rows(streams, rows, frames)
+
+    def _step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int) -> tuple[Tensor, np.ndarray]:
         n = len(streams)
         levels, start = [], 0
         for r in self._ratios:
@@ -339,6 +400,44 @@ class StreamEngine:
             self._pending.put_rows(slots, levels, frames)
             pieces = self._decode_pending(list(streams), [])
         return joined_audio([pieces[s] for s in streams])
+
+    def _emit(self, streams: list[StreamSlot], exact: list[Tensor], finishing: set) -> list[Tensor]:
+        """Approximate streams, under the lock, after an exact call: each stream's exact new audio
+        (``exact[j]``, continuing its earlier exact audio) -> the audio it emits now. A stream's
+        output runs to L samples before its newest decoded frame, from the decode of all its codes
+        as if it ended there: its exact audio, then a flush of a copy of its state (restored after);
+        before its prefill, a whole decode of the codes it holds. A flush emits all that is left."""
+        L, per_frame, group = self.approximate_lookahead, self.samples_per_frame, self.frames_per_group
+        running = [s for s in streams if s not in finishing and s.started]
+        tails: dict[StreamSlot, Tensor] = {}
+        if running:
+            slots = _slots_of(running)
+            with torch.inference_mode(), device_scope(self.device):
+                index = torch.from_numpy(slots).to(self.device)
+                saved = [state.index_select(0, index) for state in self.state]
+                tails = dict(zip(running, self._run(FLUSH, slots, 0).unbind(0)))
+                for state, rows in zip(self.state, saved):
+                    state.index_copy_(0, index, rows)
+        out = []
+        for s, piece in zip(streams, exact):
+            before, emitted = int(self._exact_out[s.slot]), int(self._emitted[s.slot])
+            self._exact_out[s.slot] = before + piece.numel()
+            if s in finishing:
+                out.append(piece[emitted - before:])
+                continue
+            if s in tails:  # exact audio from `before` on, then the tail: up to the last frame decoded
+                audio, start, frames = torch.cat([piece, tails[s]]) if piece.numel() else tails[s], before, s.frames
+            else:  # not started: the whole decode of what it holds, in whole attention windows
+                frames = s.pending_frames
+                if not frames or frames % group:
+                    out.append(self.empty_audio())
+                    continue
+                with torch.inference_mode(), device_scope(self.device):
+                    audio, start = self._decode_whole(s, take=False), 0
+            end = max(emitted, frames * per_frame - L)
+            out.append(audio[emitted - start:end - start])
+            self._emitted[s.slot] = end
+        return out
 
     def row_of(self, codes: CheckedCodes) -> np.ndarray:
         """One stream's checked codes as the level-major row :meth:`step_rows` takes."""
@@ -506,10 +605,12 @@ class StreamEngine:
         step = self.max_streams
         return (streams[i:i + step] for i in range(0, len(streams), step))
 
-    def _decode_whole(self, s: StreamSlot) -> Tensor:
+    def _decode_whole(self, s: StreamSlot, take: bool = True) -> Tensor:
+        """The whole decode of the codes ``s`` holds (taking them, unless not ``take``): [samples]."""
         from snac_fast.noise import keyed_noise
 
-        codes = [torch.from_numpy(c)[None].to(self.device) for c in self._pending.take_all(s.slot)]
+        held = self._pending.take_all(s.slot) if take else self._pending.peek_all(s.slot)
+        codes = [torch.from_numpy(c)[None].to(self.device) for c in held]
         seeds = torch.tensor([s.seed], dtype=torch.int64, device=self.device)
         rows = torch.tensor([s.row], dtype=torch.int64, device=self.device)
         with keyed_noise(self.model, seeds, rows):

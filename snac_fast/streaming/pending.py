@@ -71,9 +71,14 @@ class _PendingCodes:
         return taken
 
     def take_all(self, slot: int) -> list[np.ndarray]:
+        codes = self.peek_all(slot)
+        self.frames_held -= self.held(slot)
+        self.head[slot] = self.tail[slot]
+        return codes
+
+    def peek_all(self, slot: int) -> list[np.ndarray]:
+        """A copy of the slot's pending codes, left pending: per level int64 [frames * ratio]."""
         head, tail = int(self.head[slot]), int(self.tail[slot])
-        self.head[slot] = tail
-        self.frames_held -= tail - head
         return [level[slot, head * r:tail * r].copy() for level, r in zip(self.levels, self.ratios)]
 
     def clear(self, slot: int) -> None:

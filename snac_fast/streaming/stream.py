@@ -38,6 +38,15 @@ class DecoderStream:
     def lookahead_frames(self) -> float:
         return self.engine.lookahead_frames
 
+    @property
+    def first_audio_frames(self) -> int:
+        """Frames to push before the first audio comes out (:attr:`StreamEngine.first_audio_frames`)."""
+        return self.engine.first_audio_frames
+
+    @property
+    def first_audio_ms(self) -> float:
+        return self.engine.first_audio_ms
+
     def push(self, codes: Sequence[Tensor]) -> Tensor:
         """codes of k >= 1 new frames (per level [L_i] or [1, L_i]) -> new final audio, 1-D."""
         return self.engine.advance({self.slot: codes})[self.slot]
