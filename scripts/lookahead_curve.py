@@ -128,9 +128,27 @@ def measure(name: str, frames: int, lookaheads: list[int] | None, narrow: bool =
                      "best_window": best[0], "best_window_db": best[1], "windows_db": by_window})
         print(name, rows[-1], flush=True)
     fp16 = FP16_SNR_DB[name]
-    preset = next((r["lookahead"] for r in rows if r["stream_db"] >= fp16), full)
+    preset = preset_search(quiet, config, codes, group, whole_quiet, rows, fp16, full)
     return {"model": name, "narrow": narrow, "frames": frames, "samples_per_frame": per_frame, "frames_per_group": group,
             "exact_lookahead": full, "fp16_snr_db": fp16, "fp16_preset_lookahead": preset, "rows": rows}
+
+
+def preset_search(model, config, codes, group, whole, rows, floor_db, full, step=128) -> int:
+    """The least lookahead (to ``step`` samples) whose stream beats ``floor_db`` over the whole
+    output: bisection between the grid's lookaheads that bracket it (stream only, noise gains zeroed)."""
+    above = [r["lookahead"] for r in rows if r["stream_db"] >= floor_db]
+    below = [r["lookahead"] for r in rows if r["stream_db"] < floor_db]
+    hi = min(above) if above else full
+    lo = max([x for x in below if x < hi], default=-1)
+    while hi - lo > step:
+        mid = (lo + hi) // 2 // step * step
+        if mid <= lo:
+            break
+        audio, _ = stream_audio(model, config, codes, mid, group)
+        db = snr_db(whole, audio)
+        print(f"  preset search: lookahead {mid}: {db:.2f} dB", flush=True)
+        lo, hi = (lo, mid) if db >= floor_db else (mid, hi)
+    return hi
 
 
 def main() -> None:

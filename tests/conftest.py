@@ -34,3 +34,18 @@ def no_tf32():
     """float32 GEMMs and convolutions in full float32 (TF32 off) for the test, restored after it."""
     with true_float32():
         yield
+
+
+@pytest.fixture
+def poisoned_empty(monkeypatch):
+    """Every torch.empty and Tensor.new_empty comes back full of NaN: a kernel that skips an output
+    element fails."""
+    def poisoned(make):
+        def empty(*args, **kwargs):
+            t = make(*args, **kwargs)
+            return t.fill_(float("nan")) if t.is_floating_point() else t
+
+        return empty
+
+    monkeypatch.setattr(torch, "empty", poisoned(torch.empty))
+    monkeypatch.setattr(torch.Tensor, "new_empty", poisoned(torch.Tensor.new_empty))

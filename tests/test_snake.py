@@ -94,15 +94,8 @@ def test_alpha_shapes_and_dtypes(alpha_dtype):
     check_forward(x, alpha)
 
 
-def test_every_output_element_written(monkeypatch):
-    """Outputs come from torch.empty: make it hand out NaN-poisoned memory."""
-    real_empty = torch.empty
-
-    def poisoned_empty(*args, **kwargs):
-        t = real_empty(*args, **kwargs)
-        return t.fill_(float("nan")) if t.dtype.is_floating_point else t
-
-    monkeypatch.setattr(torch, "empty", poisoned_empty)
+def test_every_output_element_written(poisoned_empty):
+    """Outputs come from torch.empty: poisoned with NaN, an element a kernel skips shows."""
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(3, 5, 777, generator=gen, requires_grad=True)
     alpha = random_alpha(5, gen).requires_grad_()
@@ -201,8 +194,8 @@ def test_errors_name_the_problem():
 
 
 def test_kernel_path_is_exercised():
-    """On CPU, CI runs the Triton kernels through the interpreter, not the torch fallback."""
-    assert runs_triton(torch.empty(1)) or torch.cuda.is_available()
+    """The Triton kernels run, not the torch fallback: on CPU (CI) through the interpreter."""
+    assert runs_triton(torch.empty(1, device="cuda" if torch.cuda.is_available() else "cpu"))
 
 
 def test_fast_snake1d_is_a_drop_in():
