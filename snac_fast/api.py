@@ -203,13 +203,15 @@ class FastSNAC:
         with torch.inference_mode(), noise:
             return self.model.decode(codes)
 
-    def warmup(self, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,), streams: int = 0) -> dict[str, float]:
+    def warmup(self, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,), streams: int = 0,
+               lookahead: int | str | None = None) -> dict[str, float]:
         """Compile (concurrently) and capture everything decodes of these (batch, coarse frames)
-        shapes need, and with ``streams`` > 0 the stream engine's steps; kernels persist in Triton's
-        cache (``TRITON_CACHE_DIR``). Returns seconds per phase. See :mod:`snac_fast.warmup`."""
+        shapes need, and with ``streams`` > 0 the steps of the stream engine of ``lookahead``;
+        kernels persist in Triton's cache (``TRITON_CACHE_DIR``). Returns seconds per phase. See
+        :mod:`snac_fast.warmup`."""
         from snac_fast.warmup import warmup
 
-        return warmup(self, batch_sizes, frames, streams)
+        return warmup(self, batch_sizes, frames, streams, lookahead=lookahead)
 
     def stream_engine(self, max_streams: int = 256, *, lookahead: int | str | None = None, **options):
         """A :class:`snac_fast.streaming.StreamEngine` for many concurrent streams on this codec

@@ -138,7 +138,23 @@ def _add_serve_parser(sub, fmt) -> None:
     p.add_argument("--max-batch", type=int, default=256, help="streams per engine call")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle stream is released")
     p.add_argument("--voice", default="tara", help="voice when a request names none")
+    p.add_argument("--lookahead", default="exact",
+                   help="streams' lookahead: 'exact' (the receptive field, 5124 samples at 24 kHz), 'fp16' (the least "
+                        "closer to float32 than an fp16 decode), or samples below the exact: earlier first audio, "
+                        "approximate (docs/streaming.md)")
     _add_model_args(p)
+
+
+def _lookahead(text: str) -> int | str | None:
+    if text in ("exact", "fp16"):
+        return None if text == "exact" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise UsageError(f"--lookahead must be 'exact', 'fp16' or a number of samples >= 0, got {text!r}")
+    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -157,7 +173,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve({"model": args.model or DEFAULT_MODEL, "device": args.device, "dtype": args.dtype,
            "local_files_only": args.local_files_only, "lm_url": args.lm_url, "lm_model": args.lm_model,
            "max_streams": args.max_streams, "max_batch": args.max_batch, "idle_timeout_s": args.idle_timeout,
-           "voice": args.voice}, host=args.host, port=args.port, workers=args.workers)
+           "voice": args.voice, "lookahead": _lookahead(args.lookahead)}, host=args.host, port=args.port,
+          workers=args.workers)
 
 
 def _int_list(text: str, name: str) -> list[int]:

@@ -61,6 +61,7 @@ class ServeConfig:
     repetition_penalty: float = 1.3
     layout: TokenLayout = field(default_factory=lambda: ORPHEUS)
     lm_timeout_s: float = 60.0
+    lookahead: int | str | None = None  # the streams' (StreamEngine): None exact, samples or "fp16"
 
 
 class LMOutputError(Exception):
@@ -193,7 +194,7 @@ class SpeechServer:
         # HTTP streams. This process is ours (a server), so it may set the interpreter's interval.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.codec, self.config = codec, config
-        self.engine = codec.shared_stream_engine(max_streams=config.max_streams)
+        self.engine = codec.shared_stream_engine(config.lookahead, max_streams=config.max_streams)
         self.rate = int(codec.config["sampling_rate"])
         self.frame_seconds = self.engine.samples_per_frame / self.rate
         self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, layout=config.layout,
@@ -452,8 +453,8 @@ def app_from_environment():
                                      local_files_only=settings.pop("local_files_only", False))
     config = ServeConfig(**settings)
     if codec.device.type == "cuda":
-        codec.shared_stream_engine(max_streams=config.max_streams)
-        codec.warmup(streams=min(config.max_batch, config.max_streams))
+        codec.shared_stream_engine(config.lookahead, max_streams=config.max_streams)
+        codec.warmup(streams=min(config.max_batch, config.max_streams), lookahead=config.lookahead)
     return create_app(codec, config)
 
 

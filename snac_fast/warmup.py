@@ -33,11 +33,11 @@ def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | Non
 
 
 def warmup(codec, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,), streams: int = 0,
-           workers: int | None = None) -> dict[str, float]:
+           workers: int | None = None, lookahead: int | str | None = None) -> dict[str, float]:
     """Get ``codec`` ready to serve: compile the kernels of every (batch, frames) decode concurrently,
     then decode each shape once (CUDA graphs captured) and, with ``streams`` > 0, capture the steps of
     the shared stream engine (:meth:`FastSNAC.shared_stream_engine`, grown to ``streams`` slots if
-    smaller) for batches of up to that many streams. Returns seconds per phase."""
+    smaller; the one of ``lookahead``) for batches of up to that many streams. Returns seconds per phase."""
     times = {"compile_s": compile_kernels(codec, [(b, f) for b in batch_sizes for f in frames], workers)}
     start = time.perf_counter()
     for b in batch_sizes:
@@ -48,9 +48,9 @@ def warmup(codec, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,
     times["decode_s"] = time.perf_counter() - start
     if streams:
         start = time.perf_counter()
-        engine = codec.shared_stream_engine()
+        engine = codec.shared_stream_engine(lookahead)
         if engine.max_streams < streams:
-            engine = codec.shared_stream_engine(max_streams=streams)
+            engine = codec.shared_stream_engine(lookahead, max_streams=streams)
         engine.warmup(max_batch=streams)
         times["stream_s"] = time.perf_counter() - start
     return times

@@ -249,11 +249,43 @@ def test_graceful_shutdown_finishes_streams_in_flight(codec):
     assert snr_db(expected(codec, c, 5), got) >= 100
 
 
+def test_websocket_stream_with_a_lookahead_starts_sooner(codec):
+    """--lookahead 2048: the first audio comes after the second frame (not the exact stream's
+    fourth), one frame's worth, and the stream's audio is the approximate engine's."""
+    from websockets.asyncio.client import connect
+
+    c = random_codes(codec.config, 6, seed=901)
+    ids = ORPHEUS.codes_to_ids(c).tolist()
+    with serving(codec, lookahead=2048) as (server, lm, state):
+        assert state.engine.first_audio_frames == 2
+
+        async def main():
+            ws_url = server.url.replace("http", "ws") + "/v1/audio/stream?seed=4&sample_format=f32"
+            async with connect(ws_url) as ws:
+                await ws.send(json.dumps({"ids": ids[:7]}))
+                await ws.send(json.dumps({"ids": ids[7:14]}))
+                first = await asyncio.wait_for(ws.recv(), 60)
+                for at in range(14, len(ids), 7):
+                    await ws.send(json.dumps({"ids": ids[at:at + 7]}))
+                await ws.send(json.dumps({"end": True}))
+                rest = []
+                while not isinstance(message := await ws.recv(), str):
+                    rest.append(message)
+            return first, rest
+        first, rest = asyncio.run(main())
+        assert slots_freed(state)
+    assert isinstance(first, bytes) and len(first) == 2048 * 4
+    got = torch.from_numpy(np.frombuffer(first + b"".join(rest), "<f4").copy())
+    assert got.shape == (6 * 2048,) and snr_db(expected(codec, c, 4), got) > 15
+
+
 def test_serve_cli_refuses_bad_arguments(capsys):
     from snac_fast.cli import main
 
     assert main(["serve", "--max-streams", "0"]) == 2
     assert "--max-streams" in capsys.readouterr().err
+    assert main(["serve", "--lookahead", "soon"]) == 2
+    assert "--lookahead must be" in capsys.readouterr().err
     assert main(["serve", "--lm-url", "localhost:8000"]) == 2
     assert "--lm-url must be an http(s) URL" in capsys.readouterr().err
 
