@@ -26,6 +26,22 @@ def test_context_step_matches_reference(C, H, N, channels_last):
     assert torch.equal(state[2, :, :max(H - N, 0)], expected_state[2, :, :max(H - N, 0)])
 
 
+@pytest.mark.parametrize("C,H,N,channels_last", [(5, 3, 4, False), (33, 22, 2, True), (4, 300, 5, False)])
+def test_context_step_padding_rows_on_the_scratch_slot(C, H, N, channels_last):
+    """A batch padded to its bucket repeats the scratch slot (the engine's last row) in its padding
+    rows: the real rows and every other slot's state are still exact, whatever the padding writes."""
+    gen = torch.Generator().manual_seed(C + H + N)
+    state = torch.randn(6, C, H, generator=gen)
+    slots = torch.tensor([4, 5, 0, 5, 5], dtype=torch.int64)  # slot 5: scratch
+    new = torch.randn(5, N, C, generator=gen).transpose(1, 2) if channels_last else torch.randn(5, C, N, generator=gen)
+    expected_state = state.clone()
+    expected = context_step_reference(expected_state, slots, new, torch.full((5, C, H + N), float("nan")))
+    got = context_step(state, slots, new, channels_last=channels_last)
+    real = slots != 5
+    assert torch.equal(got[real], expected[real])
+    assert torch.equal(state[:5], expected_state[:5])
+
+
 def test_context_step_rejects_mismatch():
     with pytest.raises(ValueError, match="does not fit"):
         context_step(torch.zeros(2, 4, 3), torch.tensor([0]), torch.zeros(1, 5, 2))
