@@ -13,9 +13,10 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from helpers import NARROW, random_codes
+from helpers import NARROW, assert_matches_upstream_fp32, random_codes
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
+from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.configs import published_config
 from snac_fast.testing import make_checkpoint, synthetic_model
 
@@ -25,6 +26,7 @@ def test_build_and_decode_inside_inference_mode_and_no_grad(tmp_path):
     codes = random_codes(published_config("snac_24khz"), 1, seed=3)
     plain = FastSNAC.from_pretrained(str(folder), device="cpu")
     expected = plain.decode(codes, seed=5)
+    assert_matches_upstream_fp32(decode_with_keyed_noise(plain.reference_model(), codes, 5), expected)
     with torch.inference_mode():
         built = FastSNAC.from_pretrained(str(folder), device="cpu")
         wrapped = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")  # an upstream model made in inference mode
@@ -61,6 +63,9 @@ def test_threads_share_one_codec():
     codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", fuse=False)
     jobs = [(random_codes(codec.config, 1 + j % 3, seed=j), 100 + j) for j in range(8)]
     expected = [codec.decode(codes, seed=seed) for codes, seed in jobs]
+    reference = codec.reference_model()
+    for (codes, seed), want in zip(jobs[:2], expected):  # the single-thread decodes are upstream's
+        assert_matches_upstream_fp32(decode_with_keyed_noise(reference, codes, seed), want)
     for got, want in zip(_decode_in_threads(codec, jobs), expected):
         assert torch.equal(got, want)
 
