@@ -160,9 +160,13 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("docs/lookahead_curve"))
     args = ap.parse_args()
     torch.set_grad_enabled(False)
-    results = [measure(m, args.frames, args.lookaheads, args.narrow) for m in args.models]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
+    write_outputs([measure(m, args.frames, args.lookaheads, args.narrow) for m in args.models], args.out)
+
+
+def write_outputs(results: list[dict], out: Path) -> None:
+    """``out``.json, .md (a table per model) and .png (SNR against lookahead), beside each other."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
     md = []
     for r in results:
         md.append(f"**{r['model']}**{' (narrowed)' if r['narrow'] else ''} ({r['samples_per_frame']} samples a frame, pushes of {r['frames_per_group']} "
@@ -175,7 +179,7 @@ def main() -> None:
               f"{x['first_audio_frames']} / {x['first_audio_ms']}", x["stream_db"], x["stream_noise_on_db"],
               "—" if x["best_window"] is None else f"{x['best_window_db']} ({x['best_window']})"] for x in r["rows"]]))
         md.append("")
-    args.out.with_suffix(".md").write_text("\n".join(md))
+    out.with_suffix(".md").write_text("\n".join(md))
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -188,10 +192,10 @@ def main() -> None:
         ax.plot(xs, [x["stream_db"] for x in r["rows"]], "o-", label="stream")
         ax.plot(xs, [x["best_window_db"] for x in r["rows"]], "s--", label="best window decode")
         ax.axhline(r["fp16_snr_db"], color="gray", lw=0.8, label="fp16 decode")
-        ax.set(title=r["model"], xlabel="lookahead (samples)", ylabel="SNR vs whole decode (dB)")
+        ax.set(title=r["model"], xlabel="lookahead (samples)", ylabel="SNR vs whole decode (dB)", ylim=(0, 140))
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(args.out.with_suffix(".png"), dpi=110)
+    fig.savefig(out.with_suffix(".png"), dpi=110)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.ops.noise import keyed_normal, keyed_normal_reference
 from snac_fast.orpheus import ORPHEUS, TokenLayout
 from snac_fast.streaming import DecoderStream, StreamEngine
+from snac_fast.streaming.engine import FP16_LOOKAHEAD
 from snac_fast.testing import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
@@ -320,9 +321,13 @@ def test_approximate_stream_fidelity_and_first_audio():
         got = torch.cat(pieces)
         assert got.shape == expected.shape and snr_db(expected, got) > floor
     assert engine64(name).first_audio_frames == engine64(name).prefill_frames == 4
-    for bad in (-1, 5125, 1.5, True):
+    for bad in (-1, 5125, 1.5, True, "fast"):
         with pytest.raises(ValueError, match="lookahead"):
             engine64(name, lookahead=bad)
+    preset = engine64(name, lookahead="fp16")
+    assert preset.lookahead_samples == FP16_LOOKAHEAD[24000] < 5124 and preset.first_audio_frames == 2
+    assert engine64(name, lookahead="exact").approximate_lookahead is None
+    assert engine64(name, lookahead=5124).approximate_lookahead is None  # the exact lookahead: the exact stream
 
 
 def test_approximate_streams_batched_through_step_and_step_rows():
@@ -521,6 +526,34 @@ def test_steady_steps_check_ids_before_any_state_changes():
     expected = decode_with_keyed_noise(upstream64("snac_24khz"), codes, 20)
     for b, got in enumerate(audio):
         assert (got - expected[b, 0]).abs().max().item() < 1e-12
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, lookahead", [("snac_24khz", 2048), ("snac_32khz", 6144)])
+def test_gpu_approximate_streams_under_cuda_graphs(cuda, name, lookahead):
+    """Approximate streams on CUDA in float32 (graphs: the step, then the flush of saved and
+    restored state rows), three at once in one engine, against the float64 construction from whole
+    decodes on the CPU."""
+    fast = FastSNAC.from_pretrained(f"synthetic:{name}", device=cuda, dtype=torch.float32)
+    engine = fast.stream_engine(8, lookahead=lookahead)
+    engine.warmup(max_batch=4)
+    g, strides = engine.frames_per_group, fast.config["vq_strides"]
+    splits = [g] * 6
+    codes = [random_codes(fast.config, sum(splits), seed=20 + i) for i in range(3)]
+    slots = [engine.open(seed) for seed in range(3)]
+    got = {s: [] for s in slots}
+    f = 0
+    for k in splits:
+        out = engine.advance({s: frames_of(c, strides, f, f + k) for s, c in zip(slots, codes)})
+        for s in slots:
+            got[s].append(out[s].cpu())
+        f += k
+    for s, piece in engine.advance(finish=slots).items():
+        got[s].append(piece.cpu())
+    for seed, (s, c) in enumerate(zip(slots, codes)):
+        want = torch.cat(approximate_reference(name, c, strides, splits, lookahead, engine.samples_per_frame,
+                                               seed=seed, narrow=False)).float()
+        assert snr_db(want, torch.cat(got[s]).float()) >= 100
 
 
 @pytest.mark.gpu
