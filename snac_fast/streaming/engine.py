@@ -27,7 +27,7 @@ _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, 
 
 # lookahead="fp16": per sampling rate, the least lookahead (samples) whose approximate stream is
 # closer to the whole float32 decode than an fp16 decode is (scripts/lookahead_curve.py, docs/streaming.md)
-FP16_LOOKAHEAD = {24000: 3456, 32000: 12032, 44100: 0}
+FP16_LOOKAHEAD = {24000: 3456, 32000: 12032, 44100: 12032}
 
 
 def preset_lookahead(config: dict, name: str) -> int | None:
