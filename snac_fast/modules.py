@@ -330,11 +330,7 @@ class FusedConvTranspose1d(_FromConv, _PackedWeights, nn.ConvTranspose1d):
       a [B, C, T] view of [B, T, C] memory without the bias: the FusedNoiseBlock after it adds the
       bias as it loads its input (:meth:`defers_bias`).
 
-    H200, fp16, channels-last input, the four 24 kHz blocks (scripts/tune_tiles.py --only convt-paths;
-    Triton on its earlier default tiles): streaming chunk at B=1, Triton 8.8/7.0/5.5/3.9 us against
-    cuDNN 13.2/12.2/9.2/7.2; at B=32,
-    42/56/70/49 against 29/34/41/38; 60 s, 156/309/372/240 against 79/151/188/151. Given [B, C, T]
-    tensors cuDNN wraps the same kernel in two layout transforms (60 s: 134/261/435/484 us).
+    Why the split at ``kernel_max_elements`` (each path's timings): docs/kernels.md, "Transposed conv".
     Same parameters and name; the kernels' weight layouts are rebuilt whenever the weight changes.
     """
 
