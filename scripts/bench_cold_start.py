@@ -88,7 +88,7 @@ def main() -> None:
             print(rows[-2], rows[-1], flush=True)
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as tmp:
         # the published model's path as a user runs it offline: its hub cache (seeded weights here)
-        from snac_fast.testing import fill_hub_cache, make_checkpoint
+        from snac_fast.synthetic import fill_hub_cache, make_checkpoint
 
         hub_id = "hubertsiuzdak/snac_24khz"
         fill_hub_cache(f"{tmp}/hub", hub_id, make_checkpoint(f"{tmp}/checkpoint", "snac_24khz"))

@@ -31,7 +31,7 @@ from snac_fast import FastSNAC  # noqa: E402
 from snac_fast import datasets  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
 from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
-from snac_fast.testing import speech_like, synthetic_model  # noqa: E402
+from snac_fast.synthetic import speech_like, synthetic_model  # noqa: E402
 
 CUDA = torch.device("cuda")
 N_SETS = 3

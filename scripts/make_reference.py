@@ -16,7 +16,7 @@ import torch
 
 from snac_fast.codes import load_tokens
 from snac_fast.fidelity import decode_with_noise
-from snac_fast.testing import state_dict_fingerprint, state_dict_sha256, synthetic_model
+from snac_fast.synthetic import state_dict_fingerprint, state_dict_sha256, synthetic_model
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "samples" / "reference"

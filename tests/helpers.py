@@ -6,7 +6,7 @@ import torch
 
 from snac_fast.configs import published_config
 from snac_fast.streaming import StreamEngine
-from snac_fast.testing import synthetic_model
+from snac_fast.synthetic import synthetic_model
 
 # a published model's structure (strides, attention windows, receptive field) at 1/4 to 1/6 of its
 # channel widths: for tests whose check is not about full-width tiles, the interpreter runs it fast

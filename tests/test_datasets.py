@@ -18,7 +18,7 @@ from helpers import NARROW
 from snac_fast import FastSNAC
 from snac_fast import datasets as ds
 from snac_fast.configs import published_config
-from snac_fast.testing import make_checkpoint, speech_like, synthetic_model
+from snac_fast.synthetic import make_checkpoint, speech_like, synthetic_model
 
 
 @pytest.fixture(scope="module")

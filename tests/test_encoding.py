@@ -14,7 +14,7 @@ from snac_fast.ops.codebook import _nearest_codeword, nearest_codeword_reference
 from snac_fast.ops.dense_conv import dense_conv1d
 from snac_fast.ops.snake import snake_reference
 from snac_fast.surgery import fold_weight_norm
-from snac_fast.testing import speech_like, synthetic_model
+from snac_fast.synthetic import speech_like, synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
 # the published structure in miniature (hop 6): receptive fields of ~150 samples, so that chunked

@@ -12,7 +12,7 @@ from snac_fast.metrics import max_abs_error, snr_db
 from snac_fast.fidelity import decode_with_noise
 from snac_fast.modules import FusedConvTranspose1d, HalfLocalMHA
 from snac_fast.noise import decode_with_keyed_noise, noise_blocks
-from snac_fast.testing import synthetic_model
+from snac_fast.synthetic import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
 

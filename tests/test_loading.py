@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from snac_fast import CheckpointError, FastSNAC
-from snac_fast.testing import fill_hub_cache, make_checkpoint, state_dict_sha256, synthetic_model
+from snac_fast.synthetic import fill_hub_cache, make_checkpoint, state_dict_sha256, synthetic_model
 
 REPO = "hubertsiuzdak/snac_24khz"
 
@@ -80,7 +80,7 @@ def run_python(code: str, env_extra: dict) -> subprocess.CompletedProcess:
 def test_hub_cache_offline(tmp_path, checkpoint_dir):
     cache = tmp_path / "hub"
     fill_hub_cache(cache, REPO, checkpoint_dir)
-    code = ("from snac_fast import FastSNAC; from snac_fast.testing import state_dict_sha256; "
+    code = ("from snac_fast import FastSNAC; from snac_fast.synthetic import state_dict_sha256; "
             f"m = FastSNAC.from_pretrained({REPO!r}, device='cpu'); "
             "print(state_dict_sha256(m.model.state_dict()), m.source)")
     proc = run_python(code, {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")})

@@ -7,7 +7,7 @@ import pytest
 from helpers import NARROW, random_codes
 from snac_fast import FastSNAC
 from snac_fast.profiling import _timed_modules
-from snac_fast.testing import synthetic_model
+from snac_fast.synthetic import synthetic_model
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from snac_fast.ops.noise import keyed_normal, keyed_normal_reference
 from snac_fast.orpheus import ORPHEUS, TokenLayout
 from snac_fast.streaming import DecoderStream, StreamEngine
 from snac_fast.streaming.engine import FP16_LOOKAHEAD
-from snac_fast.testing import synthetic_model
+from snac_fast.synthetic import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
 

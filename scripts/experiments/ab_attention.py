@@ -21,7 +21,7 @@ from snac_fast import FastSNAC
 from snac_fast.modules import FusedConvTranspose1d, HalfLocalMHA
 from snac_fast.ops.attention import local_attention_reference
 from snac_fast.surgery import keep_attention_float32
-from snac_fast.testing import synthetic_model
+from snac_fast.synthetic import synthetic_model
 
 
 class TorchHalfLocalMHA(HalfLocalMHA):

@@ -24,7 +24,7 @@ def one_run(corpus: str, out: str) -> None:
     import torch
 
     from snac_fast import FastSNAC, datasets
-    from snac_fast.testing import synthetic_model
+    from snac_fast.synthetic import synthetic_model
 
     codec = FastSNAC(synthetic_model("snac_24khz"), device="cuda", dtype=torch.float16, source="synthetic:snac_24khz")
     datasets.encode_dataset(corpus, out + "-warm", codec, progress=False)

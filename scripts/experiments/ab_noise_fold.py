@@ -32,7 +32,7 @@ from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.modules import FusedNoiseBlock  # noqa: E402
 from snac_fast.ops import pointwise  # noqa: E402
 from snac_fast.ops.common import is_channels_last  # noqa: E402
-from snac_fast.testing import synthetic_model  # noqa: E402
+from snac_fast.synthetic import synthetic_model  # noqa: E402
 
 
 def load_module(path: str):

@@ -30,7 +30,7 @@ from bench_common import interleaved_decodes  # noqa: E402
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.ops import pointwise  # noqa: E402
 from snac_fast.ops._runtime import first_filling, wave_programs  # noqa: E402
-from snac_fast.testing import synthetic_model  # noqa: E402
+from snac_fast.synthetic import synthetic_model  # noqa: E402
 
 
 def wide_input_pw_config(B, C_out, C_in, T, device, input_bias=False, wave=None):

@@ -31,7 +31,7 @@ from tune_tiles import harvest_calls, pw_call_key, timed, workloads  # noqa: E40
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.ops import pointwise  # noqa: E402
 from snac_fast.ops.common import is_channels_last  # noqa: E402
-from snac_fast.testing import synthetic_model  # noqa: E402
+from snac_fast.synthetic import synthetic_model  # noqa: E402
 
 
 @contextlib.contextmanager
