@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from snac_fast.configs import published_config
+from snac_fast.ops.common import is_channels_last
 from snac_fast.streaming import StreamEngine
 from snac_fast.synthetic import synthetic_model
 
@@ -91,3 +92,76 @@ def engine64(name: str, streams: int = 4, narrow: bool = False, **options) -> St
 def frames_of(codes: list[torch.Tensor], strides: list[int], start: int, stop: int, row: int = 0) -> list[torch.Tensor]:
     """Coarse frames [start, stop) of row ``row`` of ``codes``: per level [1, L_i]."""
     return [c[row:row + 1, start * strides[0] // s:stop * strides[0] // s] for c, s in zip(codes, strides)]
+
+
+# --- kernel tests (tests/ops, test_modules): shapes of the published decoders, tolerances ---------
+
+# residual-unit channel counts of the three published decoders (24 kHz; 32 and 44 kHz share theirs)
+CHANNELS = [512, 256, 128, 64, 768, 384, 192, 96]
+
+
+# (C_in, C_out, stride) of every decoder transposed conv: 24 kHz, then 32/44 kHz
+UPSAMPLERS = [(1024, 512, 8), (512, 256, 8), (256, 128, 4), (128, 64, 2),
+              (1536, 768, 8), (768, 384, 8), (384, 192, 3), (192, 96, 2)]
+
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+TOL = {torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}  # relative to output scale
+
+
+def close(got, ref, dtype):
+    """``got`` within the dtype's tolerance (:data:`TOL`, relative to ``ref``'s largest magnitude)."""
+    assert got.shape == ref.shape, (got.shape, ref.shape)
+    scale = ref.abs().max().item() + 1e-6
+    err = (got.double() - ref.double()).abs().max().item()
+    assert err <= TOL[dtype] * scale, f"max err {err:.3g} vs scale {scale:.3g}"
+
+
+def d(t):
+    """float64, passing None through."""
+    return None if t is None else t.double()
+
+
+def log_uniform_alpha(n, gen):
+    return torch.exp(torch.empty(n).uniform_(-1.6, 1.6, generator=gen))
+
+
+def channels_last(t):
+    """The same values [B, C, T], laid out [B, T, C] in memory."""
+    out = t.transpose(1, 2).contiguous().transpose(1, 2)
+    assert is_channels_last(out)
+    return out
+
+
+def set_alphas(module, seed):
+    """Every Snake alpha of ``module`` log-uniform in e^-1.6..e^1.6 (trained models' are not all 1)."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for m in module.modules():
+            if hasattr(m, "alpha"):
+                m.alpha.copy_(torch.exp(torch.empty(m.alpha.shape).uniform_(-1.6, 1.6, generator=gen)))
+
+
+def upstream_unit(C, dilation, seed):
+    """A seeded upstream ResidualUnit (depthwise, as SNAC's decoder has them) in eval mode."""
+    from snac.layers import ResidualUnit
+
+    torch.manual_seed(seed)
+    unit = ResidualUnit(C, dilation=dilation, groups=C).eval()
+    set_alphas(unit, seed)
+    return unit
+
+
+def fused_copy(unit):
+    """A fused unit with the same weights, from a fresh upstream unit (deepcopy breaks weight norm)."""
+    from snac_fast.modules import FastSnake1d, FusedResidualUnit
+    from snac_fast.surgery import fold_weight_norm
+
+    twin = upstream_unit(unit.block[0].alpha.shape[1], unit.block[1].dilation[0], 0)
+    twin.load_state_dict(unit.state_dict())
+    for i in (0, 2):
+        twin.block[i] = FastSnake1d.from_snake(twin.block[i])
+    fold_weight_norm(twin)
+    return FusedResidualUnit.from_unit(twin)

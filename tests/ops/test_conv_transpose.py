@@ -1,0 +1,84 @@
+"""The transposed conv (phase GEMM) against its torch reference and the torch module."""
+
+import pytest
+import torch
+from helpers import DTYPES, UPSAMPLERS, channels_last, close, d, log_uniform_alpha
+
+from snac_fast.modules import FusedConvTranspose1d
+from snac_fast.ops.conv_transpose import (
+    conv_transpose,
+    conv_transpose_reference,
+    folds_batches,
+)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C_in,C_out,stride", UPSAMPLERS)
+def test_conv_transpose_kernel(dtype, C_in, C_out, stride):
+    gen = torch.Generator().manual_seed(C_in + stride)
+    T = 5 if C_in >= 768 else 19
+    x = torch.randn(2, C_in, T, generator=gen).to(dtype)
+    w = (torch.randn(C_in, C_out, 2 * stride, generator=gen) / (C_in * 2) ** 0.5).to(dtype)
+    b = torch.randn(C_out, generator=gen).to(dtype)
+    alpha = log_uniform_alpha(C_in, gen)
+    close(conv_transpose(x, w, b, stride, alpha_in=alpha), conv_transpose_reference(d(x), d(w), d(b), stride, d(alpha)), dtype)
+    close(conv_transpose(channels_last(x), w, None, stride), conv_transpose_reference(d(x), d(w), None, stride), dtype)
+
+
+@pytest.mark.parametrize("stride", [2, 3, 4, 5, 8])
+def test_conv_transpose_matches_torch_module(stride, poisoned_empty):
+    """Against nn.ConvTranspose1d built with SNAC's padding rule, odd lengths, every output written
+    (stride 3 and 5 use padded phases)."""
+    import math
+
+    torch.manual_seed(stride)
+    conv = torch.nn.ConvTranspose1d(32, 16, 2 * stride, stride=stride, padding=math.ceil(stride / 2),
+                                    output_padding=stride % 2)
+    for T in (1 + 2 * stride, 131):  # batches folded into the columns, then one batch per program
+        assert folds_batches(3, T) == (T < 128)
+        x = torch.randn(3, 32, T)
+        with torch.no_grad():
+            expected = conv(x.double().float())
+            for layout in (x, channels_last(x)):  # [B, C, T] and [B, T, C] memory
+                close(conv_transpose(layout, conv.weight, conv.bias, stride), expected, torch.float32)
+
+
+@pytest.mark.parametrize("stride", [2, 4, 8, 3])
+def test_phase_packing_holds_every_tap_once(stride):
+    """Even strides pack two taps per phase and no zeros; odd ones three blocks with zero taps."""
+    from snac_fast.ops.conv_transpose import pack_phase_weight, splits_phases
+
+    w = torch.arange(1, 5 * 3 * 2 * stride + 1, dtype=torch.float64).view(5, 3, 2 * stride)
+    packed = pack_phase_weight(w, stride)
+    assert sorted(packed[packed != 0].tolist()) == sorted(w.flatten().tolist())
+    if splits_phases(stride):
+        assert packed.shape == (4, 3 * stride // 2, 5) and (packed != 0).all()
+    else:
+        assert packed.shape == (3, 3 * 4, 5)
+
+
+def test_conv_transpose_repacks_when_its_weight_changes():
+    torch.manual_seed(0)
+    conv = FusedConvTranspose1d.from_conv(torch.nn.ConvTranspose1d(16, 8, 4, stride=2, padding=1))
+    x = torch.randn(1, 16, 9)
+    with torch.no_grad():
+        before = conv(x)
+        conv.weight.mul_(2)  # in place, as load_state_dict does
+        after = conv(x)
+        close(after - conv.bias.view(1, -1, 1), 2 * (before - conv.bias.view(1, -1, 1)), torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("C_in,C_out,stride", UPSAMPLERS)
+def test_gpu_conv_transpose_kernel(cuda, dtype, C_in, C_out, stride):
+    gen = torch.Generator().manual_seed(C_in + stride)
+    T = 4001 if C_in <= 256 else 301
+    x = torch.randn(2, C_in, T, generator=gen).to(dtype)
+    w = (torch.randn(C_in, C_out, 2 * stride, generator=gen) / (C_in * 2) ** 0.5).to(dtype)
+    b = torch.randn(C_out, generator=gen).to(dtype)
+    alpha = log_uniform_alpha(C_in, gen)
+    got = conv_transpose(x.to(cuda), w.to(cuda), b.to(cuda), stride, alpha_in=alpha.to(cuda))
+    close(got.cpu(), conv_transpose_reference(d(x), d(w), d(b), stride, d(alpha)), dtype)
+    got = conv_transpose(channels_last(x).to(cuda), w.to(cuda), b.to(cuda), stride)
+    close(got.cpu(), conv_transpose_reference(d(x), d(w), d(b), stride), dtype)
