@@ -219,7 +219,7 @@ def test_many_streams_open_close_and_interleave():
 def test_fast_stream_equals_fast_decode(name):
     """The fused kernels (interpreter on the CPU), float32: stream vs whole decode, same seed. The
     models run narrow (helpers.NARROW): the same structure and stream arithmetic in a fraction of
-    the interpreter's time (full-width kernels: test_fused, test_reference, and the gpu tests)."""
+    the interpreter's time (full-width kernels: tests/ops, test_reference, and the gpu tests)."""
     fast = FastSNAC(synthetic_model(name, **NARROW), device="cpu", dtype=torch.float32)
     stream = fast.stream(seed=11)
     g, strides = stream.engine.frames_per_group, fast.config["vq_strides"]

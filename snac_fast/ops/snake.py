@@ -7,7 +7,7 @@ Fast sine: sin^2 and sin(2 *) have period pi, so the argument is reduced to |r| 
 three-part Cody-Waite subtraction of the nearest multiple of pi (each part has 12 significant bits,
 so k * part is exact for |alpha * x| < 12,867) and sin(r) is an odd degree-9 polynomial fitted to
 minimise the max error on [-pi/2, pi/2]. Max error of sin^2 against float64 on the same float32
-argument is 3.5e-7 for |alpha * x| <= 1000 (tests/test_snake.py checks < 2e-6); that is float32
+argument is 3.5e-7 for |alpha * x| <= 1000 (tests/ops/test_snake.py checks < 2e-6); that is float32
 rounding level, so the fast path is as faithful as ``tl.sin`` while costing a handful of FMAs.
 """
 
