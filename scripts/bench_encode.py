@@ -138,7 +138,7 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
         summary = min((datasets.encode_dataset(folder, Path(tmp) / f"out{k}", codec, **run) for k in range(2)),
                       key=lambda r: r["wall_seconds"])
         items = datasets.list_inputs(folder)
-        with datasets._Readers(16, codec.sampling_rate, datasets._batch_dtype(codec)) as readers:
+        with datasets.readers._Readers(16, codec.sampling_rate, datasets.batching._batch_dtype(codec)) as readers:
             clips = readers.collect(items, readers.submit(items))
         shards = list(enumerate(clips[k:k + per_shard] for k in range(0, len(clips), per_shard)))
         own_s = []

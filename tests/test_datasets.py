@@ -93,7 +93,7 @@ def test_resume_after_a_crash_and_refuse_another_run(codec, corpus, tmp_path, mo
             raise RuntimeError("power cut")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ds, "launch_batches", crash_on_fourth)
+    monkeypatch.setattr(ds.encode, "launch_batches", crash_on_fourth)
     with pytest.raises(RuntimeError, match="power cut"):
         ds.encode_dataset(corpus, out, codec, files_per_shard=2, progress=False)
     # the shards launched before the failure are written (the writer thread finishes them), not shard 3
@@ -117,7 +117,7 @@ def test_a_reader_process_that_dies_costs_only_its_file(codec, corpus, tmp_path,
             os._exit(11)  # what a segfault in libsndfile looks like to the pool
         return real(item, rate)
 
-    monkeypatch.setattr(ds, "read_clip", crash_on_g)
+    monkeypatch.setattr(ds.readers, "read_clip", crash_on_g)
     summary = ds.encode_dataset(corpus, tmp_path / "out", codec, files_per_shard=4, loaders=2, progress=False)
     monkeypatch.undo()
     ds.encode_dataset(corpus, tmp_path / "whole", codec, files_per_shard=4, loaders=2, progress=False)
@@ -185,12 +185,12 @@ def test_decode_back_to_audio(codec, corpus, tmp_path):
 def test_decode_names_outputs_after_their_sources_and_records_failed_rows(codec, tmp_path, monkeypatch):
     """a.wav -> a.wav, b.flac -> b.wav, but a.wav and a.flac both kept apart; a row whose decode
     fails is recorded and the others are written."""
-    assert ds._output_names(["x/a.wav", "b.flac", "c", "d.wav", "d.flac"], "wav") == {
+    assert ds.decode._output_names(["x/a.wav", "b.flac", "c", "d.wav", "d.flac"], "wav") == {
         "x/a.wav": "x/a.wav", "b.flac": "b.wav", "c": "c.wav", "d.wav": "d.wav.wav", "d.flac": "d.flac.wav"}
     codes = [np.zeros(4 * 4 // s, np.int64) for s in (4, 2, 1)]  # 4 frames: 0.34 s of audio
     clips = [ds.Clip(ds.AudioInput(name, name), None, 0.3, 24000, None) for name in ("good.wav", "bad.wav")]
     table = ds.shard_table(clips, [codes, [c + 5000 for c in codes]], "in-memory", 3)  # 5000: past the codebook
-    ds._write_atomically(table, tmp_path / "s.parquet")
+    ds.shards._write_atomically(table, tmp_path / "s.parquet")
     summary = ds.decode_dataset(tmp_path / "s.parquet", tmp_path / "out", codec, progress=False)
     assert summary["written"] == 1 and summary["errors"] == 1
     error = json.loads((tmp_path / "out" / "_errors.jsonl").read_text())
@@ -223,10 +223,10 @@ def test_reader_tasks_spool_their_audio_or_send_it_inline(corpus, tmp_path):
     cannot take it, the arrays come back themselves. Both give the clips read_clip gives."""
     items = [ds.AudioInput(n, str(corpus / n)) for n in ("a.wav", "d_empty.wav", "g.wav")]
     expected = [ds.read_clip(i, 24000) for i in items]
-    readers = ds._Readers.__new__(ds._Readers)
+    readers = ds.readers._Readers.__new__(ds.readers._Readers)
     readers.dtype = "float32"
     for spool in (tmp_path, tmp_path / "missing"):
-        path, meta = ds._read_clips(items, 24000, "float32", str(spool))
+        path, meta = ds.readers._read_clips(items, 24000, "float32", str(spool))
         assert (path is None) == (spool != tmp_path)
         got = readers._unpack(path, meta)
         assert path is None or not os.path.exists(path)  # unlinked once mapped
@@ -250,7 +250,7 @@ def test_float16_batches_round_as_the_model_would():
 
 def test_readers_run_at_the_lowest_priority():
     # the launching thread must not queue behind a reader for a CPU (see _start_reader)
-    with ds._Readers(1, 24000) as readers:
+    with ds.readers._Readers(1, 24000) as readers:
         niceness = readers.pool.submit(os.nice, 0).result()
     assert niceness == min(19, os.nice(0) + 19)
 
