@@ -171,11 +171,14 @@ class StreamEngine:
     @property
     def first_audio_ms(self) -> float:
         """Audio time of :attr:`first_audio_frames` (what an LM generating in real time waits for)."""
-        return 1000.0 * self.first_audio_frames * self.samples_per_frame / int(self.config["sampling_rate"])
+        return self._ms(self.first_audio_frames * self.samples_per_frame)
 
     @property
     def lookahead_ms(self) -> float:
-        return 1000.0 * self.lookahead_samples / int(self.config['sampling_rate'])
+        return self._ms(self.lookahead_samples)
+
+    def _ms(self, samples: int) -> float:
+        return 1000.0 * samples / int(self.config["sampling_rate"])
 
     @property
     def lookahead_frames(self) -> float:
@@ -425,17 +428,20 @@ class StreamEngine:
             if s in finishing:
                 out.append(piece[emitted - before:])
                 continue
-            if s in tails:  # exact audio from `before` on, then the tail: up to the last frame decoded
-                audio, start, frames = torch.cat([piece, tails[s]]) if piece.numel() else tails[s], before, s.frames
+            if s in tails:  # exact audio from `before`, then the tail from `after` to the last frame decoded
+                after, end = before + piece.numel(), max(emitted, s.frames * per_frame - L)  # end >= after
+                if emitted >= after:  # all in the tail (pushes shorter than the exact lookahead less L)
+                    out.append(tails[s][emitted - after:end - after])
+                else:
+                    out.append(torch.cat([piece[emitted - before:], tails[s][:end - after]]))
             else:  # not started: the whole decode of what it holds, in whole attention windows
                 frames = s.pending_frames
                 if not frames or frames % group:
                     out.append(self.empty_audio())
                     continue
+                end = max(emitted, frames * per_frame - L)
                 with torch.inference_mode(), device_scope(self.device):
-                    audio, start = self._decode_whole(s, take=False), 0
-            end = max(emitted, frames * per_frame - L)
-            out.append(audio[emitted - start:end - start])
+                    out.append(self._decode_whole(s, take=False)[emitted:end])
             self._emitted[s.slot] = end
         return out
 
