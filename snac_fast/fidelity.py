@@ -30,6 +30,7 @@ from snac_fast.codes import validate_codes
 from snac_fast.loading import Checkpoint, build_upstream
 from snac_fast.metrics import max_abs_error, rms, snr_db
 from snac_fast.noise import seeded_noise
+from snac_fast.ops._runtime import true_float32
 from snac_fast.surgery import to_device_dtype
 
 # Thresholds per fast dtype, from the GPU fidelity matrix (H200, three synthetic models, B = 1 and 3,
@@ -106,17 +107,6 @@ def log_mel_distance_db(reference: Tensor, estimate: Tensor, sampling_rate: int,
         return 10 * torch.log10((spec.transpose(-1, -2) @ fb).clamp_min(1e-10))
 
     return (log_mel(est) - log_mel(ref)).abs().mean().item()
-
-
-@contextlib.contextmanager
-def true_float32():
-    """Run convolutions and matmuls in real float32 (no TF32) inside the block."""
-    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def decode_with_noise(model: nn.Module, codes: list[Tensor], seed: int, device: torch.device,

@@ -274,13 +274,14 @@ def device_scope(device: torch.device):
 
 
 @contextlib.contextmanager
-def _cudnn_without_tf32():
-    saved = torch.backends.cudnn.allow_tf32
-    torch.backends.cudnn.allow_tf32 = False
+def true_float32():
+    """Run convolutions and matmuls in real float32 (no TF32) inside the block."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
     try:
         yield
     finally:
-        torch.backends.cudnn.allow_tf32 = saved
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
 
 
 def exact_float32_cudnn(x: torch.Tensor):
@@ -289,7 +290,7 @@ def exact_float32_cudnn(x: torch.Tensor):
     other dtypes and devices, and traced calls (the compiler picks its own convs), are untouched."""
     if x.dtype != torch.float32 or not x.is_cuda or torch.compiler.is_compiling() or not torch.backends.cudnn.allow_tf32:
         return contextlib.nullcontext()
-    return _cudnn_without_tf32()
+    return true_float32()
 
 
 def cuda_index(device: torch.device) -> int:
