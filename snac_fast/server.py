@@ -123,7 +123,9 @@ class LMClient:
 
             # one connection per stream: httpx's default pool (100) would queue the streams past it
             limits = httpx.Limits(max_connections=config.max_streams + 8, max_keepalive_connections=config.max_streams + 8)
-            self._client = httpx.AsyncClient(timeout=httpx.Timeout(config.lm_timeout_s, connect=5.0), limits=limits)
+            # one timeout for connecting too: a loaded host's event loop can take seconds to see a
+            # local connect complete (CI failed 1 of 32 at 5 s), and a dead LM refuses at once anyway
+            self._client = httpx.AsyncClient(timeout=httpx.Timeout(config.lm_timeout_s), limits=limits)
 
     async def ids(self, text: str, voice: str, model: str | None) -> AsyncIterator[list[int]]:
         """The LM's audio token ids for a prompt, as they stream in (control tokens dropped; the end
