@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from snac_fast.codes import validate_audio, validate_codes
+from snac_fast.codes import validate_audio, validate_codes, validate_lengths
 from snac_fast.encoding import GraphedEncode, encode_padded, encoder_reach, padding_unit
 from snac_fast.graphs import GraphedDecode
 from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
@@ -267,7 +267,8 @@ class FastSNAC:
 
         return profile(self, codes, **options)
 
-    def encode(self, audio: Tensor, *, chunk_seconds: float | None = 60.0, cuda_graphs: bool | None = None,
+    def encode(self, audio: Tensor, *, lengths: Sequence[int] | Tensor | None = None,
+               chunk_seconds: float | None = 60.0, cuda_graphs: bool | None = None,
                check_finite: bool = True) -> list[Tensor]:
         """Audio [B, 1, T] (floating, at :attr:`sampling_rate`, any device) -> codes, one int64
         [B, L_i] per level, as upstream's ``encode`` (audio right-padded with zeros to a multiple of
@@ -279,8 +280,13 @@ class FastSNAC:
         for inputs up to ``encode_graph_samples`` samples (B x chunk). Pass False for a stream of
         ever-new shapes (each capture costs about three encodes). check_finite=False skips the scan for
         NaN and infinite samples (for audio on the GPU, a wait for everything queued before it), for
-        audio the caller has checked already."""
+        audio the caller has checked already.
+        lengths: each row's own length in samples, for a batch of clips of different lengths
+        zero-padded to one: each row is then encoded exactly as the clip alone (its samples past its
+        length ignored; codes past ``code_lengths`` of it are padding), see
+        :func:`snac_fast.encoding.rows_as_alone`. None: every row is T samples long."""
         audio = validate_audio(audio, check_finite)
+        row_lengths = None if lengths is None else validate_lengths(lengths, audio)
         if chunk_seconds is not None and not chunk_seconds > 0:
             raise ValueError(f"chunk_seconds must be positive or None, got {chunk_seconds}")
         unit = padding_unit(self.config)
@@ -288,10 +294,25 @@ class FastSNAC:
         with self.lock, device_scope(self.device), torch.inference_mode():
             audio = audio.to(device=self.device, dtype=self.dtype)
             audio = F.pad(audio, (0, -audio.shape[-1] % unit))
+            padded_lengths = None
+            if row_lengths is not None:
+                # each row as upstream pads it alone: zeros from its own length to a multiple of the unit
+                ends = self._on_device(torch.tensor(row_lengths))
+                audio = audio * (torch.arange(audio.shape[-1], device=self.device) < ends[:, None])[:, None, :]
+                padded = [n + -n % unit for n in row_lengths]
+                if min(padded) < audio.shape[-1]:  # rows that fill the batch need no clearing
+                    padded_lengths = self._on_device(torch.tensor(padded))
             if cuda_graphs is None:
                 cuda_graphs = audio.shape[0] * min(audio.shape[-1], chunk or audio.shape[-1]) <= self.encode_graph_samples
             graphs = self.encode_graphs if cuda_graphs else None
-            return encode_padded(self.model, audio, unit, chunk, self.encoder_reach, graphs)
+            return encode_padded(self.model, audio, unit, chunk, self.encoder_reach, graphs, padded_lengths)
+
+    def _on_device(self, host: Tensor) -> Tensor:
+        """A small host tensor on the codec's device, pinned and not waited for on a GPU (threads that
+        launch encodes queue them ahead of the device)."""
+        if self.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
 
 def _config_of(model: nn.Module) -> dict:

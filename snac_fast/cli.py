@@ -99,7 +99,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--files-per-shard", type=int, default=256, help="inputs per Parquet shard (default 256)")
     p.add_argument("--batch-seconds", type=float, default=300.0, help="padded audio per encode batch (default 300)")
     p.add_argument("--pad-seconds", type=float, default=1.0,
-                   help="pad clips to multiples of this, so clips of similar length batch together (0: exact lengths)")
+                   help="batch clips whose lengths round up to one multiple of this (0: only equal padded lengths); "
+                        "codes are each clip's own encode's either way")
     p.add_argument("--suffixes", help="comma-separated file suffixes to take from a folder (default: every file)")
     p.add_argument("--loaders", type=int,
                    help="processes reading audio (local engine; default one per CPU up to 16), CPU actors at most (ray)")

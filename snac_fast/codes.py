@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import os
 from pathlib import Path
 
@@ -78,6 +80,25 @@ def validate_audio(audio: object, check_finite: bool = True) -> Tensor:
     if check_finite and not torch.isfinite(audio).all():
         raise ValueError("audio holds NaN or infinite samples")
     return audio
+
+
+def validate_lengths(lengths: object, audio: Tensor) -> list[int]:
+    """lengths must give one whole number of samples per row of audio [B, 1, T], each in [1, T]."""
+    if isinstance(lengths, Tensor):
+        if lengths.dim() != 1 or lengths.dtype.is_floating_point or lengths.dtype == torch.bool:
+            raise ValueError(f"lengths must be a 1-D integer tensor, got {lengths.dtype} of shape {tuple(lengths.shape)}")
+        lengths = lengths.tolist()
+    try:
+        values = [operator.index(n) for n in lengths]
+    except TypeError:
+        raise ValueError("lengths must be whole numbers of samples, one per row of audio") from None
+    batch, samples = audio.shape[0], audio.shape[-1]
+    if len(values) != batch:
+        raise ValueError(f"lengths has {len(values)} entries for {batch} rows of audio")
+    bad = [n for n in values if not 1 <= n <= samples]
+    if bad:
+        raise ValueError(f"lengths must lie in [1, {samples}] (the audio's length), got {bad[0]}")
+    return values
 
 
 def read_mono(source) -> tuple[Tensor, int]:

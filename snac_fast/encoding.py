@@ -20,7 +20,9 @@ different shapes.
 from __future__ import annotations
 
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +64,70 @@ def padding_unit(config: dict) -> int:
     return hop * math.lcm(config["vq_strides"][0], config.get("attn_window_size") or 1)
 
 
+def _tail_width(encoder: nn.Module) -> int:
+    """Steps past a row's end that any encoder conv reads when computing the row's own outputs:
+    the last output j = end / s - 1 reads up to end - s - p + d (k - 1)."""
+    width = 0
+    for conv in encoder.modules():
+        if isinstance(conv, nn.Conv1d) and not getattr(conv, "absorbed_by", ""):
+            k, d, p, s = conv.kernel_size[0], conv.dilation[0], conv.padding[0], conv.stride[0]
+            width = max(width, d * (k - 1) - p - s + 1)
+    return width
+
+
+def _layers_read_by_wider_convs(encoder: nn.Module) -> list[nn.Module]:
+    """The encoder's layers whose outputs later layers read across steps: every top-level layer but
+    the last (the quantizer pools whole groups) and every layer of an encoder block but its last
+    (that output is the block's). Absorbed layers pass their input on: skipped."""
+    from snac.layers import EncoderBlock
+
+    layers = []
+    for layer in list(encoder.block)[:-1]:
+        if isinstance(layer, EncoderBlock):
+            layers += list(layer.block)[:-1]
+        layers.append(layer)
+    return [layer for layer in layers if not getattr(layer, "absorbed_by", "")]
+
+
+@contextmanager
+def rows_as_alone(model: nn.Module, lengths: Tensor, total: int) -> Iterator[None]:
+    """While active, ``model.encoder`` encodes each row of a zero-padded batch as upstream encodes
+    that row alone: after each layer whose output a wider conv reads, the row's activations on the
+    steps past its own end that such a conv reaches are set to zero (see the module docstring).
+
+    lengths: int64 [B] on the model's device, each row's length in samples, a multiple of the
+    padding unit (upstream's padded length of the clip), at most ``total``, the batch's length.
+    Device operations only (no host sync): capturable in a CUDA graph."""
+    width = _tail_width(model.encoder)
+    tails: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = {}
+
+    def tail_of(t: Tensor) -> tuple[Tensor, Tensor]:
+        """(the steps to clear [B, 1, width], per row 0 or 1 [B, 1, 1]) at t's rate"""
+        steps = t.shape[-1]
+        key = (steps, t.dtype)
+        if key not in tails:
+            ends = lengths * steps // total
+            cols = (ends[:, None] + torch.arange(width, device=t.device)).clamp_(max=steps - 1)
+            # a row that fills the batch has no steps past its end: its clamped columns are its own,
+            # written back unchanged (every duplicate of a column writes one value)
+            keep = (ends == steps).to(t.dtype)[:, None, None]
+            tails[key] = cols[:, None, :], keep
+        return tails[key]
+
+    def clear_tails(module: nn.Module, inputs, output) -> None:
+        for t in output if isinstance(output, tuple) else (output,):
+            cols, keep = tail_of(t)
+            cols = cols.expand(t.shape[0], t.shape[1], -1)
+            t.scatter_(2, cols, t.gather(2, cols) * keep)
+
+    handles = [layer.register_forward_hook(clear_tails) for layer in _layers_read_by_wider_convs(model.encoder)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
 @dataclass(frozen=True)
 class Chunk:
     """Read audio [read_start, read_end), keep the codes of [keep_start, keep_end) (samples)."""
@@ -86,10 +152,20 @@ def plan_chunks(length: int, chunk: int, halo: int, unit: int) -> list[Chunk]:
             for start in range(0, length, chunk)]
 
 
-class GraphedEncode(GraphCache):
-    """Replays ``model.encode`` from CUDA graphs keyed by the audio's shape (a bounded LRU cache).
+def encode_rows(model: nn.Module, audio: Tensor, lengths: Tensor | None = None) -> list[Tensor]:
+    """``model.encode(audio)``; with ``lengths`` (see :func:`rows_as_alone`), each row as if alone."""
+    if lengths is None:
+        return model.encode(audio)
+    with rows_as_alone(model, lengths, audio.shape[-1]):
+        return model.encode(audio)
 
-    Input: audio [B, 1, T] in the model's dtype on its device, T a multiple of the padding unit.
+
+class GraphedEncode(GraphCache):
+    """Replays :func:`encode_rows` from CUDA graphs keyed by the audio's shape and whether rows have
+    lengths (a bounded LRU cache).
+
+    Input: audio [B, 1, T] in the model's dtype on its device, T a multiple of the padding unit;
+    lengths: None or int64 [B] on the device (:func:`rows_as_alone`).
     Output: int64 codes [B, L_i] per level, fresh tensors (the graph's buffers are copied).
     """
 
@@ -99,49 +175,60 @@ class GraphedEncode(GraphCache):
         self.device = torch.device(device)
         self.warmup = warmup
 
-    def __call__(self, audio: Tensor) -> list[Tensor]:
-        static_audio, codes, graph = self._captured((tuple(audio.shape), audio.dtype), lambda: self._capture(audio),
-                                                     f"audio of shape {tuple(audio.shape)}")
+    def __call__(self, audio: Tensor, lengths: Tensor | None = None) -> list[Tensor]:
+        key = (tuple(audio.shape), audio.dtype, lengths is not None)
+        static_audio, static_lengths, codes, graph = self._captured(
+            key, lambda: self._capture(audio, lengths), f"audio of shape {tuple(audio.shape)}")
         static_audio.copy_(audio)
+        if lengths is not None:
+            static_lengths.copy_(lengths)
         graph.replay()
         return [c.clone() for c in codes]
 
-    def _capture(self, audio: Tensor) -> tuple[Tensor, list[Tensor], torch.cuda.CUDAGraph]:
+    def _capture(self, audio: Tensor, lengths: Tensor | None):
         with device_scope(self.device):  # side streams and the graph on the model's device, whichever is current
-            return self._capture_here(audio)
+            return self._capture_here(audio, lengths)
 
-    def _capture_here(self, audio: Tensor) -> tuple[Tensor, list[Tensor], torch.cuda.CUDAGraph]:
+    def _capture_here(self, audio: Tensor, lengths: Tensor | None):
         with torch.inference_mode(False):
             static_audio = audio.clone()
+            static_lengths = None if lengths is None else lengths.clone()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.inference_mode(), torch.cuda.stream(stream):
             with compiling_concurrently():  # shapes only: every kernel variant compiles at once
-                self.model.encode(static_audio)
+                encode_rows(self.model, static_audio, static_lengths)
             for _ in range(self.warmup):
-                self.model.encode(static_audio)
+                encode_rows(self.model, static_audio, static_lengths)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.inference_mode(), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-            codes = self.model.encode(static_audio)
+            codes = encode_rows(self.model, static_audio, static_lengths)
         torch.cuda.current_stream().synchronize()
-        return static_audio, codes, graph
+        return static_audio, static_lengths, codes, graph
 
 
 def encode_padded(model: nn.Module, audio: Tensor, unit: int, chunk_samples: int | None, reach: int,
-                  graphs: GraphedEncode | None = None) -> list[Tensor]:
+                  graphs: GraphedEncode | None = None, lengths: Tensor | None = None) -> list[Tensor]:
     """Codes of audio [B, 1, T] (model dtype and device, T a multiple of the padding ``unit``),
     ``chunk_samples`` at a time (None: whole) with halos of ``reach`` (:func:`encoder_reach`), each
-    chunk through ``graphs`` when given."""
-    run = graphs if graphs is not None else model.encode
+    chunk through ``graphs`` when given; with ``lengths`` (int64 [B], multiples of ``unit``), each
+    row as if alone (:func:`rows_as_alone`)."""
+    def run(piece: Tensor, piece_lengths: Tensor | None) -> list[Tensor]:
+        if graphs is not None:
+            return graphs(piece, piece_lengths)
+        return encode_rows(model, piece, piece_lengths)
+
     length = audio.shape[-1]
     chunks = plan_chunks(length, chunk_samples or length, reach, unit)
     if len(chunks) == 1:
-        return run(audio)
+        return run(audio, lengths)
     per_code = [model.hop_length * q.stride for q in model.quantizer.quantizers]  # audio samples per code
     parts: list[list[Tensor]] = [[] for _ in per_code]
     for c in chunks:
-        codes = run(audio[..., c.read_start:c.read_end])
+        # a row that ends inside the chunk ends there as it does alone; one that ended before it is not kept
+        piece_lengths = None if lengths is None else (lengths - c.read_start).clamp(0, c.read_end - c.read_start)
+        codes = run(audio[..., c.read_start:c.read_end], piece_lengths)
         for level, (code, samples) in enumerate(zip(codes, per_code)):
             first = (c.keep_start - c.read_start) // samples
             parts[level].append(code[:, first:first + (c.keep_end - c.keep_start) // samples])

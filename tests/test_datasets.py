@@ -67,17 +67,20 @@ def test_encode_folder_records_every_file(codec, corpus, tmp_path):
 
 
 def test_codes_equal_encode_of_the_clip_and_ignore_batch_mates(codec, corpus, tmp_path):
-    """pad_seconds=0: each clip's codes are codec.encode of the clip alone; batching (one clip per
-    batch or all of one length together) never changes them."""
+    """Each clip's codes are codec.encode of the clip alone, at the default padding and without:
+    batching (one clip per batch, all of one padded length together) never changes them."""
     one = ds.encode_dataset(corpus, tmp_path / "one", codec, pad_seconds=0, batch_seconds=1e-3, progress=False)
     many = ds.encode_dataset(corpus, tmp_path / "many", codec, pad_seconds=0, batch_seconds=1e4, progress=False)
-    assert one["errors"] == many["errors"] == 3
-    rows_one, rows_many = rows_of(tmp_path / "one"), rows_of(tmp_path / "many")
+    padded = ds.encode_dataset(corpus, tmp_path / "padded", codec, batch_seconds=1e4, progress=False)
+    assert one["errors"] == many["errors"] == padded["errors"] == 3
+    rows_one, rows_many, rows_padded = (rows_of(tmp_path / n) for n in ("one", "many", "padded"))
     assert rows_one == rows_many
-    clip = ds.read_clip(ds.AudioInput("sub/b.flac", str(corpus / "sub" / "b.flac")), 24000)
-    expected = codec.encode(torch.from_numpy(clip.audio).view(1, 1, -1))
-    for level, want in enumerate(expected):
-        assert rows_one["sub/b.flac"][f"codes_{level}"] == want[0].tolist()
+    for name, row in rows_padded.items():
+        if row["error"] is None:
+            clip = ds.read_clip(ds.AudioInput(name, row["path"]), 24000)
+            expected = codec.encode(torch.from_numpy(clip.audio).view(1, 1, -1))
+            for level, want in enumerate(expected):
+                assert rows_one[name][f"codes_{level}"] == row[f"codes_{level}"] == want[0].tolist(), (name, level)
     stereo, rate = soundfile.read(corpus / "sub" / "b.flac", dtype="float32")
     assert rate == 44100 and clip.audio.size == math.ceil(stereo.shape[0] * 24000 / 44100)  # mono, resampled
 
@@ -242,8 +245,8 @@ def test_float16_batches_round_as_the_model_would():
                         np.float32([6.1e-5, 5.96e-8, 2.98e-8, 65504.0, -0.0, 1.0 + 2.0 ** -11])]).astype(np.float32)
     codec = SimpleNamespace(config=published_config("snac_24khz"), dtype=torch.float16, device=torch.device("cpu"))
     clip = ds.Clip(ds.AudioInput("x"), x, x.size / 24000, 24000, None)
-    [(rows, batch)] = ds.batch_audio(codec, [clip], pad_seconds=0, batch_seconds=1e9)  # the project's batching
-    assert rows == [0] and batch.dtype == torch.float16
+    [(rows, batch, lengths)] = ds.batch_audio(codec, [clip], pad_seconds=0, batch_seconds=1e9)  # the project's batching
+    assert rows == [0] and lengths == [x.size] and batch.dtype == torch.float16
     assert torch.equal(batch[0, 0, :x.size], torch.from_numpy(x).to(torch.float16))  # as the model would round
     assert not batch[0, 0, x.size:].any()  # zero padding
 

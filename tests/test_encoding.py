@@ -192,6 +192,54 @@ def test_chunked_encode_equals_whole(name):
     assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
 
 
+@pytest.mark.heavy
+@pytest.mark.parametrize("name, fuse", [("snac_24khz", True), ("snac_24khz", False), ("snac_32khz", False)])
+def test_padded_batch_rows_equal_each_clip_alone(name, fuse):
+    """Clips of odd, different lengths in one zero-padded batch (noise past each row's end, which
+    must be ignored), encoded with ``lengths``: each row's codes are the clip's own encode's exactly
+    (float32), whole and chunked; without ``lengths`` the short rows' codes differ (the test can fail)."""
+    extra = {"attn_window_size": 4} if name != "snac_24khz" else {}
+    fast = FastSNAC(synthetic_model(name, **TINY, **extra), device="cpu", dtype=torch.float32,
+                    fuse=fuse, accelerate_encoder=fuse)
+    lengths = [1201, 377, 96, 1999]  # the last fills the batch (padded to the unit)
+    gen = torch.Generator().manual_seed(9)
+    batch = torch.randn(len(lengths), 1, max(lengths), generator=gen) * 0.3
+    clips = [batch[i:i + 1, :, :n].clone() for i, n in enumerate(lengths)]
+    alone = [fast.encode(clip) for clip in clips]
+    zeroed = batch * (torch.arange(batch.shape[-1]) < torch.tensor(lengths)[:, None])[:, None]
+    without = fast.encode(zeroed)
+    unit = padding_unit(fast.config)
+    chunk = (8 if name == "snac_24khz" else 4) * unit
+    for rows in (fast.encode(batch, lengths=lengths), fast.encode(batch, lengths=torch.tensor(lengths),
+                                                                   chunk_seconds=chunk / fast.sampling_rate)):
+        for i, own in enumerate(alone):
+            for level, (want, got) in enumerate(zip(own, rows)):
+                assert torch.equal(got[i, :want.shape[1]], want[0]), (lengths[i], level)
+    differ = [any(not torch.equal(got[i, :want.shape[1]], want[0]) for want, got in zip(own, without))
+              for i, own in enumerate(alone)]
+    assert differ[1] and differ[2]  # short rows: the padding's layers reach their codes
+
+
+def test_rows_as_alone_leaves_full_rows_and_clears_only_reached_steps():
+    """A batch whose rows all fill it runs no hooks' work and gives the plain encode's codes; the
+    hooks are removed after the call."""
+    fast = tiny_model("snac_24khz")
+    audio = torch.randn(2, 1, 480, generator=torch.Generator().manual_seed(4)) * 0.3
+    plain = fast.encode(audio)
+    assert all(torch.equal(a, b) for a, b in zip(plain, fast.encode(audio, lengths=[480, 479])))
+    fast.encode(audio, lengths=[480, 100])
+    assert not any(m._forward_hooks for m in fast.model.modules())
+    assert all(torch.equal(a, b) for a, b in zip(plain, fast.encode(audio)))
+
+
+@pytest.mark.parametrize("lengths, message", [
+    ([100], "1 entries for 2 rows"), ([100, 0], r"in \[1, 480\]"), ([100, 481], "got 481"),
+    ([100, 2.5], "whole numbers"), (torch.tensor([1.0, 2.0]), "integer tensor"), ("ab", "whole numbers")])
+def test_encode_rejects_bad_lengths(lengths, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_model("snac_24khz").encode(torch.zeros(2, 1, 480), lengths=lengths)
+
+
 def test_encode_rejects_bad_chunk_seconds():
     fast = tiny_model("snac_24khz")
     with pytest.raises(ValueError, match="chunk_seconds"):
@@ -221,6 +269,45 @@ def test_gpu_fused_encode_graphs_chunks_and_upstream(cuda, name):
         assert ours.shape == theirs.shape and ours.dtype == torch.int64
         assert (ours == split).float().mean().item() >= 0.995
         assert (ours == theirs).float().mean().item() >= 0.99
+
+
+@pytest.mark.gpu
+def test_gpu_padded_batch_rows_agree_with_each_clip_alone(cuda):
+    """Full widths, fp16: clips of different lengths in one padded batch with ``lengths``, eager and
+    from CUDA graphs (one graph, two sets of lengths), agree with each clip's own fp16 encode as
+    closely as fp16 encodes of one clip at two batch shapes agree, and better than without lengths."""
+    fast = FastSNAC(synthetic_model("snac_24khz"), device=cuda, dtype=torch.float16)
+    rate = fast.sampling_rate
+    seconds = [2.1, 0.37, 3.3, 1.05]
+    clips = [torch.from_numpy(speech_like(s, rate, 20 + i)).view(1, 1, -1).to(cuda) for i, s in enumerate(seconds)]
+    lengths = [c.shape[-1] for c in clips]
+    batch = torch.zeros(len(clips), 1, max(lengths), device=cuda)
+    for i, c in enumerate(clips):
+        batch[i, :, :lengths[i]] = c
+    alone = [fast.encode(c, cuda_graphs=False) for c in clips]
+
+    def agreement(codes, rows=range(len(clips))):
+        same = total = 0
+        for i in rows:
+            for want, got in zip(alone[i], codes):
+                n = want.shape[1]
+                same += (got[i, :n] == want[0]).sum().item()
+                total += n
+        return same / total
+
+    # fp16 against fp16: one clip encoded alone and as every row of a batch of its own length
+    twin = fast.encode(clips[0].repeat(3, 1, 1), cuda_graphs=False)
+    floor = min(agreement(twin, [0]), 0.995)
+    eager = fast.encode(batch, lengths=lengths, cuda_graphs=False)
+    graphed = fast.encode(batch, lengths=lengths, cuda_graphs=True)
+    assert all(torch.equal(a, b) for a, b in zip(eager, graphed))
+    assert agreement(eager) >= floor
+    assert agreement(eager) > agreement(fast.encode(batch, cuda_graphs=False))
+    # the same graph with other lengths: the static lengths are refreshed on each replay
+    shorter = [n // 2 for n in lengths]
+    replayed = fast.encode(batch, lengths=shorter, cuda_graphs=True)
+    assert len(fast.encode_graphs) == 1
+    assert all(torch.equal(a, b) for a, b in zip(replayed, fast.encode(batch, lengths=shorter, cuda_graphs=False)))
 
 
 @pytest.mark.gpu

@@ -17,11 +17,11 @@ is skipped silently: an empty, corrupt or non-audio file is a row with its error
   slower beside 16 reading threads).
   A reader process that dies (a crash in the audio library) costs only the file it was reading:
   that shard is read again one file at a time, and the culprit gets an error row.
-- Clips are batched by length: each clip is zero-padded to the next multiple of ``pad_seconds``
-  (rounded to the model's padding unit), clips of one padded length are encoded together up to
-  ``batch_seconds`` of audio per batch, and each clip's codes are cut to its own length. A clip's
-  codes therefore depend on the clip and ``pad_seconds`` only, never on its batch mates; with
-  ``pad_seconds=0`` they equal ``codec.encode`` of the clip alone.
+- Clips are batched by length: clips whose lengths round up to one multiple of ``pad_seconds``
+  (rounded to the model's padding unit) are zero-padded to it and encoded together, up to
+  ``batch_seconds`` of audio per batch, each row as if alone (``codec.encode``'s ``lengths``), and
+  each clip's codes are cut to its own length. A clip's codes are therefore ``codec.encode`` of the
+  clip alone whatever ``pad_seconds`` and its batch mates (identical in float32).
 
 ``decode_dataset(source, out)`` turns such shards back into audio files (WAV or FLAC, one per row,
 named by id) or Parquet shards with an ``audio`` column, skipping rows with an error (listed in

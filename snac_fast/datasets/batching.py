@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -52,9 +52,17 @@ class LaunchedShard:
     copied: torch.cuda.Event | None = None
 
 
-def batch_audio(codec, clips: Sequence[Clip], pad_seconds: float, batch_seconds: float) -> list[tuple[list[int], Tensor]]:
-    """The readable clips in batches (see :func:`length_batches`): (clip indices, audio [rows, 1,
-    padded length] on the host, pinned when the codec runs on a GPU, zero-padded)."""
+class Batch(NamedTuple):
+    """Clips encoded together: their indices, their audio [rows, 1, padded length] on the host
+    (pinned when the codec runs on a GPU, zero-padded) and each one's length in samples."""
+
+    indices: list[int]
+    audio: Tensor
+    lengths: list[int]
+
+
+def batch_audio(codec, clips: Sequence[Clip], pad_seconds: float, batch_seconds: float) -> list[Batch]:
+    """The readable clips in batches (see :func:`length_batches`)."""
     config = codec.config
     batches = []
     for batch in length_batches(clips, config, pad_seconds, batch_seconds):
@@ -66,19 +74,21 @@ def batch_audio(codec, clips: Sequence[Clip], pad_seconds: float, batch_seconds:
             samples = clips[i].audio.size
             rows[row, 0, :samples] = clips[i].audio
             rows[row, 0, samples:] = 0
-        batches.append((batch, audio))
+        batches.append(Batch(batch, audio, [clips[i].audio.size for i in batch]))
     return batches
 
 
-def launch_batches(codec, batches: list[tuple[list[int], Tensor]]) -> LaunchedShard:
+def launch_batches(codec, batches: list[Batch]) -> LaunchedShard:
     """Queue the encode of :func:`batch_audio`'s batches, and the copy of their codes to the host,
-    without waiting for either; :func:`finish_clips` collects them."""
+    without waiting for either; :func:`finish_clips` collects them. Each clip is encoded as if
+    alone (``codec.encode``'s ``lengths``): its codes never depend on its batch mates or padding."""
     cuda = codec.device.type == "cuda"
     launched = []
-    for batch, audio in batches:
+    for batch, audio, lengths in batches:
         # no CUDA graphs: a corpus brings ever-new batch shapes, each capture costs about three encodes;
         # read_clip checked the samples already (on the GPU, that scan would wait for the queued batches)
-        codes = codec.encode(audio.to(codec.device, non_blocking=True), cuda_graphs=False, check_finite=False)
+        codes = codec.encode(audio.to(codec.device, non_blocking=True), lengths=lengths, cuda_graphs=False,
+                             check_finite=False)
         if cuda:
             codes = [torch.empty(c.shape, dtype=c.dtype, pin_memory=True).copy_(c, non_blocking=True) for c in codes]
         launched.append((batch, codes))

@@ -16,6 +16,7 @@ from snac_fast.configs import DEFAULT_MODEL
 from snac_fast.datasets.batching import (
     LaunchedShard,
     _batch_dtype,
+    Batch,
     batch_audio,
     finish_clips,
     launch_batches,
@@ -131,7 +132,7 @@ def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> lis
             if k < len(todo):
                 reads[k] = readers.submit(shards[todo[k]])
 
-        def prepare(k: int) -> tuple[list[Clip], list[tuple[list[int], Tensor]]]:
+        def prepare(k: int) -> tuple[list[Clip], list[Batch]]:
             clips = readers.collect(shards[todo[k]], reads.pop(k))
             read(k + READ_AHEAD)  # the readers never wait for this thread
             return clips, batch_audio(codec, clips, pad, per_batch)
