@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
-from torch import Tensor
 
 from snac_fast.configs import DEFAULT_MODEL
 from snac_fast.datasets.batching import (
