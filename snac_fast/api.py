@@ -51,9 +51,8 @@ class FastSNAC:
     """
 
     # encodes of up to this many samples (batch x chunk length; 175 s at 24 kHz) replay CUDA graphs:
-    # an eager encode's ~100 launches cost more host time than a 60 s encode's GPU time (H100: 6.5
-    # against 4.7 ms); past it launches are amortised and a graph's memory pool (~0.35 GB a minute
-    # of audio at 24 kHz) is not worth keeping
+    # an eager encode's ~100 launches cost more host time than a 60 s encode's GPU time; past it
+    # launches are amortised and a graph's memory pool is not worth keeping (docs/measurements.md)
     encode_graph_samples = 1 << 22
 
     def __init__(

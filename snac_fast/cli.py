@@ -379,7 +379,7 @@ EXIT_AT_ONCE = frozenset({"decode", "encode"})
 def main(argv: list[str] | None = None, exit_at_once: bool = False) -> int:
     """Run a command; returns the exit status. ``exit_at_once`` (the console script): after decode
     and encode, end the process without tearing down the CUDA context and the interpreter's
-    modules, which costs ~0.8 s after the work is done (H100 machine, 2026-11-23)."""
+    modules, which costs most of a second after the work is done (docs/measurements.md)."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

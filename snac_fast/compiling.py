@@ -1,7 +1,7 @@
 """Compile Triton kernels concurrently, before their first launch.
 
 A fresh process compiles each kernel variant the first time it is launched, one after another:
-about 30 variants for a 24 kHz decode, 25 s on an H100 host. Inside :func:`compiling_concurrently`
+about 30 variants for a 24 kHz decode, tens of seconds (docs/measurements.md). Inside :func:`compiling_concurrently`
 the calling thread's launches compile without running (Triton's ``AsyncCompileMode``), so one pass
 over a decode's shapes hands every variant to a thread pool at once, and each job also builds its
 kernel's C launcher (a gcc run per kernel signature that Triton would otherwise do at the first
@@ -121,8 +121,8 @@ def _async_compile_mode(pool) -> Iterator[None]:
 
 class _CompileAndBuildLauncher(ThreadPoolExecutor):
     """A thread pool whose compile jobs also build their kernel's C launcher (cached in Triton's
-    cache; the first launch loads it): 13 launchers, 4.5 s of a 24 kHz decode's cold start when
-    built one by one (H100 host). With :data:`COMPILE_IN_FORKS` the compilation runs in a child."""
+    cache; the first launch loads it): built one by one, a 24 kHz decode's 13 launchers took seconds
+    of its cold start. With :data:`COMPILE_IN_FORKS` the compilation runs in a child."""
 
     def submit(self, fn, /, *args, **kwargs):
         job = _compiled_in_child if COMPILE_IN_FORKS else _compiled_with_launcher

@@ -33,12 +33,9 @@ from snac_fast.noise import seeded_noise
 from snac_fast.ops._runtime import true_float32
 from snac_fast.surgery import to_device_dtype
 
-# Thresholds per fast dtype, from the GPU fidelity matrix (H200, three synthetic models, B = 1 and 3,
-# 16 coarse frames; README, "Fidelity"). Lowest SNR measured: fp32 66.8 dB, fp16 58.8 dB (plain
-# upstream fp16 55.6-56.9), bf16 40.1 dB (plain upstream bf16 37.8-40.3); highest log-mel distance:
-# fp32 0.003, fp16 0.008, bf16 0.060 dB. The floors sit 8-12 dB under the lowest SNR, the log-mel
-# limits 5-7x over the highest distance; and reduced precision must also come within 0.2 dB of plain
-# upstream at the same dtype on the same codes (the baseline decode).
+# Thresholds per fast dtype, set 8-12 dB under the lowest SNR of the GPU fidelity matrix and 5-7x over
+# its highest log-mel distance (docs/measurements.md); and reduced precision must also come within
+# 0.2 dB of plain upstream at the same dtype on the same codes (the baseline decode).
 SNR_FLOOR_DB = {torch.float32: 55.0, torch.float16: 50.0, torch.bfloat16: 32.0}
 BASELINE_MARGIN_DB = 0.2
 LOG_MEL_LIMIT_DB = {torch.float32: 0.02, torch.float16: 0.05, torch.bfloat16: 0.3}

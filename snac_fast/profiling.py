@@ -175,7 +175,7 @@ def _timed_modules(model: nn.Module) -> list[tuple[str, nn.Module, int]]:
 def time_decode(model: nn.Module, codes: list[Tensor], device: torch.device, runs: int, warmup: int):
     """(rows {name: (kind, depth, shape, [ms per run])}, untimed GPU ms per run, eager ms per run).
 
-    Two hooked passes: one timing only the top-level rows (their events then add ~20 µs to a
+    Two hooked passes: one timing only the top-level rows (their events then add little to a
     decode), whose rows are kept; one timing every row, kept for the nested rows only."""
     clock = _Clock(device)
     codes = [c.to(device) for c in codes]

@@ -192,8 +192,8 @@ class SpeechServer:
     def __init__(self, codec, config: ServeConfig) -> None:
         config.layout.check_model(codec.config)
         # The engine thread takes the GIL back after each CUDA wait; with the event loop always busy,
-        # each take waited out the default 5 ms switch interval: engine calls of 50-250 ms at 256
-        # HTTP streams. This process is ours (a server), so it may set the interpreter's interval.
+        # each take waited out the default 5 ms switch interval (engine calls of hundreds of ms at 256
+        # HTTP streams). This process is ours (a server), so it may set the interpreter's interval.
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.codec, self.config = codec, config
         self.engine = codec.shared_stream_engine(config.lookahead, max_streams=config.max_streams)

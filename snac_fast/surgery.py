@@ -228,7 +228,7 @@ def _fuse_layers(order: list[tuple[str, nn.Sequential, int]], done: dict[str, li
 def _attention_applies_next_snake(seq: nn.Sequential, prefix: str) -> None:
     """A HalfLocalMHA followed by a DecoderBlock whose transposed conv runs the block's input snake
     takes that snake into its output projection's epilogue and writes the conv's input [B, T, C]
-    (32/44 kHz, B=1 chunk, H100: the conv 54 -> 26 us, and one snake launch less)."""
+    (the conv twice as fast at 32/44 kHz chunks, and one snake launch less; docs/measurements.md)."""
     from snac.layers import DecoderBlock
 
     for i, (layer, after) in enumerate(zip(seq, seq[1:])):

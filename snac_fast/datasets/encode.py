@@ -117,9 +117,8 @@ def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_sec
 def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> list[dict]:
     """The local engine. This thread only launches encodes; one helper thread collects each
     shard's audio from the reader processes (reading ``READ_AHEAD`` shards ahead) and builds its
-    pinned batches, another fetches the codes and writes the shard. On a 16-CPU H100 host the
-    launching thread was the bottleneck with all of that in it: ~175 ms per 256-file shard against
-    ~105 ms of GPU work (docs/datasets.md)."""
+    pinned batches, another fetches the codes and writes the shard. With all of that in it, the
+    launching thread was the bottleneck (docs/measurements.md)."""
     done: list[dict] = []
     pad, per_batch = settings["pad_seconds"], settings["batch_seconds"]
     with _Readers(loaders, codec.sampling_rate, _batch_dtype(codec)) as readers, \

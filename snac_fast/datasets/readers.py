@@ -19,7 +19,7 @@ import torch
 from snac_fast.datasets.inputs import AudioInput, Clip, read_clip
 
 # shards being read ahead of the one being batched: with one, the readers sat idle while the
-# previous shard was collected and batched (H100: ~150 ms per 256-file shard, GPU ~105)
+# previous shard was collected and batched (docs/measurements.md)
 READ_AHEAD = 2
 
 
@@ -51,8 +51,8 @@ def _map_read_only(fd: int, size: int) -> mmap.mmap:
 def _start_reader() -> None:
     torch.set_num_threads(1)  # one reader per core; and no OpenMP pool inherited across fork
     try:
-        # the lowest priority: beside 16 busy readers on a 16-CPU H100 host, the launching thread
-        # took 177 ms of CPU per 256-file shard at the default priority, 87 ms at this one (68 idle)
+        # the lowest priority: beside busy readers the launching thread waited for a CPU twice as
+        # long at the default priority (docs/measurements.md)
         os.nice(19)
     except (AttributeError, OSError):  # no os.nice (Windows), or not permitted
         pass

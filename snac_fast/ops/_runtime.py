@@ -146,10 +146,10 @@ _runtime_warmup_lock = threading.Lock()
 
 def start_runtime_warmup(device: torch.device) -> None:
     """Once per process, on two background threads while the caller builds a model on the CPU:
-    start CUDA on ``device`` (its context, 0.1 s, and cuDNN's libraries and handle, which the
-    transposed convs' first call would load: 0.07 s; H100 host), and compute Triton's cache key
-    (``triton_key``, a sha256 of its ~400 MB compiler library that the first kernel launch of a
-    process needs to find its compiled kernels: 0.35-1.1 s depending on the CPU). Both release the
+    start CUDA on ``device`` (its context, and cuDNN's libraries and handle, which the transposed
+    convs' first call would load), and compute Triton's cache key (``triton_key``, a sha256 of its
+    ~400 MB compiler library that the first kernel launch of a process needs to find its compiled
+    kernels: up to a second; docs/measurements.md). Both release the
     GIL. :func:`finish_runtime_warmup` waits for them. A no-op off CUDA."""
     if device.type != "cuda" or not HAS_TRITON or TRITON_INTERPRET:
         return
@@ -236,9 +236,8 @@ def dependent_launch(device: torch.device, programs: int) -> bool:
     CUDA compute capability 9.0+ (Hopper), compiled Triton, not switched off with
     ``SNAC_FAST_PDL=0``, and a grid of at most a few programs per SM. A streaming decode is a
     chain of short single-wave kernels; PDL overlaps each one's launch with the end of the one
-    before (H200, 24 kHz streaming chunk: graph replay 0.209 -> 0.200 ms). Long grids lose by it
-    (60 s decode: 5.59 -> 6.10 ms with every kernel on PDL): their next kernel's waiting programs
-    take SM slots from the last wave."""
+    before. Long grids lose by it: their next kernel's waiting programs take SM slots from the last
+    wave (both measured: docs/measurements.md)."""
     limits = gpu_limits(device)
     if limits is None or os.environ.get("SNAC_FAST_PDL", "1") == "0":
         return False
@@ -256,8 +255,8 @@ def through_op(*tensors: torch.Tensor | None) -> bool:
     """Whether a call must go through its registered ``torch.library`` op rather than the op's body:
     when torch.compile or export traces it, or autograd records it. Plain inference calls the body
     directly: an op's first call imports torch._dynamo and what it pulls in (sympy, distributed:
-    about 850 modules, 1-5 s of a fresh process's first decode), and each call pays the
-    dispatcher's ~15 us."""
+    about 850 modules, seconds of a fresh process's first decode), and each call pays the
+    dispatcher's overhead (docs/measurements.md)."""
     if torch.compiler.is_compiling():
         return True
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
@@ -286,7 +285,7 @@ def true_float32():
 
 def exact_float32_cudnn(x: torch.Tensor):
     """A context for a cuDNN call on ``x``: float32 on CUDA runs in real float32 (cuDNN's TF32,
-    PyTorch's default, costs a float32 decode ~50 dB: 70 against 121 dB from upstream's float32);
+    PyTorch's default, costs a float32 decode about 50 dB against upstream; docs/measurements.md);
     other dtypes and devices, and traced calls (the compiler picks its own convs), are untouched."""
     if x.dtype != torch.float32 or not x.is_cuda or torch.compiler.is_compiling() or not torch.backends.cudnn.allow_tf32:
         return contextlib.nullcontext()

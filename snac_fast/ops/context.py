@@ -72,8 +72,7 @@ def _context_tile(C: int, T: int, channels_last: bool) -> tuple[int, int]:
     """(BLOCK_T, BLOCK_C): 64 x 32 channels-last, 128 x 16 otherwise, and fewer time steps but more
     channels per program for buffers shorter than that: a 64-stream step's first stages hold 16-44
     samples per row, and 16 channels per program left each program a few hundred elements between
-    two memory round trips (H100, 24 kHz step: the 5 context kernels 46.6 -> 34.5 us at 64 streams,
-    173 -> 124 us at 256; 1 and 16 streams within 2 us; scripts/experiments/ab_context_tiles.py)."""
+    two memory round trips (docs/measurements.md)."""
     block_t = min(64 if channels_last else 128, max(16, triton.next_power_of_2(T)))
     return block_t, min(max(16, triton.next_power_of_2(C)), _CONTEXT_TILE // block_t)
 

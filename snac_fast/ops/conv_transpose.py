@@ -201,11 +201,8 @@ def conv_transpose_reference(x: Tensor, weight: Tensor, bias: Tensor | None, str
 
 
 # (accumulator rows = BLOCK_M * phases, BLOCK_J) in order of preference: 128-row tiles as long as the
-# grid fills the GPU (H200, streaming chunk at B=1, channels-last input, the 24 kHz blocks 2-4:
-# 5.7/4.8/3.4 us against 7.0/5.5/3.9 on the 64-row tiles first; scripts/tune_tiles.py --only convt).
-# Narrower rows before narrower columns: a second column block streams the whole weight again (32/44
-# kHz block 1 at a B=1 chunk, 37.7 MB of weights, 32 columns: 27.3 us in 32 x 16 tiles, 20.6 us in
-# 32 x 32; H100, two weight copies alternating past L2)
+# grid fills the GPU; narrower rows before narrower columns, since a second column block streams the
+# whole weight again (both measured: docs/measurements.md)
 _CONVT_TILES = ((128, 128), (128, 32), (128, 16), (64, 32), (32, 32), (32, 16), (16, 16))
 
 
@@ -221,9 +218,8 @@ def _convt_config(C_out: int, phases: int, C_in: int, n_cols: int, batches: int,
                   device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_J, BLOCK_K, num_warps, num_stages) for ``batches`` x [C_out * phases, n_cols]
     outputs (columns: time steps, or all batches' when folded): the biggest tile whose grid still gives
-    every SM a program (streaming chunks are latency-bound: 1.5-2x faster than one big tile on an
-    H200); 32-deep K steps for the biggest tiles; float32 takes at most 32 and 2 stages to fit
-    shared memory."""
+    every SM a program (streaming chunks are latency-bound; docs/measurements.md); 32-deep K steps
+    for the biggest tiles; float32 takes at most 32 and 2 stages to fit shared memory."""
     if interpreter_configs():
         block_m = max(1, min(triton.next_power_of_2(C_out), 1024 // phases))
         return block_m, max(16, min(256, triton.next_power_of_2(n_cols))), _block_k(C_in), 4, 3
@@ -281,7 +277,7 @@ def _conv_transpose(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | No
     if kernel_applies(x):
         if alpha_in is not None:
             # once, before the GEMM: inside it each output-channel block recomputed it on every K step
-            # (32 kHz block 1, B=1 chunk, H100: 120 us against 26 us plus a snake kernel)
+            # (over 4x slower; docs/measurements.md)
             x = snake(x, alpha_in)
         return _conv_transpose_triton(x, packed, bias, stride)
     return conv_transpose_reference(x, weight, bias, stride, alpha_in).contiguous()

@@ -3,7 +3,7 @@ GEMM, beside its torch reference: the encoder's input conv (one channel in) and 
 downsampling convs (kernel 2s, stride s).
 
 cuDNN runs these in NHWC: given [B, C, T] tensors it wraps its kernel in two layout transforms and
-adds the bias in a third pass (H100, 24 kHz encode of 10 s at B=32: 9.8 of 26 ms). Here the input
+adds the bias in a third pass (over a third of an encode; docs/measurements.md). Here the input
 is read channels-last ([B, T, C] memory, which the encoder's residual unit before the conv writes):
 the K * C_in values that output step t reads, from x[t * stride - padding] on, are then contiguous,
 so the conv is one GEMM of the weight [C_out, K * C_in] (columns (tap, channel)) by a strided view

@@ -7,9 +7,8 @@ registers, fp32 accumulation; x is read from memory about once). Where T % 8 == 
 the aligned 16-byte chunks around its run of outputs once and shifts taps among its registers;
 other lengths load each tap as a shifted tile (unaligned 2-byte loads, mostly L1 hits).
 The unit's first snake is not computed here: inside this kernel it would be recomputed for each of
-the 7 taps, which measured slower at every decoder shape, streaming chunks included (H200, e.g.
-60 s, 64 channels: 600 vs 395 us per unit; docs/kernels.md, "The kernels"). The layer before the unit
-writes it instead (``pointwise_conv_pair``).
+the 7 taps, which measured slower at every decoder shape, streaming chunks included
+(docs/measurements.md). The layer before the unit writes it instead (``pointwise_conv_pair``).
 """
 
 from __future__ import annotations
@@ -183,13 +182,13 @@ def depthwise_conv_snake_reference(x: Tensor, weight: Tensor, bias: Tensor | Non
 
 def _dw_config(n_rows: int, T: int, halo: int, device: torch.device) -> tuple[int, int, int, int]:
     """(ROWS, BLOCK_T, num_warps, RUN) for the depthwise kernel over [n_rows, T] with a tap reach of
-    ``halo`` steps each side, as measured fastest on an H200 at the 24 kHz decoder's shapes (a sweep
-    of rows, length, warps and run length; scripts/tune_tiles.py --only dw covers the same configs).
+    ``halo`` steps each side, as measured fastest at the 24 kHz decoder's shapes (a sweep of rows,
+    length, warps and run length; docs/measurements.md).
     T % 8 == 0 (every decoder layer after the first) takes runs of aligned chunks: on a small grid,
     tiles of up to 2048 outputs, 8 per thread, at least a wave of programs; rows up to 4096 steps
     as one tile each, 16 outputs per thread, in runs of 16 where the halo spans more than two
     chunks (dilation 9), unless a row past 512 steps would fill under 60% of its tile: then 4 rows
-    of 256-step tiles, 32 outputs per thread (an H100 sweep at stream-step shapes); longer rows in
+    of 256-step tiles, 32 outputs per thread (a sweep at stream-step shapes); longer rows in
     2048-step tiles of 32 outputs per thread. Other T: per-tap loads (RUN = 0), 512-element tiles
     of one warp, or of four while the grid is small."""
     if interpreter_configs():  # few, big programs of per-tap loads: the interpreter pays per program and per
@@ -208,8 +207,8 @@ def _dw_config(n_rows: int, T: int, halo: int, device: torch.device) -> tuple[in
         per_thread, run = 8, 1
     elif 512 < T <= 4096 and 5 * T < 3 * triton.next_power_of_2(T):
         # a row as one tile would leave over 40% of its lanes idle (stream steps: 1120 and 2144 steps):
-        # 4 rows of 256-step tiles, 32 outputs per thread on one warp (H100, 64-stream step, 128 and
-        # 64 channels: 25-28 -> 19-24 us per call; scripts/tune_tiles.py --only dw-calls)
+        # 4 rows of 256-step tiles, 32 outputs per thread on one warp (faster at 64-stream steps;
+        # docs/measurements.md)
         return 4, 256, 1, 2 if halo > 16 else 1
     elif T <= 4096:
         elements, per_thread, run = max(512, triton.next_power_of_2(T)), 16, 2 if halo > 16 and T > 8 else 1

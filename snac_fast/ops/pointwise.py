@@ -208,15 +208,10 @@ _PW_TILES = ((64, 128), (64, 64), (64, 32), (64, 16), (32, 16), (16, 16))
 
 def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> tuple[int, int, int, int, int]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages). Long inputs and batches: 64 x 128 tiles,
-    and the whole of C_in <= 128 in one K step (the GEMM is bandwidth-bound there: on an H200 at a
-    B=32 chunk, 128 channels, 43 us against 54 us for 128 x 128 tiles in 64-deep steps; the whole
-    decode 0.99 against 1.05 ms). Streaming chunks: the biggest tile that still gives every SM a
-    program, and 128-deep K steps for the narrow ones (fewer serial iterations); 2-4x faster than
-    one big tile at those shapes (scripts/tune_tiles.py). The NoiseBlock's GEMM after a cuDNN
-    transposed conv took 128 x 64 tiles while it added the conv's bias to every h tile; with the
-    bias folded, the tiles of every other call win at most recorded calls (H100, 192 channels,
-    60 s at 32 kHz: 674 -> 571 us) and lose 1-3 us at a few short 768-channel ones
-    (``scripts/experiments/ab_noise_fold.py``, ``benchmarks/logs/noise_fold_ab_h100.log``)."""
+    and the whole of C_in <= 128 in one K step (the GEMM is bandwidth-bound there). Streaming
+    chunks: the biggest tile that still gives every SM a program, and 128-deep K steps for the
+    narrow ones (fewer serial iterations). The NoiseBlock's GEMM, its conv's bias folded, takes the
+    same tiles as every other call. Measurements: docs/measurements.md."""
     if interpreter_configs():
         return (max(16, min(128, triton.next_power_of_2(C_out))), max(16, min(1024, triton.next_power_of_2(T))),
                 max(16, min(64, triton.next_power_of_2(C_in))), 4, 3)
@@ -237,16 +232,11 @@ def _tma_tile(h: Tensor, w: Tensor, plain: tuple[int, ...],
     half-precision problems of 256+ output channels large enough for the plain kernel's biggest
     tile (``plain``: the call's :func:`_pw_config`), on Hopper, with 16-byte aligned rows
     (channels and time steps multiples of 8) and bases.
-    There it runs 128 x 128 tiles on 8 warps (the plain kernel at that tile: 0.6-1.3x its own).
-    H100, fp16, every such call of the decodes (``scripts/experiments/ab_pw_tma.py``,
-    ``benchmarks/logs/pw_tma_ab_h100.log``, bitwise the same outputs): 0.97-1.43x per call (1536
-    channels 74 -> 54 us, 768 channels at 32 kHz 60 s 164 -> 147 us), 1.07-1.27x over a decode's
-    calls; whole decodes 1.0-3.4% faster from 5 s and B=32 chunks up (near that A/B's noise: B=1
-    chunks, with no such call, measured 0.7-3.6% apart). Below 256 channels it gained nothing
-    overall (0.94-1.17x per call at the plain kernel's tiles, 0.88-1.02x at 128 x 128;
-    ``benchmarks/logs/pw_tma_calls_h100.log``), and persistent programs looping over tiles were
-    0.6-0.8x. Its K loop accumulates inside the MMA (``tl.dot(a, b, acc)``): ``acc + tl.dot(a, b)``
-    made the calls with [B, T, C] input 0.78-0.88x the plain kernel."""
+    There it runs 128 x 128 tiles on 8 warps, bitwise the same outputs as the plain kernel and
+    faster over a decode's calls; below 256 channels it gained nothing overall, and persistent
+    programs looping over tiles were slower (docs/measurements.md). Its K loop accumulates inside
+    the MMA (``tl.dot(a, b, acc)``): ``acc + tl.dot(a, b)`` made the calls with [B, T, C] input
+    slower than the plain kernel."""
     B, C_in, T = h.shape
     C_out = w.shape[0]
     if not has_tma(h.device) or h.dtype not in (torch.float16, torch.bfloat16) or C_out < 256:
@@ -285,8 +275,7 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
         block_m, block_n, block_k, warps, stages = config
         n_m, n_t = triton.cdiv(C_out, block_m), triton.cdiv(T, block_n)
         # the output-channel blocks of one time tile run together, so h's columns come from HBM once
-        # (H100, fp16, 60 s: the 32 kHz units' GEMMs 1.85 -> 1.36 ms, 24 kHz 0.98 -> 0.86 ms; chunks
-        # within +-5%; scripts/tune_tiles.py --only pw-order)
+        # (docs/measurements.md)
         order = n_m > 1 if rows_fastest is None else rows_fastest
         flat = lambda t: w if t is None else t.reshape(-1)  # noqa: E731 - an unused pointer slot
         flags = dict(HAS_BIAS=bias is not None, HAS_RES=residual is not None, HAS_SCALE=scale is not None,

@@ -171,7 +171,7 @@ def _launch_config(n_rows: int, T: int, elem_bytes: int, backward: bool = False)
     """(ROWS, BLOCK_T, num_warps) for a [n_rows, T] problem.
 
     Tiles of 8 KB of x (forward) or 2,048 elements (backward, which also streams g and dx) were the
-    fastest or within noise of it in a sweep on an H200 (scripts/bench_snake.py --tune); small
+    fastest or within noise of it in a sweep (docs/measurements.md); small
     tensors get smaller tiles so they still spread over the SMs. Long rows get one-row tiles, short
     rows are stacked ROWS to a tile so no lanes idle.
     """

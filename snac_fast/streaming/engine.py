@@ -452,7 +452,7 @@ class StreamEngine:
     def _step_batch(self, streams: tuple) -> "_StepBatch":
         """``step``'s streams, checked (ValueError for one closed, another engine's or repeated):
         their slots and key rows. Kept once all have started, until a stream closes: a server
-        steps the same streams call after call, and checking 64 of them costs ~0.1 ms of host."""
+        steps the same streams call after call, and checking them costs host time each call."""
         try:
             batch = self._step_batches.get(streams)
         except TypeError:  # an unhashable entry: _check_streams names it
@@ -584,8 +584,8 @@ class StreamEngine:
         while streams:
             slots = _slots_of(streams)
             frames = self._step_frames_of(self._pending.tail[slots] - self._pending.head[slots])
-            # the distinct step sizes, without np.unique: its first call imports numpy.ma (a 50-130 ms
-            # stall, seen as the first prefills' slow pushes under load)
+            # the distinct step sizes, without np.unique: its first call imports numpy.ma (a stall,
+            # seen as the first prefills' slow pushes under load; docs/measurements.md)
             for k in sorted(set(frames[frames > 0].tolist())):
                 picked = np.flatnonzero(frames == k)
                 group = streams if len(picked) == len(streams) else [streams[i] for i in picked]

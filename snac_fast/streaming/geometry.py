@@ -131,8 +131,8 @@ class Geometry:
         return -self.b[-1]
 
 
-# Triton specializes a stride divisible by 16 and only then vectorizes loads along time: a step whose
-# buffers were 1112 or 2136 samples long ran its block 3-4 kernels 1.5-3x slower (H100, 64 streams)
+# Triton specializes a stride divisible by 16 and only then vectorizes loads along time: steps whose
+# buffers were not ran their block 3-4 kernels 1.5-3x slower (docs/measurements.md)
 ALIGN = 16
 
 

@@ -66,11 +66,11 @@ class StepGraph:
         capture, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool, stream=capture):
             # the upload and its event inside the graph: a call costs one launch, not a copy, an event
-            # record and a launch (H100 host, 1 stream: ~20 us before the replay starts)
+            # record and a launch
             self.static.copy_(self.host, non_blocking=True)
             self.copied.record()
             # the noise depends on the keys alone: drawn on a branch of the graph that runs beside the
-            # first layers, off the step's critical path (4 kernels, ~10 us at 1 stream on an H100)
+            # first layers, off the step's critical path (4 kernels; docs/measurements.md)
             side.wait_stream(capture)
             with torch.cuda.stream(side):
                 self.noise = {call.index: engine.draw_noise(keys_view, call) for call in noise_calls}
