@@ -87,6 +87,23 @@ def test_check_fidelity_passes_in_float32(fast24):
     assert fast24.check_fidelity(codes, seed=0).snr_db == r.snr_db  # reproducible
 
 
+def test_half_precision_check_runs_the_plain_upstream_baseline():
+    """The baseline path on CPU: a float16 codec is also compared with plain upstream decoded in
+    float16, and must come within 0.2 dB of it; snac-fast (float32 accumulation) beats it.
+    (Not bfloat16 here: Triton's interpreter rounds float32 to bfloat16 toward zero, twice the
+    GPU's round-to-nearest error, so its bfloat16 kernels are not the GPU's arithmetic;
+    test_gpu_fidelity_matrix runs that baseline on the GPU.)"""
+    dtype = torch.float16
+    fast = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", dtype=dtype)
+    codes = random_codes(fast.config, 2, batch=2, seed=3)
+    r = fast.check_fidelity(codes, seed=0)
+    assert r.fast_dtype == str(dtype).replace("torch.", "") and r.baseline_snr_db is not None
+    assert 25 < r.baseline_snr_db < 80  # plain upstream in half precision: far from float32's 120+ dB
+    assert r.thresholds["min_snr_db"] == max(r.thresholds["snr_floor_db"], r.baseline_snr_db - 0.2)
+    assert r.passed and r.snr_db > r.baseline_snr_db, str(r)
+    assert fast.check_fidelity(codes, seed=0, baseline=False).baseline_snr_db is None
+
+
 def test_different_noise_fails_the_check(fast24):
     """The check is only meaningful with identical noise: a deliberately different seed must fail."""
     codes = random_codes(fast24.config, 2, seed=3)

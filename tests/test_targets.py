@@ -28,7 +28,7 @@ def close(got, ref):
     assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-def test_rules_read_the_emulated_devices_limits():
+def test_rules_read_the_emulated_devices_limits(monkeypatch):
     assert gpu_limits(CPU) is None and wave_programs(CPU) == 1  # the interpreter's own configurations
     with emulate_gpu(GPUS["l4"]):
         assert wave_programs(CPU) == 32 and not has_tma(CPU) and launch_flags(CPU, 4) == {"PDL": False, "launch_pdl": False}
@@ -36,7 +36,9 @@ def test_rules_read_the_emulated_devices_limits():
         assert wave_programs(CPU) == 128 and not has_tma(CPU)
     with emulate_gpu(GPUS["h100"]):
         assert wave_programs(CPU) == 128 and has_tma(CPU) and launch_flags(CPU, 4)["PDL"]
-        assert not launch_flags(CPU, 8 * 128 + 1)["PDL"]  # long grids lose by dependent launch
+        assert launch_flags(CPU, 8 * 128)["PDL"] and not launch_flags(CPU, 8 * 128 + 1)["PDL"]  # long grids lose by it
+        monkeypatch.setenv("SNAC_FAST_PDL", "0")
+        assert not launch_flags(CPU, 4)["PDL"]  # switched off
     assert gpu_limits(CPU) is None
     with pytest.raises(ValueError, match="must be positive"):
         GpuLimits("none", (8, 6), 0, 1)
