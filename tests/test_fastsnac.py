@@ -283,4 +283,6 @@ def test_half_precision_attention_runs_in_half():
     out = fast.decode(codes, seed=0)
     assert out.dtype == torch.bfloat16
     expected = decode_with_keyed_noise(fast.reference_model(), codes, 0)  # the noise decode(seed=0) feeds
+    # a loose floor, not the baseline rule: the interpreter rounds float32 to bfloat16 toward zero
+    # (test_fidelity), so bfloat16 here is not the GPU's arithmetic; the gpu fidelity matrix holds the rule
     assert snr_db(expected, out) > 25
