@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import PERTURBATIONS, perturb, random_codes
 from snac_fast import CheckpointError, FastSNAC
+from snac_fast.configs import published_config
 from snac_fast.synthetic import fill_hub_cache, make_checkpoint, state_dict_sha256, synthetic_model
 
 REPO = "hubertsiuzdak/snac_24khz"
@@ -68,6 +70,16 @@ def test_legacy_weight_norm_keys_load(tmp_path, checkpoint_dir):
     key = next(k for k in broken if k.endswith("weight_v"))
     broken[key] = broken[key] * 1.0001 + 1e-4  # a conv loaded a little wrong must not pass
     torch.save(broken, tmp_path / "pytorch_model.bin")
+    assert not same_weights(FastSNAC.from_pretrained(tmp_path, device="cpu"), FastSNAC.from_pretrained(checkpoint_dir, device="cpu"))
+
+
+@pytest.mark.parametrize("what", list(PERTURBATIONS))
+def test_loading_check_rejects_a_small_error(tmp_path, checkpoint_dir, what):
+    """A checkpoint with one tensor off by 1e-4 (the mutation tests' errors) loads to other weights."""
+    model = synthetic_model("snac_24khz", seed=0)
+    perturb(model, what, random_codes(published_config("snac_24khz"), 2, seed=0))
+    (tmp_path / "config.json").write_text((checkpoint_dir / "config.json").read_text())
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
     assert not same_weights(FastSNAC.from_pretrained(tmp_path, device="cpu"), FastSNAC.from_pretrained(checkpoint_dir, device="cpu"))
 
 
