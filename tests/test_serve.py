@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import socket
 import threading
 import time
 
@@ -291,8 +292,8 @@ def test_serve_cli_refuses_bad_arguments(capsys):
 
 
 def test_lm_client_streams_as_many_requests_at_once_as_the_server_has_streams():
-    """Every stream holds its own LM connection: 150 streams at once reach the LM together (httpx's
-    default pool of 100 connections queued the rest behind whole answers)."""
+    """Every stream holds its own LM connection: 150 streams at once reach the LM together (a pool of
+    100 connections, httpx's and aiohttp's default, queued the rest behind whole answers)."""
     lm = FakeLM(pace=0.05, frames=3)  # slow answers: ~0.24 s a token, all held open together
     streams = 150
     with LiveServer(lm.app) as lm_server:
@@ -314,6 +315,21 @@ def test_lm_client_streams_as_many_requests_at_once_as_the_server_has_streams():
             await client.aclose()
             return reached
         assert asyncio.run(run()) == streams
+
+
+def test_an_unreachable_lm_is_a_clear_502(codec):
+    """An LM that refuses connections: the request gets a 502 naming the LM's URL, not a 500 page,
+    and the stream's slot is freed."""
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    app = create_app(codec, ServeConfig(lm_url=f"http://127.0.0.1:{port}/v1"))
+    with LiveServer(app) as server:
+        r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello"}, timeout=60)
+        assert r.status_code == 502
+        message = r.json()["error"]["message"]
+        assert f"127.0.0.1:{port}" in message and "failed" in message
+        assert slots_freed(app.state.server)
 
 
 def test_fake_lm_paces_its_tokens_and_records_first_frames():
