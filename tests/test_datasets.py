@@ -201,8 +201,10 @@ def test_decode_names_outputs_after_their_sources_and_records_failed_rows(codec,
     assert soundfile.info(str(tmp_path / "out" / "good.wav")).frames == round(0.3 * 24000)
 
 
-def test_ray_engine_writes_the_same_shards(corpus, tmp_path):
-    """Ray Data on a local CPU cluster: CPU tasks read, actors encode; the shards equal the local engine's."""
+def test_ray_engine_writes_the_same_shards(corpus, tmp_path, monkeypatch):
+    """Ray Data on a local CPU cluster: CPU tasks read, actors encode (two shards at a time, as GPU
+    actors do); the shards equal the local engine's."""
+    monkeypatch.setattr("snac_fast.datasets.ray_engine.CALLS_PER_CPU_ACTOR", 2)
     model = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))
     common = dict(model=model, device="cpu", model_options={"accelerate_encoder": False, "fuse": False},
                   files_per_shard=3, pad_seconds=0.5)
