@@ -409,19 +409,32 @@ async def _speech_chunks(server: SpeechServer, sid: int, text: str, voice: str, 
                          sample_format: str) -> AsyncIterator[bytes]:
     """PCM bytes of one speech request as they become final; the stream is released on any exit."""
     finished = False
+    frame_size = server.config.layout.frame_size
+
+    async def push(ids: list[int]) -> np.ndarray:
+        try:
+            return await server.push(sid, ids)
+        except ValueError as e:
+            raise LMOutputError(f"the language model sent a token that is not audio: {e}") from None
+
     try:
         first = True
+        held: list[int] = []  # ids that complete no frame yet: pushing them would decode nothing
+        position = 0  # ids pushed so far
         async for ids in server.lm.ids(text, voice, model):
+            held += ids
+            if position % frame_size + len(held) < frame_size:
+                continue
             started = time.perf_counter()
-            try:
-                audio = await server.push(sid, ids)
-            except ValueError as e:
-                raise LMOutputError(f"the language model sent a token that is not audio: {e}") from None
+            audio = await push(held)
+            position, held = position + len(held), []
             if audio.size:
                 if first:
                     server.metrics.first_audio.observe(time.perf_counter() - started)
                     first = False
                 yield _pcm_bytes(audio, sample_format)
+        if held:  # an incomplete last frame: its ids are checked, then dropped by the flush
+            await push(held)
         finished = True
         audio = await server.batcher.flush(sid, drop_incomplete_frame=True)
         if audio.size:
