@@ -1,0 +1,58 @@
+"""Kernel variants a stream engine's warm-up compiles, counted on a CPU (no GPU): every step shape
+``engine.warmup(max_batch=N)`` captures (prefill, one-group step and flush at each batch bucket) is
+run through Triton's interpreter with an H100's launch rules, recording each distinct launch
+(:func:`snac_fast.targets.record_launches`): kernel, constexprs, warps and stages, and the int and
+pointer arguments Triton specializes as divisible by 16. Each distinct launch is one compile of an
+empty-cache cold start.
+
+    TRITON_INTERPRET=1 python scripts/experiments/warmup_variants.py --streams 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+
+from snac_fast import FastSNAC  # noqa: E402
+from snac_fast.ops._runtime import GPUS  # noqa: E402
+from snac_fast.streaming.engine import FLUSH, PREFILL, STEP  # noqa: E402
+from snac_fast.synthetic import synthetic_model  # noqa: E402
+from snac_fast.targets import record_launches  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="snac_24khz")
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    args = parser.parse_args()
+    codec = FastSNAC(synthetic_model(args.model), device="cpu", dtype=torch.float16)
+    engine = codec.stream_engine(max_streams=args.streams)
+    buckets = sorted({min(1 << i, args.streams) for i in range(args.streams.bit_length() + 1)})
+    shapes = [(kind, b, k) for b in buckets
+              for kind, k in [(PREFILL, engine.prefill_frames), (FLUSH, 0), (STEP, engine.frames_per_group)]]
+
+    def run() -> None:  # what engine.warmup's shapes-only pass launches
+        for kind, bucket, frames in shapes:
+            keys = np.zeros((4, bucket), np.int64)
+            keys[0] = engine.max_streams
+            codes = [] if kind == FLUSH else [torch.zeros((bucket, frames * r), dtype=torch.int64) for r in engine._ratios]
+            engine._forward(kind, torch.from_numpy(keys), codes, frames)
+
+    launches = record_launches(run, GPUS[args.gpu])
+    print(f"{args.model}, {args.streams} streams, {len(buckets)} buckets x 3 step kinds = {len(shapes)} graphs: "
+          f"{len(launches)} distinct launches")
+    for kernel, n in collections.Counter(launch.kernel for launch in launches).most_common():
+        print(f"  {n:4d} {kernel}")
+    unaligned = {(l.kernel, l.signature, l.constexprs, l.num_warps, l.num_stages) for l in launches}
+    print(f"without the divisible-by-16 specializations: {len(unaligned)}")
+
+
+if __name__ == "__main__":
+    main()
