@@ -136,7 +136,8 @@ class LMClient:
             connector = aiohttp.TCPConnector(limit=self.config.max_streams + 8)
             timeout = aiohttp.ClientTimeout(total=None, connect=self.config.lm_timeout_s,
                                             sock_read=self.config.lm_timeout_s)
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout)
+            # trust_env: HTTP(S)_PROXY and NO_PROXY apply, as for any HTTP client a user configures
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True)
         return self._session
 
     async def ids(self, text: str, voice: str, model: str | None) -> AsyncIterator[list[int]]:
