@@ -30,6 +30,7 @@ from bench_common import environment, markdown_table, timed_call, write_results 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast import datasets  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
+from snac_fast.encoding import padding_unit  # noqa: E402
 from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
 from snac_fast.synthetic import speech_like, synthetic_model  # noqa: E402
 
@@ -68,10 +69,11 @@ def fast_rows_encode(name: str):
     """The same encode told each row's own length (``lengths``: every row shorter than the batch,
     as in a padded dataset batch), so the cost of clearing the rows' tails shows against FAST."""
     codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16)
+    unit = padding_unit(codec.config)
 
-    def encode(audio):
+    def encode(audio):  # rows 1-4 padding units (and a sample) short of the batch
         batch, samples = audio.shape[0], audio.shape[-1]
-        return codec.encode(audio, lengths=[samples - 1 - (997 * i) % max(1, samples // 4) for i in range(batch)])
+        return codec.encode(audio, lengths=[max(1, samples - (i % 4 + 1) * unit - 1) for i in range(batch)])
     return encode
 
 
