@@ -160,6 +160,7 @@ def _lookahead(text: str) -> int | str | None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     try:
+        import aiohttp  # noqa: F401
         import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401

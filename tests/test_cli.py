@@ -212,3 +212,14 @@ def test_dataset_commands_name_their_extra_when_pyarrow_is_missing(tmp_path, mon
         assert cli_module.main(args) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "pip install 'snac-fast[datasets]'" in err[0], err
+
+
+@pytest.mark.parametrize("missing", ["aiohttp", "starlette", "uvicorn", "prometheus_client"])
+def test_serve_names_its_extra_when_a_package_is_missing(monkeypatch, capsys, missing):
+    """Without one of the [serve] extra's packages: one line naming the extra, exit 2."""
+    from snac_fast import cli as cli_module
+
+    monkeypatch.setitem(sys.modules, missing, None)
+    assert cli_module.main(["serve", "--lm-url", "http://127.0.0.1:9/v1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'snac-fast[serve]'" in err[0] and missing in err[0], err
