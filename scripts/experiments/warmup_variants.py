@@ -31,10 +31,13 @@ def main() -> None:
     parser.add_argument("--model", default="snac_24khz")
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    parser.add_argument("--buckets", default=None, help="batch buckets to warm, e.g. 1,16,64,256 (default: the engine's powers of two)")
     args = parser.parse_args()
     codec = FastSNAC(synthetic_model(args.model), device="cpu", dtype=torch.float16)
     engine = codec.stream_engine(max_streams=args.streams)
     buckets = sorted({min(1 << i, args.streams) for i in range(args.streams.bit_length() + 1)})
+    if args.buckets:
+        buckets = sorted(int(b) for b in args.buckets.split(","))
     shapes = [(kind, b, k) for b in buckets
               for kind, k in [(PREFILL, engine.prefill_frames), (FLUSH, 0), (STEP, engine.frames_per_group)]]
 
