@@ -134,7 +134,7 @@ def _add_serve_parser(sub, fmt) -> None:
     p.add_argument("--lm-model", help="model name for the LM's completions requests (default: the request's 'model')")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8880)
-    p.add_argument("--workers", type=int, default=1, help="worker processes, each with its own engine on the GPU")
+    p.add_argument("--workers", type=int, default=1, help="worker processes, each with its own engine; without --device they take the host's GPUs in turn")
     p.add_argument("--max-streams", type=int, default=256, help="concurrent streams per worker")
     p.add_argument("--max-batch", type=int, default=256, help="streams per engine call")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle stream is released")

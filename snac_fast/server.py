@@ -384,7 +384,7 @@ def create_app(codec, config: ServeConfig | None = None):
 
     async def health(request: Request) -> JSONResponse:
         status = "draining" if server.draining else "ok"
-        return JSONResponse({"status": status, "open_streams": server.batcher.open_streams,
+        return JSONResponse({"status": status, "device": str(server.codec.device), "open_streams": server.batcher.open_streams,
                              "slots_in_use": server.engine.open_streams, "max_streams": server.engine.max_streams,
                              "sampling_rate": server.rate},
                             status_code=503 if server.draining else 200)
@@ -477,6 +477,27 @@ async def _sse(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes])
 
 
 ENVIRONMENT = "SNAC_FAST_SERVE"  # the JSON settings each uvicorn worker process builds its app from
+CLAIMS = "SNAC_FAST_SERVE_CLAIMS"  # a folder where each worker claims its number (its GPU among several)
+
+
+def worker_device(device: str | None, claims: str | None) -> str | None:
+    """The device a worker process serves on: ``device`` when one was given; else, on a host of
+    several CUDA GPUs, the worker's turn among them: each worker claims the next free number in
+    ``claims`` (a folder the parent made; a file created exclusively per number), and worker k takes
+    GPU k modulo their count, so that N workers spread over the GPUs. Else None (the default)."""
+    import os
+
+    import torch
+
+    if device is not None or claims is None or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return device
+    number = 0
+    while True:
+        try:
+            os.close(os.open(os.path.join(claims, str(number)), os.O_CREAT | os.O_EXCL))
+            return f"cuda:{number % torch.cuda.device_count()}"
+        except FileExistsError:
+            number += 1
 
 
 def app_from_environment():
@@ -488,7 +509,8 @@ def app_from_environment():
     from snac_fast.api import FastSNAC
 
     settings = json.loads(os.environ[ENVIRONMENT])
-    codec = FastSNAC.from_pretrained(settings.pop("model"), device=settings.pop("device", None),
+    device = worker_device(settings.pop("device", None), os.environ.get(CLAIMS))
+    codec = FastSNAC.from_pretrained(settings.pop("model"), device=device,
                                      dtype=settings.pop("dtype", None),
                                      local_files_only=settings.pop("local_files_only", False))
     config = ServeConfig(**settings)
@@ -500,11 +522,18 @@ def app_from_environment():
 
 def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: int = 1) -> None:
     """Run the server with uvicorn: ``settings`` are :class:`ServeConfig`'s fields plus ``model``,
-    ``device``, ``dtype`` and ``local_files_only``."""
+    ``device``, ``dtype`` and ``local_files_only``. Without a ``device``, ``workers`` processes on a
+    host of several GPUs take them in turn (:func:`worker_device`)."""
     import os
+    import shutil
+    import tempfile
 
     import uvicorn
 
     os.environ[ENVIRONMENT] = json.dumps(settings)
-    uvicorn.run("snac_fast.server:app_from_environment", factory=True, host=host, port=port, workers=workers,
-                timeout_graceful_shutdown=30, log_level="info")
+    os.environ[CLAIMS] = claims = tempfile.mkdtemp(prefix="snac-fast-serve-")
+    try:
+        uvicorn.run("snac_fast.server:app_from_environment", factory=True, host=host, port=port, workers=workers,
+                    timeout_graceful_shutdown=30, log_level="info")
+    finally:
+        shutil.rmtree(claims, ignore_errors=True)

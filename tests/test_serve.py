@@ -349,3 +349,16 @@ def test_fake_lm_paces_its_tokens_and_records_first_frames():
     ORPHEUS.framer().push_row([128256 + n for n in tokens[:-2]])  # every id in its slot
     assert 10 * 2048 / 24000 / 20 * 0.9 <= took < 5
     assert start < first < start + took
+
+
+def test_workers_take_the_hosts_gpus_in_turn(tmp_path, monkeypatch):
+    """Without --device, worker k of a multi-GPU host serves on GPU k modulo their count; a device
+    given, or one GPU, or none, is left as it is."""
+    from snac_fast.server import worker_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert [worker_device(None, str(tmp_path)) for _ in range(5)] == ["cuda:0", "cuda:1", "cuda:0", "cuda:1", "cuda:0"]
+    assert worker_device("cuda:1", str(tmp_path)) == "cuda:1" and worker_device(None, None) is None
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert worker_device(None, str(tmp_path / "other")) is None
