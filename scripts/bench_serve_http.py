@@ -69,6 +69,12 @@ def start(cmd: list[str], health: str, log: Path, timeout: float = 600.0) -> sub
     raise RuntimeError(f"{cmd[:4]} did not come up in {timeout:.0f} s")
 
 
+def start_fake_lm(port: int, pace: float, frames: int, log: Path, *options: str) -> subprocess.Popen:
+    """``python -m snac_fast.fake_lm`` on ``port`` (more ``options`` as on its command line), up."""
+    return start([sys.executable, "-m", "snac_fast.fake_lm", "--port", str(port), "--pace", str(pace),
+                  "--frames", str(frames), *options], f"http://127.0.0.1:{port}/stats", log)
+
+
 async def run_clients(server: str, indices: list[int], clients: int, tag: str, t_start: float) -> list[dict]:
     """aiohttp clients (a third of httpx's host time per chunk: the clients share the server's host)."""
     import aiohttp
@@ -201,9 +207,8 @@ def main() -> None:
     frames = int(args.seconds / FRAME_S)
     lm_port, port = free_port(), free_port()
     stats_dir = tempfile.mkdtemp(prefix="fake_lm_stats_")
-    lm = start([sys.executable, "-m", "snac_fast.fake_lm", "--port", str(lm_port), "--pace", str(args.pace),
-                "--frames", str(frames), "--workers", str(args.lm_workers), "--stats-dir", stats_dir],
-               f"http://127.0.0.1:{lm_port}/stats", logs / "fake_lm.log")
+    lm = start_fake_lm(lm_port, args.pace, frames, logs / "fake_lm.log", "--workers", str(args.lm_workers),
+                       "--stats-dir", stats_dir)
     t0 = time.monotonic()
     serve = [sys.executable, "-m", "snac_fast.cli", "serve", "--model", "synthetic:snac_24khz", "--port", str(port),
              "--lm-url", f"http://127.0.0.1:{lm_port}/v1", "--workers", str(args.workers),

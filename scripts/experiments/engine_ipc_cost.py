@@ -8,8 +8,8 @@ in one tick (``--tick-ms``) into one message of three arrays (stream ids, frames
 Unix socket (``multiprocessing.connection``). The engine process's reader thread takes messages,
 its engine thread answers each round at once with int16 silence per push (one message per
 front-end per round: ids, PCM, offsets), as an engine call's output would go back. Reported: CPU
-time of each side per push (``/proc``; the engine process has only IPC and bookkeeping to do), and
-push-to-answer latency percentiles at the front-ends. No GPU.
+time of each side per push (``time.process_time``; the engine process has only IPC and
+bookkeeping to do), and push-to-answer latency percentiles at the front-ends. No GPU.
 
     python scripts/experiments/engine_ipc_cost.py --streams 1024 --frontends 1 --seconds 10
 """
@@ -24,17 +24,11 @@ import tempfile
 import threading
 import time
 from multiprocessing.connection import Client, Listener
-from pathlib import Path
 
 import numpy as np
 
 FRAME_S = 2048 / 24000
 FRAME_SAMPLES = 2048
-
-
-def cpu_seconds() -> float:
-    fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def engine(address: str, frontends: int, ready, results) -> None:
@@ -58,7 +52,7 @@ def engine(address: str, frontends: int, ready, results) -> None:
     readers = [threading.Thread(target=read, args=(k, c), daemon=True) for k, c in enumerate(connections)]
     for t in readers:
         t.start()
-    start_cpu = cpu_seconds()
+    start_cpu = time.process_time()
 
     def serve() -> None:
         while not done.is_set():
@@ -82,7 +76,7 @@ def engine(address: str, frontends: int, ready, results) -> None:
         t.join()
     done.set()
     worker.join()
-    results.put({"engine_cpu_s": cpu_seconds() - start_cpu, "engine_pushes": pushes[0]})
+    results.put({"engine_cpu_s": time.process_time() - start_cpu, "engine_pushes": pushes[0]})
 
 
 def frontend(address: str, first: int, count: int, total: int, seconds: float, tick: float, results) -> None:
@@ -103,7 +97,7 @@ def frontend(address: str, first: int, count: int, total: int, seconds: float, t
 
     receiver = threading.Thread(target=receive, daemon=True)
     receiver.start()
-    start_cpu, start = cpu_seconds(), time.monotonic()
+    start_cpu, start = time.process_time(), time.monotonic()
     phase = (np.arange(first, first + count) / total) * FRAME_S  # when in a frame each stream pushes
     pushed = np.zeros(count, np.int64)  # frames pushed per stream
     codes_per_frame = np.arange(7, dtype=np.int64)
@@ -119,7 +113,7 @@ def frontend(address: str, first: int, count: int, total: int, seconds: float, t
         time.sleep(tick)
     time.sleep(0.3)  # the last answers
     conn.send(None)
-    cpu = cpu_seconds() - start_cpu
+    cpu = time.process_time() - start_cpu
     lat = np.array(latencies) * 1e3
     results.put({"frontend_cpu_s": cpu, "pushes": int(pushed.sum()), "answers": len(lat),
                  "p50_ms": float(np.percentile(lat, 50)), "p99_ms": float(np.percentile(lat, 99)),

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_serve_http import free_port, start  # noqa: E402
+from bench_serve_http import free_port, start_fake_lm  # noqa: E402
 
 from snac_fast.orpheus import ORPHEUS  # noqa: E402
 from snac_fast.server import ORPHEUS_PROMPT, LMClient, ServeConfig, _ids_of_events, _sse_data  # noqa: E402
@@ -80,8 +80,7 @@ def main() -> None:
     args = parser.parse_args()
     port = free_port()
     frames = round(args.seconds * 24000 / 2048)
-    lm = start([sys.executable, "-m", "snac_fast.fake_lm", "--port", str(port), "--pace", "1", "--frames", str(frames)],
-               f"http://127.0.0.1:{port}/stats", Path("/tmp/lm_client_cost_lm.log"))
+    lm = start_fake_lm(port, 1, frames, Path("/tmp/lm_client_cost_lm.log"))
     results = []
     try:
         for _ in range(args.rounds):  # interleaved: each round runs every variant once

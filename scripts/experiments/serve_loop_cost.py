@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_serve_http import free_port, start  # noqa: E402
+from bench_serve_http import free_port, start, start_fake_lm  # noqa: E402
 
 
 class SilentEngine:
@@ -138,8 +138,7 @@ def main() -> None:
         return
     lm_port = free_port()
     frames = round(args.seconds * 24000 / 2048)
-    lm = start([sys.executable, "-m", "snac_fast.fake_lm", "--port", str(lm_port), "--pace", "1", "--frames", str(frames)],
-               f"http://127.0.0.1:{lm_port}/stats", Path("/tmp/serve_loop_cost_lm.log"))
+    lm = start_fake_lm(lm_port, 1, frames, Path("/tmp/serve_loop_cost_lm.log"))
     results = []
     try:
         for _ in range(args.rounds):
