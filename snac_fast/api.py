@@ -298,9 +298,9 @@ class FastSNAC:
                 # each row as upstream pads it alone: zeros from its own length to a multiple of the unit
                 ends = self._on_device(torch.tensor(row_lengths))
                 audio = audio * (torch.arange(audio.shape[-1], device=self.device) < ends[:, None])[:, None, :]
-                padded = [n + -n % unit for n in row_lengths]
-                if min(padded) < audio.shape[-1]:  # rows that fill the batch need no clearing
-                    padded_lengths = self._on_device(torch.tensor(padded))
+                # rows that fill the batch (padded to the unit) need no clearing
+                if min(n + -n % unit for n in row_lengths) < audio.shape[-1]:
+                    padded_lengths = ends + -ends % unit
             if cuda_graphs is None:
                 cuda_graphs = audio.shape[0] * min(audio.shape[-1], chunk or audio.shape[-1]) <= self.encode_graph_samples
             graphs = self.encode_graphs if cuda_graphs else None

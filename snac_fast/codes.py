@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import operator
-
 import os
 from pathlib import Path
 

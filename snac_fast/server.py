@@ -384,9 +384,9 @@ def create_app(codec, config: ServeConfig | None = None):
 
     async def health(request: Request) -> JSONResponse:
         status = "draining" if server.draining else "ok"
-        return JSONResponse({"status": status, "device": str(server.codec.device), "open_streams": server.batcher.open_streams,
-                             "slots_in_use": server.engine.open_streams, "max_streams": server.engine.max_streams,
-                             "sampling_rate": server.rate},
+        return JSONResponse({"status": status, "device": str(server.codec.device),
+                             "open_streams": server.batcher.open_streams, "slots_in_use": server.engine.open_streams,
+                             "max_streams": server.engine.max_streams, "sampling_rate": server.rate},
                             status_code=503 if server.draining else 200)
 
     async def metrics(request: Request) -> Response:
