@@ -220,9 +220,9 @@ def test_padded_batch_rows_equal_each_clip_alone(name, fuse):
     assert differ[1] and differ[2]  # short rows: the padding's layers reach their codes
 
 
-def test_rows_as_alone_leaves_full_rows_and_clears_only_reached_steps():
-    """A batch whose rows all fill it runs no hooks' work and gives the plain encode's codes; the
-    hooks are removed after the call."""
+def test_rows_that_fill_the_batch_encode_as_plain_and_no_hook_stays():
+    """Rows whose padded lengths fill the batch give the plain encode's codes, and no hook stays on
+    the model after an encode with lengths."""
     fast = tiny_model("snac_24khz")
     audio = torch.randn(2, 1, 480, generator=torch.Generator().manual_seed(4)) * 0.3
     plain = fast.encode(audio)
