@@ -220,12 +220,12 @@ def main() -> None:
     results = {"args": vars(args), "server_start_s": time.monotonic() - t0, "rows": []}
     geometry = stream_geometry()
     try:
-        for clients in [int(c) for c in args.clients.split(",")]:
+        for run, clients in enumerate(int(c) for c in args.clients.split(",")):
             if args.profile_server:
                 out = logs / f"server_profile_{clients}.txt"
                 subprocess.Popen(["bash", "-c", f"sleep 5 && py-spy record -p {server.pid} --subprocesses --threads "
                                   f"-d {args.profile_server:g} -r 100 -f raw -o {out} > {out}.log 2>&1"])
-            records = all_clients(f"http://127.0.0.1:{port}", clients, f"run{clients}", args.client_procs)
+            records = all_clients(f"http://127.0.0.1:{port}", clients, f"run{run}-{clients}", args.client_procs)
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
             row = summarize(records, read_stats_dir(stats_dir), frames, args.pace, scrape, geometry)
             results["rows"].append(row)
