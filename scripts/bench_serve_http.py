@@ -180,7 +180,7 @@ def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scr
             "streams_with_stall": int((stalls > 0).sum()), "stall_max_ms": float(stalls.max()) if len(stalls) else float("nan"),
             "end_over_nominal_p99_ms": pct(over, 99), "end_over_nominal_max_ms": max(over, default=float("nan")),
             "server_push_histogram": [line for line in scrape.splitlines()
-                                      if line.startswith(("snac_fast_push_seconds_bucket", "snac_fast_late_chunks_total",
+                                      if line.startswith(("snac_fast_push_seconds_bucket", "snac_fast_first_audio_seconds_bucket", "snac_fast_late_chunks_total",
                                                           "snac_fast_first_audio_seconds_count"))]}
 
 
