@@ -113,16 +113,11 @@ def _batch_dtype(codec) -> torch.dtype:
 def finish_clips(codec, clips: Sequence[Clip], launched: LaunchedShard) -> list[list[np.ndarray] | None]:
     """The codes of :func:`launch_clips`'s batches cut to each clip's length: int16 arrays, one
     per level, for every readable clip; None for the others. Waits for the shard's copies only."""
-    return finish_batches(codec, [0 if c.audio is None else c.audio.size for c in clips], launched)
-
-
-def finish_batches(codec, samples: Sequence[int], launched: LaunchedShard) -> list[list[np.ndarray] | None]:
-    """:func:`finish_clips` for clips known by their lengths (``samples[i]``: clip i's samples)."""
     if launched.copied is not None:
         launched.copied.synchronize()
-    codes: list[list[np.ndarray] | None] = [None] * len(samples)
+    codes: list[list[np.ndarray] | None] = [None] * len(clips)
     for batch, batch_codes in launched.batches:
         levels = [c.numpy().astype(np.int16) for c in batch_codes]  # host tensors (launch_batches)
         for row, i in enumerate(batch):
-            codes[i] = [level[row, :n] for level, n in zip(levels, code_lengths(samples[i], codec.config))]
+            codes[i] = [level[row, :n] for level, n in zip(levels, code_lengths(clips[i].audio.size, codec.config))]
     return codes

@@ -93,13 +93,7 @@ def encode_shard(codec, clips: Sequence[Clip], index: int, settings: dict) -> di
 
 def write_shard(codec, clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], index: int, settings: dict) -> dict:
     """Write one shard's file; returns what it held (audio seconds, errors)."""
-    return write_codes(clips, codes, index, settings, _model_name(codec), codec.n_levels)
-
-
-def write_codes(clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], index: int, settings: dict,
-                model: str, levels: int) -> dict:
-    """:func:`write_shard` without the codec: its model's name and code levels given."""
-    table = shard_table(clips, codes, model, levels)
+    table = shard_table(clips, codes, _model_name(codec), codec.n_levels)
     _write_atomically(table, Path(settings["out"]) / shard_name(index))
     return {"shard": index, "audio_seconds": sum(c.duration or 0.0 for c in clips),
             "errors": sum(c.error is not None for c in clips), "finished_at": time.time()}
