@@ -248,23 +248,6 @@ class SpeechServer:
             self.metrics.observe_push(time.perf_counter() - start, self.frame_seconds)
         return audio
 
-    async def warm_serving_path(self, frames: int = 8) -> None:
-        """One silent stream through the whole serving path (framing, batcher thread, prefill, steps,
-        flush, PCM bytes) before the first request: on an H100 the first requests after start-up
-        otherwise paid 75-160 ms of first-call costs in their first audio (docs/serving.md)."""
-        engine = self.engine
-        frames = max(frames, engine.prefill_frames + engine.frames_per_group) // engine.frames_per_group * engine.frames_per_group
-        layout = self.config.layout
-        frame_ids = layout.offset + np.arange(layout.frame_size) * layout.codebook_size  # every code 0
-        sid = self.batcher.open(0)
-        try:
-            for _ in range(frames):
-                _pcm_bytes(await self.batcher.push_ids(sid, frame_ids), "s16")
-            _pcm_bytes(await self.batcher.flush(sid, drop_incomplete_frame=True), "s16")
-        except BaseException:
-            self.batcher.release(sid)
-            raise
-
     async def close(self) -> None:
         """Graceful shutdown: no new streams, then wait (up to 30 s) for the open ones to end."""
         self.draining = True
@@ -413,7 +396,6 @@ def create_app(codec, config: ServeConfig | None = None):
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
-        await server.warm_serving_path()
         yield
         await server.close()
 

@@ -225,13 +225,6 @@ def test_websocket_ids_in_pcm_out(codec):
     assert snr_db(expected(codec, c, 4), got) >= 100
 
 
-def test_start_up_runs_one_stream_through_the_serving_path_and_frees_it(codec):
-    with serving(codec) as (server, lm, state):
-        assert state.batcher.batches >= 2  # its prefill and steps ran before the first request
-        assert state.engine.open_streams == 0 and state.batcher.open_streams == 0
-        assert httpx.get(server.url + "/health").status_code == 200
-
-
 def test_graceful_shutdown_finishes_streams_in_flight(codec):
     c = random_codes(codec.config, 8, seed=1000)
     lm = FakeLM(split_tokens=True)

@@ -130,6 +130,34 @@ def test_batched_step_equals_whole_decode_rows(name):
         assert (got - expected[b, 0]).abs().max().item() < 1e-12
 
 
+def test_after_a_warm_up_only_warmed_step_shapes_run():
+    """A warm-up fixes the step shapes: pushes of more frames than a warmed step then run as
+    one-group steps (no graph captured while streams wait), with the same audio. The warm-up's
+    record is set by hand here (the CPU captures no graphs)."""
+    config = published_config("snac_24khz")
+    engine = engine64("snac_24khz", streams=3)
+    engine._warmed_steps = {("step", b, 1) for b in (1, 2, 3)} | {("step", 2, 2)}
+    ran = []
+    run = engine._run
+    engine._run = lambda kind, slots, frames, codes=None: ran.append((kind, len(slots), frames)) or run(kind, slots, frames, codes)
+    strides = config["vq_strides"]
+    frames = engine.prefill_frames + 9
+    codes = random_codes(config, frames, batch=2, seed=12)
+    streams = [engine.open(5, row=b) for b in range(2)]
+    pieces, f = [], 0
+    for k in [engine.prefill_frames, 2, 4, 3]:
+        pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + k)))
+        f += k
+    ends = engine.advance(finish=streams)
+    steps = [r for r in ran if r[0] == "step"]
+    # 2 frames: one warmed step; 4: 1 + 2 + 1 (a 4-frame step is not warmed, the 2-frame one is); 3: 2 + 1
+    assert [k for _, _, k in steps] == [2, 1, 2, 1, 2, 1] and {n for _, n, _ in steps} == {2}, steps
+    expected = decode_with_keyed_noise(upstream64("snac_24khz"), codes, 5)
+    for b, s in enumerate(streams):
+        got = torch.cat([p[b] for p in pieces] + [ends[s]])
+        assert (got - expected[b, 0]).abs().max().item() < 1e-12
+
+
 def steps_around_a_close(engine, config, decode):
     """Three streams stepped together, one closed in between: the closed one is refused even
     though its batch was stepped before; the others go on in another order and stay exact."""
@@ -567,6 +595,28 @@ def test_gpu_steady_steps_check_ids_before_any_state_changes(cuda, no_tf32):
     expected = fast.decode(codes, seed=20)
     for b, got in enumerate(audio):
         assert snr_db(expected[b, 0], got) >= 100
+
+
+@pytest.mark.gpu
+def test_gpu_warmed_engine_captures_no_graph_while_serving(cuda, no_tf32):
+    """After warmup(), pushes of 1, 2 and 3 frames and a new batch size capture nothing: the audio
+    still equals the decode."""
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
+    engine, strides = fast.stream_engine(8), fast.config["vq_strides"]
+    engine.warmup()
+    graphs = set(engine._graphs)
+    frames = engine.prefill_frames + 12
+    codes = random_codes(fast.config, frames, batch=3, seed=13)
+    streams = [engine.open(seed=4, row=b) for b in range(3)]
+    pieces, f = [], 0
+    for k in [engine.prefill_frames, 1, 2, 3, 1, 2, 3]:
+        pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + k)))
+        f += k
+    ends = engine.advance(finish=streams)
+    assert set(engine._graphs) == graphs
+    expected = fast.decode(codes, seed=4)
+    for b, s in enumerate(streams):
+        assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
 
 
 @pytest.mark.gpu

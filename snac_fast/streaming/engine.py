@@ -133,6 +133,10 @@ class StreamEngine:
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, StepGraph] = {}
+        # after a warm-up: the step shapes (STEP, bucket, frames) warmed. A step of more frames than
+        # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
+        # audio of a server's first streams for 85-250 ms (H200, docs/serving.md)
+        self._warmed_steps: set[tuple] | None = None
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None  # graphs replay one at a time
 
     # -- facts ---------------------------------------------------------------------------------
@@ -196,8 +200,9 @@ class StreamEngine:
         """Capture the CUDA graphs (and compile the kernels) of every step a server will run, so
         that no stream pays for them later: prefill, one-group step and flush at every batch bucket
         up to ``max_batch`` (default max_streams), plus steps of the given ``frames`` counts. Runs on
-        the scratch state row; open streams are untouched. Returns the number of graphs captured
-        (0 without CUDA graphs)."""
+        the scratch state row; open streams are untouched. From then on a stream holding more frames
+        than a warmed step takes runs several one-group steps (the same audio) rather than wait for
+        a new graph. Returns the number of graphs captured (0 without CUDA graphs)."""
         if not self.cuda_graphs:
             return 0
         top = min(max_batch or self.max_streams, self.max_streams)
@@ -228,6 +233,7 @@ class StreamEngine:
             joined_audio([self.empty_audio(), torch.zeros(3, device=self.device, dtype=self.dtype)])
         captured = len(inputs)
         torch.cuda.synchronize(self.device)
+        self._warmed_steps = (self._warmed_steps or set()) | {shape for shape in shapes if shape[0] == STEP}
         return captured
 
     # -- streams -------------------------------------------------------------------------------
@@ -494,6 +500,7 @@ class StreamEngine:
         """A server's steady state, under the lock, for ``streams`` started streams (``slots``):
         none holding pending frames, and ``frames`` one step's worth for one batch."""
         return (streams <= self.max_streams and self._step_frames(frames) == frames
+                and self._runnable_frames(streams, frames) == frames
                 and (self._pending.frames_held == 0 or not (self._pending.tail[slots] != self._pending.head[slots]).any()))
 
     def _direct_step(self, slots: np.ndarray, codes: list[np.ndarray], frames: int,
@@ -574,6 +581,13 @@ class StreamEngine:
         groups = min(int(pending), self.max_frames_per_step) // self.frames_per_group
         return (1 << groups.bit_length() - 1) * self.frames_per_group if groups > 0 else 0
 
+    def _runnable_frames(self, streams: int, frames: int) -> int:
+        """The frames a step of ``streams`` streams holding ``frames`` takes: all of them, unless a
+        warm-up fixed the step shapes and theirs is not among them (then one group)."""
+        if self._warmed_steps is None or frames == self.frames_per_group:
+            return frames
+        return frames if (STEP, self._bucket(streams), frames) in self._warmed_steps else self.frames_per_group
+
     def _step_frames_of(self, pending: np.ndarray) -> np.ndarray:
         """:meth:`_step_frames` of every entry of an int array (0 where not a group is held)."""
         groups = np.minimum(pending, self.max_frames_per_step) // self.frames_per_group
@@ -590,7 +604,8 @@ class StreamEngine:
                 picked = np.flatnonzero(frames == k)
                 group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
                 for chunk in self._chunks(group):
-                    for s, a in zip(chunk, self._run(STEP, _slots_of(chunk), k).unbind(0)):
+                    step = self._runnable_frames(len(chunk), k)
+                    for s, a in zip(chunk, self._run(STEP, _slots_of(chunk), step).unbind(0)):
                         pieces[s].append(a)
             # streams that pushed more than one step's frames go round again
             more = (frames > 0) & (self._pending.tail[slots] - self._pending.head[slots] >= self.frames_per_group)
