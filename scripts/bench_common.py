@@ -49,10 +49,10 @@ def median_ms(fn: Callable[..., object], input_sets: Sequence[tuple], replays: i
 def environment() -> dict:
     import triton
 
-    props = torch.cuda.get_device_properties(0)
+    cuda = torch.cuda.is_available()  # a CPU smoke run of a harness records the CPU
     return {
-        "device": torch.cuda.get_device_name(0),
-        "sm_count": props.multi_processor_count,
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "sm_count": torch.cuda.get_device_properties(0).multi_processor_count if cuda else None,
         "date": datetime.date.today().isoformat(),
         "torch": torch.__version__,
         "triton": triton.__version__,

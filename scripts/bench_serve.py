@@ -7,7 +7,10 @@ stream that falls behind pushes at once to catch up), for ``--seconds``; then fl
 (``--gc-freeze`` freezes what exists after the warm-up). Paths:
 
 - ``ids``: ``AsyncStreamBatcher.push_ids`` (the README's path), ``codes``: ``AsyncStreamBatcher.push``,
-  ``threads``: ``StreamBatcher.push_ids`` from one thread per stream.
+  ``threads``: ``StreamBatcher.push_ids`` from one thread per stream;
+- ``engine``: one :class:`snac_fast.engine_process.EngineProcess` for the GPU, fed by ``--processes``
+  front-end processes through ``EngineClient.push_ids`` (CPU cores: the front-ends' only; the engine
+  process's is not counted).
 
 It reports push-to-audio latency (the time a push takes to return its audio) p50/p99/p99.9/max over
 the pushes that returned audio, pushes later than one frame of audio, the wall time against the
@@ -214,6 +217,75 @@ def summarize(raws: list[dict], frame_ms: float) -> dict:
     }
 
 
+def engine_front_end(args, address, streams, pace, index, ready, go, out) -> None:
+    """A front-end process of the ``engine`` path: its share of the streams through one EngineClient."""
+    from snac_fast.engine_process import EngineClient
+
+    config = published_config(args.model)
+    strides = config["vq_strides"]
+    pool = make_pool(config, int(args.seconds * pace * 12) + 8)
+    frame_s = math.prod(config["decoder_rates"]) * strides[0] / config["sampling_rate"]
+    interval = frame_s / pace
+    frames = int(args.seconds / interval)
+    per_frame_ids = [[ORPHEUS.codes_to_ids([c[:, f * strides[0] // s:(f + 1) * strides[0] // s] for c, s in zip(codes, strides)]).numpy().ravel()
+                      for f in range(frames)] for codes in pool]
+    first = index * streams  # global stream numbers, for seeds and the audio check
+    sample = {first} if index == 0 else set()
+    latencies, audio_len, kept, slow, behind = [], {}, {}, [], [0.0]
+    ready.put({})
+    go.wait()
+    gc.collect()
+    cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+    stats = {}
+    with GcProbe() as probe:
+        async def main() -> None:
+            client = EngineClient(address)
+            start = time.perf_counter() + 0.05
+
+            async def stream(i: int) -> None:
+                sid = await client.open(seed=i)
+                seq = per_frame_ids[i % POOL]
+                due = start + interval * (i - first) / streams
+                pieces, total = [], 0
+                for f in range(frames):
+                    delay = due - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    t0 = time.perf_counter()
+                    audio = await client.push_ids(sid, seq[f])
+                    t1 = time.perf_counter()
+                    if len(audio):
+                        latencies.append((t1 - t0) * 1e3)
+                    if t1 - t0 > 0.02:
+                        slow.append((t0 - start, (t1 - t0) * 1e3))
+                    if i in sample:
+                        pieces.append(audio)
+                    total += len(audio)
+                    due += interval
+                behind[0] = max(behind[0], time.perf_counter() - (due - interval))
+                tail = await client.flush(sid)
+                audio_len[i] = total + len(tail)
+                if i in sample:
+                    kept[i] = pieces + [tail]
+            await asyncio.gather(*(stream(i) for i in range(first, first + streams)))
+            stats.update(await client.stats())
+            client.close()
+        if args.uvloop:
+            import uvloop
+
+            uvloop.run(main())
+        else:
+            asyncio.run(main())
+    wall = time.perf_counter() - wall0
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+    out.put({"latencies": latencies, "frames": frames, "interval_ms": interval * 1e3, "wall_s": wall,
+             "scenario_s": frames * interval + interval, "behind_ms": behind[0] * 1e3,
+             "cpu_s": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
+             "batches": stats.get("batches", 0) if index == 0 else 0, "requests": 0, "gpu_span_s": 0.0,
+             "engine_thread_s": 0.0, "audio_len": audio_len, "kept": kept, "slow": slow, "graphs_captured": [],
+             **probe.summary()})
+
+
 def build(args, device):
     codec = FastSNAC.from_pretrained(f"synthetic:{args.model}", device=device)
     engine = codec.stream_engine(max_streams=args.max_streams, max_graphs=64)
@@ -285,6 +357,7 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=4, help="streams whose audio is checked against offline decodes")
     parser.add_argument("--cold-start", type=int, default=0, metavar="N",
                         help="first time codec.warmup(streams=N) in fresh processes (empty, then warm Triton cache)")
+    parser.add_argument("--device", default="cuda", help="the engine process's device (the engine path)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default=None)
     args = parser.parse_args()
@@ -295,19 +368,49 @@ def main() -> None:
     sizes = [n for n, _ in scenarios]
     paths = args.paths.split(",")
     args.max_streams = args.max_streams or -(-max(sizes) // args.processes)
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     results = {"environment": environment(), "model": args.model, "args": vars(args), "rows": []}
     if args.cold_start:
         results["cold_start"] = cold_start(args.model, args.cold_start)
     config = published_config(args.model)
     frame_ms = 1e3 * math.prod(config["decoder_rates"]) * config["vq_strides"][0] / config["sampling_rate"]
-    if args.processes == 1:
+    if args.processes == 1 and paths != ["engine"]:
         codec, engine, warm = build(args, device)
         results["warmup"] = warm
         print("warm-up", warm, flush=True)
+    engine_process = None
+    if "engine" in paths:
+        from snac_fast.engine_process import EngineProcess
+
+        t0 = time.perf_counter()
+        engine_process = EngineProcess(f"synthetic:{args.model}", device=args.device, max_streams=max(sizes),
+                                       max_batch=args.max_batch, output=args.output)
+        results["engine_process_start_s"] = time.perf_counter() - t0
+        print(f"engine process up in {results['engine_process_start_s']:.1f} s", flush=True)
+        if args.processes != 1 or paths == ["engine"]:  # the offline decodes the audio is checked against
+            codec = FastSNAC.from_pretrained(f"synthetic:{args.model}", device=args.device)
+            engine = codec.stream_engine(max_streams=1)
     for streams, pace in scenarios:
         for path in paths:
-            if args.processes == 1:
+            if path == "engine":
+                ctx = mp.get_context("spawn")
+                ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
+                share = streams // args.processes
+                procs = [ctx.Process(target=engine_front_end, args=(args, engine_process.address, share, pace, k, ready, go, out))
+                         for k in range(args.processes)]
+                for p in procs:
+                    p.start()
+                for _ in procs:
+                    ready.get()
+                go.set()
+                raws = [out.get() for _ in procs]
+                for p in procs:
+                    p.join()
+                pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
+                merged = {"kept": {i: v for r in raws for i, v in r["kept"].items()}, "frames": raws[0]["frames"],
+                          "audio_len": {i: v for r in raws for i, v in r["audio_len"].items()}}
+                checks = [check_audio(codec, engine, pool, merged, share * args.processes, args.output)]
+            elif args.processes == 1:
                 pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
                 sample = set(range(0, streams, max(1, streams // args.sample)))
                 raw = run_scenario(codec, engine, args, streams, pace, path, pool, sample)
@@ -334,6 +437,8 @@ def main() -> None:
                    "snr_db_min": min((c["snr_db_min"] for c in checks if c["snr_db_min"] is not None), default=None)}
             results["rows"].append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
+    if engine_process is not None:
+        engine_process.close()
     results["frame_ms"] = frame_ms
     if args.out:
         stem = args.stem or f"serve_{args.model.split('_')[1]}_{_device_tag()}"

@@ -1,0 +1,364 @@
+"""One stream engine process per GPU, fed by front-end processes (docs/serving.md, "Past one process").
+
+One process serving thousands of streams is bound by its interpreter (the event loop and the
+engine thread share one GIL), and one engine per worker process makes the GPU time-slice between
+the processes' contexts. Here the engine has a process of its own: :class:`EngineProcess` starts
+it (the model, the shared stream engine, a :class:`~snac_fast.serving.StreamBatcher`'s engine
+thread and its rounds), and each front-end process (an HTTP worker, say) talks to it through an
+:class:`EngineClient` over a Unix socket (``multiprocessing.connection``). A front-end frames its
+streams' token ids itself (numpy, :class:`~snac_fast.orpheus.TokenFramer`: a bad id fails there,
+before anything is sent) and sends, once per turn of its event loop, one message holding every
+push queued in that turn as arrays (stream ids, one level-major row per push); the engine process
+answers each engine round with one message per front-end (PCM of all its pushes end to end, their
+offsets, and the errors). Streams are the engine's; a front-end that disconnects releases its own.
+
+    engine = EngineProcess("hubertsiuzdak/snac_24khz", max_streams=4096)   # in the parent
+    client = EngineClient(engine.address)                                  # in each front-end
+    sid = await client.open(seed=1)
+    pcm = await client.push_ids(sid, ids)     # int16 numpy audio that became final
+    tail = await client.flush(sid)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import threading
+from multiprocessing.connection import Client, Connection, Listener
+
+import numpy as np
+
+from snac_fast.orpheus import ORPHEUS, TokenLayout
+from snac_fast.serving import _Batcher, _Request
+
+# message kinds, front-end -> engine process: ("open", req, seed), ("push", reqs, sids, frames, rows),
+# ("flush", req, sid), ("release", sid), ("stats", req); back: ("opened", req, sid),
+# ("audio", reqs, offsets, pcm), ("error", req, kind, message), ("stats", req, dict)
+_ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError}
+
+
+class _Reply:
+    """Where an engine-process request's result goes: its front-end and request number."""
+
+    __slots__ = ("client", "req")
+
+    def __init__(self, client: "_Front", req: int) -> None:
+        self.client, self.req = client, req
+
+
+class _Front:
+    """The engine process's side of one front-end connection."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self.send_lock = threading.Lock()
+        self.streams: set[int] = set()
+
+    def send(self, message) -> None:
+        with self.send_lock:
+            try:
+                self.conn.send(message)
+            except (OSError, EOFError, BrokenPipeError):  # the front-end is gone: its reader releases its streams
+                pass
+
+    def error(self, req: int, error: BaseException) -> None:
+        self.send([("error", req, type(error).__name__, str(error))])
+
+
+class _EngineBatcher(_Batcher):
+    """The batcher of the engine process: requests come from front-ends, results go back to them,
+    one message per front-end per engine call."""
+
+    def _new_future(self):
+        raise AssertionError("engine-process requests carry their _Reply")
+
+    def _deliver(self, requests: list[_Request], results: list) -> None:
+        by_front: dict[_Front, tuple[list, list, list]] = {}
+        for r, result in zip(requests, results):
+            if r.future is None:  # a release
+                continue
+            reqs, pieces, errors = by_front.setdefault(r.future.client, ([], [], []))
+            if isinstance(result, BaseException):
+                errors.append(("error", r.future.req, type(result).__name__, str(result)))
+            else:
+                reqs.append(r.future.req)
+                pieces.append(result)
+        for front, (reqs, pieces, errors) in by_front.items():
+            message = errors
+            if reqs:
+                offsets = np.zeros(len(pieces) + 1, np.int64)
+                np.cumsum([p.size for p in pieces], out=offsets[1:])
+                message = [("audio", np.asarray(reqs, np.int64), offsets, np.concatenate(pieces))] + errors
+            front.send(message)
+
+    def take(self, front: _Front, ops: list) -> None:
+        """Queue one front-end message's requests (its reader thread)."""
+        for op in ops:
+            kind = op[0]
+            try:
+                if kind == "push":
+                    _, reqs, sids, frames, rows = op
+                    for req, sid, row in zip(reqs.tolist(), sids.tolist(), rows):
+                        try:
+                            self._queue(_Request(self._stream(sid), frames, row, False, _Reply(front, req)))
+                        except ValueError as error:  # that stream ended: only this push fails
+                            front.error(req, error)
+                elif kind == "open":
+                    sid = self.open(op[2])
+                    front.streams.add(sid)
+                    front.send([("opened", op[1], sid)])
+                elif kind == "flush":
+                    _, req, sid = op
+                    front.streams.discard(sid)
+                    stream = self._stream(sid)
+                    self._end(stream, "flushed")
+                    self._queue(_Request(stream, 0, None, True, _Reply(front, req)))
+                elif kind == "release":
+                    front.streams.discard(op[1])
+                    self.release(op[1])
+                elif kind == "stats":
+                    front.send([("stats", op[1], {"open_streams": self.open_streams, "batches": self.batches,
+                                                  "requests": self.requests, "failed_calls": self.failed_calls})])
+            except (ValueError, RuntimeError) as error:  # a stream that ended, slots full, batcher closed
+                if kind in ("open", "flush", "stats"):
+                    front.error(op[1], error)
+
+
+def _serve_engine(address: str, settings: dict, report: Connection) -> None:
+    """The engine process: load, warm up, then accept front-ends until terminated."""
+    try:
+        from snac_fast.api import FastSNAC
+
+        codec = FastSNAC.from_pretrained(settings["model"], device=settings.get("device"), dtype=settings.get("dtype"),
+                                         local_files_only=settings.get("local_files_only", False),
+                                         **settings.get("model_options", {}))
+        engine = codec.shared_stream_engine(settings.get("lookahead"), max_streams=settings["max_streams"])
+        if codec.device.type == "cuda":
+            codec.warmup(streams=min(settings["max_batch"], settings["max_streams"]), lookahead=settings.get("lookahead"))
+        batcher = _EngineBatcher(engine, max_batch=settings["max_batch"], output=settings["output"],
+                                 idle_timeout_s=settings.get("idle_timeout_s"))
+        listener = Listener(address, family="AF_UNIX")
+    except BaseException as error:  # noqa: BLE001 - the parent raises it with its message
+        report.send(("failed", f"{type(error).__name__}: {error}"))
+        raise SystemExit(1) from None
+    report.send(("ready", {"sampling_rate": codec.sampling_rate, "output": settings["output"]}))
+    while True:
+        front = _Front(listener.accept())
+        threading.Thread(target=_read_front, args=(batcher, front), daemon=True).start()
+
+
+def _read_front(batcher: _EngineBatcher, front: _Front) -> None:
+    try:
+        while True:
+            batcher.take(front, front.conn.recv())
+    except (EOFError, OSError):
+        pass
+    for sid in list(front.streams):  # the front-end went away: free what it held
+        batcher.release(sid)
+
+
+class EngineProcess:
+    """The engine's process (spawned): ``model`` (a hub id, folder or ``synthetic:`` name) on
+    ``device``, ``max_streams`` stream slots, engine calls of at most ``max_batch`` streams, audio
+    out as ``output`` (``"int16"`` or ``"float32"`` PCM); ``model_options``: more arguments of
+    :meth:`FastSNAC.from_pretrained`. Waits until the model is loaded and warm;
+    raises RuntimeError with the process's error if it fails. :attr:`address` is what
+    :class:`EngineClient` connects to. Close it (or use it as a context manager) to stop it."""
+
+    def __init__(self, model: str, *, device: str | None = None, dtype: str | None = None, max_streams: int = 4096,
+                 max_batch: int = 256, lookahead: int | str | None = None, output: str = "int16",
+                 idle_timeout_s: float | None = None, local_files_only: bool = False,
+                 model_options: dict | None = None, start_timeout_s: float = 600.0) -> None:
+        if output not in ("int16", "float32"):
+            raise ValueError(f"output must be 'int16' or 'float32', got {output!r}")
+        self._folder = tempfile.mkdtemp(prefix="snac-fast-engine-")
+        self.address = os.path.join(self._folder, "engine.sock")
+        settings = {"model": model, "device": device, "dtype": dtype, "max_streams": max_streams, "max_batch": max_batch,
+                    "lookahead": lookahead, "output": output, "idle_timeout_s": idle_timeout_s,
+                    "local_files_only": local_files_only, "model_options": model_options or {}}
+        ours, theirs = mp.Pipe(duplex=False)
+        self._process = mp.get_context("spawn").Process(target=_serve_engine, args=(self.address, settings, theirs),
+                                                         name="snac-fast-engine", daemon=True)
+        self._process.start()
+        theirs.close()
+        if not ours.poll(start_timeout_s):
+            self.close()
+            raise RuntimeError(f"the engine process did not start within {start_timeout_s:g} s")
+        try:
+            status, detail = ours.recv()
+        except EOFError:
+            status, detail = "failed", f"it exited with code {self._process.exitcode}"
+        if status != "ready":
+            self.close()
+            raise RuntimeError(f"the engine process failed to start: {detail}")
+        self.sampling_rate = detail["sampling_rate"]
+
+    def close(self) -> None:
+        if self._process.is_alive():
+            self._process.terminate()
+        self._process.join(10)
+        try:
+            os.unlink(self.address)
+        except FileNotFoundError:
+            pass
+        try:
+            os.rmdir(self._folder)
+        except OSError:
+            pass
+
+    def __enter__(self) -> "EngineProcess":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class EngineClient:
+    """A front-end's connection to an :class:`EngineProcess`, for asyncio (make and use it in one
+    event loop). The same calls as :class:`~snac_fast.serving.AsyncStreamBatcher` (``open`` is
+    awaited: the engine process hands out the stream). A cancelled ``await`` releases its stream."""
+
+    def __init__(self, address: str, layout: TokenLayout = ORPHEUS) -> None:
+        self.layout = layout
+        self._conn = Client(address, family="AF_UNIX")
+        self._loop = asyncio.get_running_loop()
+        self._futures: dict[int, asyncio.Future] = {}
+        self._framers: dict = {}
+        self._next = 0
+        self._outbox: list = []
+        self._pushes: list[tuple[int, int, int, np.ndarray]] = []  # (req, sid, frames, row)
+        self._closed = False
+        self._reader = threading.Thread(target=self._read, name="snac-fast-engine-client", daemon=True)
+        self._reader.start()
+
+    # -- calls ---------------------------------------------------------------------------------
+
+    async def open(self, seed: int | None = None) -> int:
+        sid = await self._request(lambda req: ("open", req, seed))
+        self._framers[sid] = self.layout.framer()
+        return sid
+
+    async def push_ids(self, stream_id: int, ids) -> np.ndarray:
+        """Raw LM token ids (checked here); the stream's audio that became final (numpy PCM)."""
+        framer = self._framer(stream_id)
+        frames, row = framer.push_row(ids)
+        if not frames:
+            return np.empty(0, np.int16)
+        req = self._new_request()
+        self._pushes.append((req, stream_id, frames, row))
+        self._schedule()
+        return await self._awaited(stream_id, req)
+
+    async def flush(self, stream_id: int, *, drop_incomplete_frame: bool = False) -> np.ndarray:
+        """End the stream: the rest of its audio (``drop_incomplete_frame``: as AsyncStreamBatcher's)."""
+        framer = self._framer(stream_id)
+        framer.drop_incomplete() if drop_incomplete_frame else framer.finish()
+        del self._framers[stream_id]
+        return await self._request(lambda req: ("flush", req, stream_id), stream_id)
+
+    def release(self, stream_id: int) -> None:
+        """Drop a stream without the rest of its audio (safe twice)."""
+        if self._framers.pop(stream_id, None) is not None:
+            self._outbox.append(("release", stream_id))
+            self._schedule()
+
+    async def stats(self) -> dict:
+        """The engine process's counters: open streams, engine calls, requests, failed calls."""
+        return await self._request(lambda req: ("stats", req))
+
+    def close(self) -> None:
+        """Disconnect: the engine process releases this front-end's streams."""
+        if not self._closed:
+            self._closed = True
+            try:  # shut the socket down first: the reader thread blocked in recv() holds it open otherwise
+                with socket.socket(fileno=os.dup(self._conn.fileno())) as sock:
+                    sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+            self._conn.close()
+
+    # -- plumbing ------------------------------------------------------------------------------
+
+    def _framer(self, stream_id: int):
+        framer = self._framers.get(stream_id)
+        if framer is None:
+            raise ValueError(f"no open stream {stream_id!r} on this client")
+        return framer
+
+    def _new_request(self) -> int:
+        req, self._next = self._next, self._next + 1
+        self._futures[req] = self._loop.create_future()
+        return req
+
+    async def _request(self, op, stream_id: int | None = None):
+        req = self._new_request()
+        self._outbox.append(op(req))
+        self._schedule()
+        return await self._awaited(stream_id, req)
+
+    async def _awaited(self, stream_id: int | None, req: int):
+        try:
+            return await self._futures[req]
+        except asyncio.CancelledError:
+            if stream_id is not None:
+                self.release(stream_id)
+            raise
+        finally:
+            self._futures.pop(req, None)
+
+    def _schedule(self) -> None:
+        """Send what this turn of the event loop queued, once, at its end."""
+        if len(self._outbox) + len(self._pushes) == 1:
+            self._loop.call_soon(self._send)
+
+    def _send(self) -> None:
+        ops, self._outbox = self._outbox, []
+        pushes, self._pushes = self._pushes, []
+        by_frames: dict[int, list] = {}
+        for push in pushes:
+            by_frames.setdefault(push[2], []).append(push)
+        for frames, group in by_frames.items():
+            ops.insert(0, ("push", np.array([p[0] for p in group], np.int64), np.array([p[1] for p in group], np.int64),
+                           frames, np.stack([p[3] for p in group])))
+        if ops and not self._closed:
+            self._conn.send(ops)
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = self._conn.recv()
+                self._loop.call_soon_threadsafe(self._answer, message)
+        except (EOFError, OSError):
+            if not self._closed:
+                self._loop.call_soon_threadsafe(self._lost)
+        except RuntimeError:  # the loop closed
+            pass
+
+    def _answer(self, message: list) -> None:
+        for item in message:
+            kind = item[0]
+            if kind == "audio":
+                _, reqs, offsets, pcm = item
+                for j, req in enumerate(reqs.tolist()):
+                    self._resolve(req, pcm[offsets[j]:offsets[j + 1]])
+            elif kind == "error":
+                _, req, name, text = item
+                self._resolve(req, _ERRORS.get(name, RuntimeError)(text))
+            else:  # opened, stats
+                self._resolve(item[1], item[2])
+
+    def _resolve(self, req: int, value) -> None:
+        future = self._futures.get(req)
+        if future is None or future.done():
+            return
+        if isinstance(value, BaseException):
+            future.set_exception(value)
+        else:
+            future.set_result(value)
+
+    def _lost(self) -> None:
+        for req in list(self._futures):
+            self._resolve(req, RuntimeError("the engine process went away"))
