@@ -63,6 +63,38 @@ def make_pool(config: dict, frames: int, seed: int = 0) -> list[list[torch.Tenso
             for _ in range(POOL)]
 
 
+class Recorder:
+    """One process's raw figures of a load: latencies of the pushes that returned audio, slow
+    pushes, every stream's audio length, the sampled streams' audio."""
+
+    def __init__(self, sample: set[int]) -> None:
+        self.sample, self.latencies, self.slow, self.audio_len, self.kept = sample, [], [], {}, {}
+
+    def record(self, i: int, start: float, t0: float, t1: float, audio, pieces: list) -> int:
+        """One push: its latency when it returned audio, a slow push's time, the audio of a sampled
+        stream; returns its samples."""
+        if len(audio):
+            self.latencies.append((t1 - t0) * 1e3)
+        if t1 - t0 > 0.02:
+            self.slow.append((t0 - start, (t1 - t0) * 1e3))
+        if i in self.sample:
+            pieces.append(audio)
+        return len(audio)
+
+    def finished(self, i: int, total: int, pieces: list, tail) -> None:
+        self.audio_len[i] = total + len(tail)
+        if i in self.sample:
+            self.kept[i] = pieces + [tail]
+
+    def raw(self, frames: int, interval: float, wall0: float, cpu0, behind: float) -> dict:
+        """The figures, with the load's wall and CPU time since ``wall0``, ``cpu0``."""
+        wall, cpu1 = time.perf_counter() - wall0, resource.getrusage(resource.RUSAGE_SELF)
+        return {"latencies": self.latencies, "frames": frames, "interval_ms": interval * 1e3, "wall_s": wall,
+                "scenario_s": frames * interval + interval, "behind_ms": behind * 1e3,
+                "cpu_s": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
+                "audio_len": self.audio_len, "kept": self.kept, "slow": self.slow}
+
+
 def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool, sample: set[int]) -> dict:
     """One load on this process's engine; returns raw latencies (ms) and counters."""
     strides = codec.config["vq_strides"]
@@ -74,26 +106,12 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
                       for f in range(frames)] for codes in pool] if path != "codes" else None
     per_frame_codes = [[[c[:, f * strides[0] // s:(f + 1) * strides[0] // s] for c, s in zip(codes, strides)]
                         for f in range(frames)] for codes in pool] if path == "codes" else None
-    latencies, audio_len, kept, slow = [], {}, {}, []  # slow: (seconds into the run, ms) of pushes over 20 ms
     behind = [0.0]
     layout = ORPHEUS if path != "codes" else None
     options = dict(max_batch=args.max_batch, max_wait_ms=args.max_wait_ms, layout=layout, output=args.output)
 
-    def record(i: int, start: float, t0: float, t1: float, audio, pieces: list) -> int:
-        """One push: its latency when it returned audio, a slow push's time, the audio of a sampled
-        stream; returns its samples."""
-        if len(audio):
-            latencies.append((t1 - t0) * 1e3)
-        if t1 - t0 > 0.02:
-            slow.append((t0 - start, (t1 - t0) * 1e3))
-        if i in sample:
-            pieces.append(audio)
-        return len(audio)
-
-    def finished(i: int, total: int, pieces: list, tail) -> None:
-        audio_len[i] = total + len(tail)
-        if i in sample:
-            kept[i] = pieces + [tail]
+    recorder = Recorder(sample)
+    record, finished = recorder.record, recorder.finished
 
     gc.collect()
     if args.gc_freeze:
@@ -141,39 +159,49 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
                 sid = batcher.open(seed=i)
                 seq = (per_frame_ids if path == "ids" else per_frame_codes)[i % POOL]
                 push = batcher.push_ids if path == "ids" else batcher.push
-                due = start + interval * i / streams
-                pieces, total = [], 0
-                for f in range(frames):
-                    delay = due - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    t0 = time.perf_counter()
-                    audio = await push(sid, seq[f])
-                    total += record(i, start, t0, time.perf_counter(), audio, pieces)
-                    due += interval
-                behind[0] = max(behind[0], time.perf_counter() - (due - interval))
-                finished(i, total, pieces, await batcher.flush(sid))
+                pieces, total = [], [0]
+
+                def on_audio(t0: float, t1: float, audio) -> None:
+                    total[0] += record(i, start, t0, t1, audio, pieces)
+                late = await paced(push, sid, seq, start + interval * i / streams, interval, on_audio)
+                behind[0] = max(behind[0], late)
+                finished(i, total[0], pieces, await batcher.flush(sid))
 
             async def main() -> None:
                 start = time.perf_counter() + 0.05
                 await asyncio.gather(*(client(i, start) for i in range(streams)))
                 await asyncio.get_running_loop().run_in_executor(None, batcher.close)
-            if args.uvloop:
-                import uvloop
-
-                uvloop.run(main())
-            else:
-                asyncio.run(main())
-    wall = time.perf_counter() - wall0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+            run_loop(main, args.uvloop)
     if args.gc_freeze:
         gc.unfreeze()
-    return {"latencies": latencies, "frames": frames, "interval_ms": interval * 1e3, "wall_s": wall,
-            "scenario_s": frames * interval + interval, "behind_ms": behind[0] * 1e3,
-            "cpu_s": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
+    return {**recorder.raw(frames, interval, wall0, cpu0, behind[0]),
             "batches": batcher.batches, "requests": batcher.requests, "gpu_span_s": batcher.gpu_seconds,
-            "engine_thread_s": batcher.step_seconds, "audio_len": audio_len, "kept": kept, "slow": slow,
+            "engine_thread_s": batcher.step_seconds,
             "graphs_captured": sorted(map(str, set(engine._graphs) - graphs_before)), **probe.summary()}
+
+
+async def paced(push, sid: int, seq: list, due: float, interval: float, on_audio) -> float:
+    """Push ``seq[f]`` to stream ``sid`` from ``due`` on, one every ``interval`` s on an absolute
+    schedule (late pushes go at once); ``on_audio(t0, t1, audio)`` after each. Returns how far
+    behind its schedule the last push ended (s)."""
+    for item in seq:
+        delay = due - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        t0 = time.perf_counter()
+        audio = await push(sid, item)
+        on_audio(t0, time.perf_counter(), audio)
+        due += interval
+    return time.perf_counter() - (due - interval)
+
+
+def run_loop(main, use_uvloop: bool) -> None:
+    if use_uvloop:
+        import uvloop
+
+        uvloop.run(main())
+    else:
+        asyncio.run(main())
 
 
 def check_audio(codec, engine, pool, raw: dict, streams: int, output: str) -> dict:
@@ -230,8 +258,7 @@ def engine_front_end(args, address, streams, pace, index, ready, go, out) -> Non
     per_frame_ids = [[ORPHEUS.codes_to_ids([c[:, f * strides[0] // s:(f + 1) * strides[0] // s] for c, s in zip(codes, strides)]).numpy().ravel()
                       for f in range(frames)] for codes in pool]
     first = index * streams  # global stream numbers, for seeds and the audio check
-    sample = {first} if index == 0 else set()
-    latencies, audio_len, kept, slow, behind = [], {}, {}, [], [0.0]
+    recorder, behind = Recorder({first} if index == 0 else set()), [0.0]
     ready.put({})
     go.wait()
     gc.collect()
@@ -245,45 +272,20 @@ def engine_front_end(args, address, streams, pace, index, ready, go, out) -> Non
             async def stream(i: int) -> None:
                 sid = await client.open(seed=i)
                 seq = per_frame_ids[i % POOL]
-                due = start + interval * (i - first) / streams
-                pieces, total = [], 0
-                for f in range(frames):
-                    delay = due - time.perf_counter()
-                    if delay > 0:
-                        await asyncio.sleep(delay)
-                    t0 = time.perf_counter()
-                    audio = await client.push_ids(sid, seq[f])
-                    t1 = time.perf_counter()
-                    if len(audio):
-                        latencies.append((t1 - t0) * 1e3)
-                    if t1 - t0 > 0.02:
-                        slow.append((t0 - start, (t1 - t0) * 1e3))
-                    if i in sample:
-                        pieces.append(audio)
-                    total += len(audio)
-                    due += interval
-                behind[0] = max(behind[0], time.perf_counter() - (due - interval))
-                tail = await client.flush(sid)
-                audio_len[i] = total + len(tail)
-                if i in sample:
-                    kept[i] = pieces + [tail]
+                pieces, total = [], [0]
+
+                def on_audio(t0: float, t1: float, audio) -> None:
+                    total[0] += recorder.record(i, start, t0, t1, audio, pieces)
+                late = await paced(client.push_ids, sid, seq, start + interval * (i - first) / streams, interval, on_audio)
+                behind[0] = max(behind[0], late)
+                recorder.finished(i, total[0], pieces, await client.flush(sid))
             await asyncio.gather(*(stream(i) for i in range(first, first + streams)))
             stats.update(await client.stats())
             client.close()
-        if args.uvloop:
-            import uvloop
-
-            uvloop.run(main())
-        else:
-            asyncio.run(main())
-    wall = time.perf_counter() - wall0
-    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
-    out.put({"latencies": latencies, "frames": frames, "interval_ms": interval * 1e3, "wall_s": wall,
-             "scenario_s": frames * interval + interval, "behind_ms": behind[0] * 1e3,
-             "cpu_s": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
+        run_loop(main, args.uvloop)
+    out.put({**recorder.raw(frames, interval, wall0, cpu0, behind[0]),
              "batches": stats.get("batches", 0) if index == 0 else 0, "requests": 0, "gpu_span_s": 0.0,
-             "engine_thread_s": 0.0, "audio_len": audio_len, "kept": kept, "slow": slow, "graphs_captured": [],
-             **probe.summary()})
+             "engine_thread_s": 0.0, "graphs_captured": [], **probe.summary()})
 
 
 def build(args, device):
