@@ -65,7 +65,12 @@ class _Front:
                 pass
 
     def error(self, req: int, error: BaseException) -> None:
-        self.send([("error", req, type(error).__name__, str(error))])
+        self.send([_error_item(req, error)])
+
+
+def _error_item(req: int, error: BaseException) -> tuple:
+    """An error as a message item: the front-end raises the same type (ValueError, RuntimeError)."""
+    return ("error", req, type(error).__name__, str(error))
 
 
 class _EngineBatcher(_Batcher):
@@ -82,7 +87,7 @@ class _EngineBatcher(_Batcher):
                 continue
             reqs, pieces, errors = by_front.setdefault(r.future.client, ([], [], []))
             if isinstance(result, BaseException):
-                errors.append(("error", r.future.req, type(result).__name__, str(result)))
+                errors.append(_error_item(r.future.req, result))
             else:
                 reqs.append(r.future.req)
                 pieces.append(result)
@@ -113,9 +118,7 @@ class _EngineBatcher(_Batcher):
                 elif kind == "flush":
                     _, req, sid = op
                     front.streams.discard(sid)
-                    stream = self._stream(sid)
-                    self._end(stream, "flushed")
-                    self._queue(_Request(stream, 0, None, True, _Reply(front, req)))
+                    self._submit_codes(sid, None, True, future=_Reply(front, req))
                 elif kind == "release":
                     front.streams.discard(op[1])
                     self.release(op[1])
@@ -351,13 +354,7 @@ class EngineClient:
                 self._resolve(item[1], item[2])
 
     def _resolve(self, req: int, value) -> None:
-        future = self._futures.get(req)
-        if future is None or future.done():
-            return
-        if isinstance(value, BaseException):
-            future.set_exception(value)
-        else:
-            future.set_result(value)
+        _Batcher._resolve(self._futures.get(req), value)
 
     def _lost(self) -> None:
         for req in list(self._futures):

@@ -150,7 +150,7 @@ class _Batcher:
         return stream
 
     def _submit_codes(self, stream_id: int, codes: Sequence[Tensor] | None, finish: bool,
-                      drop_incomplete_frame: bool = False):
+                      drop_incomplete_frame: bool = False, future=None):
         stream = self._stream(stream_id)
         frames, row, checked = 0, None, None
         if codes is not None:
@@ -160,7 +160,8 @@ class _Batcher:
             if stream.framer is not None:
                 stream.framer.drop_incomplete() if drop_incomplete_frame else stream.framer.finish()
             self._end(stream, "flushed")
-        return self._queue(_Request(stream, frames, row, finish, self._new_future(), checked=checked))
+        future = self._new_future() if future is None else future
+        return self._queue(_Request(stream, frames, row, finish, future, checked=checked))
 
     def _submit_ids(self, stream_id: int, ids):
         stream = self._stream(stream_id)

@@ -23,6 +23,7 @@ from snac_fast.streaming.step_graph import NoiseCall, StepGraph
 
 PREFILL, STEP, FLUSH = "prefill", "step", "flush"
 TAIL = "tail"  # an approximate stream's flush, cut to the audio its emission needs
+_CODELESS = (FLUSH, TAIL)  # the kinds that take no new codes
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
@@ -237,7 +238,7 @@ class StreamEngine:
         for kind, bucket, k in todo:
             keys = np.zeros((4, bucket), np.int64)
             keys[0] = self.max_streams  # the scratch row
-            inputs[kind, bucket, k] = keys, [] if kind in (FLUSH, TAIL) else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
+            inputs[kind, bucket, k] = keys, [] if kind in _CODELESS else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
         with self._lock, torch.inference_mode(), device_scope(self.device):
             # one shapes-only pass over every step first: all their kernels compile at once, instead
             # of each graph's compiling while the others wait (an empty Triton cache)
@@ -679,7 +680,7 @@ class StreamEngine:
         bucket = self._bucket(n)
         keys = np.empty((4, bucket), np.int64)
         self._write_keys(keys, slots)
-        if kind not in (FLUSH, TAIL):
+        if kind not in _CODELESS:
             codes = self._pending.take(slots, frames) if codes is None else codes  # n rows
             self._consumed[slots] += frames
         else:
@@ -705,7 +706,7 @@ class StreamEngine:
         noise_for: where NoiseBlocks get their noise (default: :meth:`draw_noise`)."""
         geo = self.geometry
         slots = keys[0]
-        new = self.model.quantizer.from_codes(codes) if kind not in (FLUSH, TAIL) else None
+        new = self.model.quantizer.from_codes(codes) if kind not in _CODELESS else None
         offsets: dict[int, tuple[int, int]] = {}  # NoiseBlock index -> (samples per frame, start)
         noise_for = noise_for or (lambda call: self.draw_noise(keys, call))
 
