@@ -8,9 +8,12 @@ thread and its rounds), and each front-end process (an HTTP worker, say) talks t
 :class:`EngineClient` over a Unix socket (``multiprocessing.connection``). A front-end frames its
 streams' token ids itself (numpy, :class:`~snac_fast.orpheus.TokenFramer`: a bad id fails there,
 before anything is sent) and sends, once per turn of its event loop, one message holding every
-push queued in that turn as arrays (stream ids, one level-major row per push); the engine process
-answers each engine round with one message per front-end (PCM of all its pushes end to end, their
-offsets, and the errors). Streams are the engine's; a front-end that disconnects releases its own.
+push queued in that turn as raw int64 arrays (request numbers, stream ids, one level-major row per
+push; no pickle to take apart). In the engine process one thread reads every front-end, the engine
+thread answers each engine call with one message per front-end (PCM of its pushes end to end and
+their offsets, cut from the call's PCM without a Python step per push), and a thread per
+front-end sends those, so a front-end that reads slowly never holds up the engine. Streams are the
+engine's; a front-end that disconnects releases its own.
 
     engine = EngineProcess("hubertsiuzdak/snac_24khz", max_streams=4096)   # in the parent
     client = EngineClient(engine.address)                                  # in each front-end
@@ -24,6 +27,9 @@ from __future__ import annotations
 import asyncio
 import multiprocessing as mp
 import os
+import pickle
+import queue
+import selectors
 import socket
 import tempfile
 import threading
@@ -32,33 +38,35 @@ from multiprocessing.connection import Client, Connection, Listener
 import numpy as np
 
 from snac_fast.orpheus import ORPHEUS, TokenLayout
-from snac_fast.serving import _Batcher, _Request
+from snac_fast.serving import PCMBlock, _Batcher, _Request
 
-# message kinds, front-end -> engine process: ("open", req, seed), ("push", reqs, sids, frames, rows),
+# message kinds, front-end -> engine process: pushes (see _PUSH), ops ("open", req, seed),
 # ("flush", req, sid), ("release", sid), ("stats", req); back: ("opened", req, sid),
 # ("audio", reqs, offsets, pcm), ("error", req, kind, message), ("stats", req, dict)
 _ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError}
-
-
-class _Reply:
-    """Where an engine-process request's result goes: its front-end and request number."""
-
-    __slots__ = ("client", "req")
-
-    def __init__(self, client: "_Front", req: int) -> None:
-        self.client, self.req = client, req
+# front-end -> engine process messages are bytes: an 8-byte tag, then raw int64 pushes or pickled ops
+_TAG = 8
+_PUSH, _OPS = b"push\0\0\0\0", b"ops\0\0\0\0\0"
 
 
 class _Front:
-    """The engine process's side of one front-end connection."""
+    """The engine process's side of one front-end connection. Messages to it go out through a
+    thread of its own, so the engine thread never blocks on a front-end that reads slowly."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.send_lock = threading.Lock()
         self.streams: set[int] = set()
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        threading.Thread(target=self._send_all, name="snac-fast-engine-sender", daemon=True).start()
 
     def send(self, message) -> None:
-        with self.send_lock:
+        self._outbox.put(message)
+
+    def stop(self) -> None:
+        self._outbox.put(None)
+
+    def _send_all(self) -> None:
+        while (message := self._outbox.get()) is not None:
             try:
                 self.conn.send(message)
             except (OSError, EOFError, BrokenPipeError):  # the front-end is gone: its reader releases its streams
@@ -78,18 +86,30 @@ class _EngineBatcher(_Batcher):
     one message per front-end per engine call."""
 
     def _new_future(self):
-        raise AssertionError("engine-process requests carry their _Reply")
+        raise AssertionError("engine-process requests carry their reply address")
 
-    def _deliver(self, requests: list[_Request], results: list) -> None:
+    def _deliver(self, requests: list[_Request], results) -> None:
+        # a request's future is its reply address (front-end, request number); a release has None
+        replies = [r.future for r in requests]
+        if isinstance(results, PCMBlock) and None not in replies:  # one call's audio: no step per push
+            numbers: dict[_Front, int] = {}
+            fronts = np.fromiter((numbers.setdefault(f, len(numbers)) for f, _ in replies), np.int64, len(replies))
+            reqs = np.fromiter((q for _, q in replies), np.int64, len(replies))
+            for front, k in numbers.items():
+                picked = np.flatnonzero(fronts == k) if len(numbers) > 1 else np.arange(len(replies))
+                pcm, offsets = results.rows(picked)
+                front.send([("audio", reqs[picked], offsets, pcm)])
+            return
         by_front: dict[_Front, tuple[list, list, list]] = {}
-        for r, result in zip(requests, results):
-            if r.future is None:  # a release
+        for reply, result in zip(replies, results):
+            if reply is None:
                 continue
-            reqs, pieces, errors = by_front.setdefault(r.future.client, ([], [], []))
+            front, req = reply
+            reqs, pieces, errors = by_front.setdefault(front, ([], [], []))
             if isinstance(result, BaseException):
-                errors.append(_error_item(r.future.req, result))
+                errors.append(_error_item(req, result))
             else:
-                reqs.append(r.future.req)
+                reqs.append(req)
                 pieces.append(result)
         for front, (reqs, pieces, errors) in by_front.items():
             message = errors
@@ -99,32 +119,36 @@ class _EngineBatcher(_Batcher):
                 message = [("audio", np.asarray(reqs, np.int64), offsets, np.concatenate(pieces))] + errors
             front.send(message)
 
-    def take(self, front: _Front, ops: list) -> None:
-        """Queue one front-end message's requests (its reader thread)."""
-        for op in ops:
+    def take(self, front: _Front, message: bytes) -> None:
+        """Queue one front-end message's requests (the reader thread)."""
+        if message[:_TAG] == _PUSH:  # int64: n, frames, then n request numbers, n streams, n rows
+            n, frames = np.frombuffer(message, np.int64, 2, _TAG).tolist()
+            body = np.frombuffer(message, np.int64, offset=_TAG + 16)
+            reqs, sids, rows = body[:n].tolist(), body[n:2 * n].tolist(), body[2 * n:].reshape(n, -1)
+            for req, sid, row in zip(reqs, sids, rows):
+                try:
+                    self._queue(_Request(self._stream(sid), frames, row, False, (front, req)))
+                except ValueError as error:  # that stream ended: only this push fails
+                    front.error(req, error)
+            return
+        for op in pickle.loads(message[_TAG:]):
             kind = op[0]
             try:
-                if kind == "push":
-                    _, reqs, sids, frames, rows = op
-                    for req, sid, row in zip(reqs.tolist(), sids.tolist(), rows):
-                        try:
-                            self._queue(_Request(self._stream(sid), frames, row, False, _Reply(front, req)))
-                        except ValueError as error:  # that stream ended: only this push fails
-                            front.error(req, error)
-                elif kind == "open":
+                if kind == "open":
                     sid = self.open(op[2])
                     front.streams.add(sid)
                     front.send([("opened", op[1], sid)])
                 elif kind == "flush":
                     _, req, sid = op
                     front.streams.discard(sid)
-                    self._submit_codes(sid, None, True, future=_Reply(front, req))
+                    self._submit_codes(sid, None, True, future=(front, req))
                 elif kind == "release":
                     front.streams.discard(op[1])
                     self.release(op[1])
                 elif kind == "stats":
                     front.send([("stats", op[1], {"open_streams": self.open_streams, "batches": self.batches,
-                                                  "requests": self.requests, "failed_calls": self.failed_calls})])
+                                                  "requests": self.requests, "failed_calls": self.failed_calls,
+                                                  "step_seconds": self.step_seconds, "gpu_seconds": self.gpu_seconds})])
             except (ValueError, RuntimeError) as error:  # a stream that ended, slots full, batcher closed
                 if kind in ("open", "flush", "stats"):
                     front.error(op[1], error)
@@ -148,19 +172,37 @@ def _serve_engine(address: str, settings: dict, report: Connection) -> None:
         report.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
     report.send(("ready", {"sampling_rate": codec.sampling_rate, "output": settings["output"]}))
+    # one thread reads every front-end (fewer threads taking turns at the interpreter than one each)
+    fronts: dict[Connection, _Front] = {}
+    woken, wake = socket.socketpair()
+    threading.Thread(target=_read_fronts, args=(batcher, fronts, woken), name="snac-fast-engine-reader",
+                     daemon=True).start()
     while True:
-        front = _Front(listener.accept())
-        threading.Thread(target=_read_front, args=(batcher, front), daemon=True).start()
+        conn = listener.accept()
+        fronts[conn] = _Front(conn)
+        wake.send(b"x")
 
 
-def _read_front(batcher: _EngineBatcher, front: _Front) -> None:
-    try:
-        while True:
-            batcher.take(front, front.conn.recv())
-    except (EOFError, OSError):
-        pass
-    for sid in list(front.streams):  # the front-end went away: free what it held
-        batcher.release(sid)
+def _read_fronts(batcher: _EngineBatcher, fronts: dict, woken: socket.socket) -> None:
+    selector = selectors.DefaultSelector()  # kept: a new selector per wait costs more than the reads
+    selector.register(woken, selectors.EVENT_READ)
+    while True:
+        for key, _ in selector.select():
+            if key.fileobj is woken:  # new front-ends
+                woken.recv(4096)
+                for conn, front in list(fronts.items()):
+                    if conn not in selector.get_map():
+                        selector.register(conn, selectors.EVENT_READ, front)
+                continue
+            conn, front = key.fileobj, key.data
+            try:
+                batcher.take(front, conn.recv_bytes())
+            except (EOFError, OSError):  # the front-end went away: free what it held
+                selector.unregister(conn)
+                del fronts[conn]
+                front.stop()
+                for sid in list(front.streams):
+                    batcher.release(sid)
 
 
 class EngineProcess:
@@ -269,7 +311,8 @@ class EngineClient:
             self._schedule()
 
     async def stats(self) -> dict:
-        """The engine process's counters: open streams, engine calls, requests, failed calls."""
+        """The engine process's counters: open streams, engine calls, requests, failed calls, and
+        seconds of its engine thread in engine calls and of CUDA-event time they spanned."""
         return await self._request(lambda req: ("stats", req))
 
     def close(self) -> None:
@@ -320,14 +363,18 @@ class EngineClient:
     def _send(self) -> None:
         ops, self._outbox = self._outbox, []
         pushes, self._pushes = self._pushes, []
+        if self._closed:
+            return
         by_frames: dict[int, list] = {}
         for push in pushes:
             by_frames.setdefault(push[2], []).append(push)
-        for frames, group in by_frames.items():
-            ops.insert(0, ("push", np.array([p[0] for p in group], np.int64), np.array([p[1] for p in group], np.int64),
-                           frames, np.stack([p[3] for p in group])))
-        if ops and not self._closed:
-            self._conn.send(ops)
+        for frames, group in by_frames.items():  # raw int64 arrays, not a pickle: cheap to read for the engine
+            self._conn.send_bytes(_PUSH + np.concatenate([
+                np.array([len(group), frames], np.int64), np.array([p[0] for p in group], np.int64),
+                np.array([p[1] for p in group], np.int64), np.concatenate([p[3] for p in group]).astype(np.int64, copy=False),
+            ]).tobytes())
+        if ops:
+            self._conn.send_bytes(_OPS + pickle.dumps(ops, pickle.HIGHEST_PROTOCOL))
 
     def _read(self) -> None:
         try:

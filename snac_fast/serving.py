@@ -26,7 +26,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future
-from typing import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -95,6 +95,7 @@ class _Batcher:
         self._closed = False
         self._pinned: list[Tensor] = []  # per engine call of an engine-thread round: host PCM lands here
         self._copies = 0
+        self._stream_of_engine_thread: torch.cuda.Stream | None = None
         if output != "tensor" and engine.device.type == "cuda":  # allocated now, not under load (cudaHostAlloc)
             size = max_batch * engine.samples_per_frame * engine.frames_per_group
             self._pinned = [torch.empty(size, dtype=torch.int16 if output == "int16" else torch.float32, pin_memory=True)
@@ -102,7 +103,7 @@ class _Batcher:
             # the conversion kernels' first launches (lazy module loads) now, not in the first pushes
             _, copied = self._to_host(torch.zeros(size, device=engine.device, dtype=engine.dtype))
             copied.synchronize()
-            self._copies = 0
+            self._copies, self._stream_of_engine_thread = 0, None  # the engine thread's own stream, later
         # for monitoring: engine calls, requests run, streams released for idling, failed engine calls
         self.batches = self.requests = self.idle_released = self.failed_calls = 0
         self.step_seconds = 0.0  # engine-thread time in engine calls, copies included
@@ -271,20 +272,27 @@ class _Batcher:
                  for chunk in (group[i:i + self.max_batch] for i in range(0, len(group), self.max_batch))]
         started = time.perf_counter()
         self._copies = 0  # pinned buffers taken this round
-        launched = []
-        for chunk in calls:
-            launched.append(self._launch(chunk, lambda c=chunk: self.engine.step_rows(
-                [r.stream.slot for r in c], np.stack([r.row for r in c]), c[0].frames)))
-        for i in range(0, len(ends), self.max_batch):  # flush graphs are warmed up to max_batch rows
-            chunk = ends[i:i + self.max_batch]
-            launched.append(self._launch(chunk, lambda c=chunk: self._finish(c)))
-        for chunk, pending in launched:
-            self._deliver(chunk, pending())
+        jobs = [(chunk, lambda c=chunk: self._step(c)) for chunk in calls]
+        jobs += [(chunk, lambda c=chunk: self._finish(c))  # flush graphs are warmed up to max_batch rows
+                 for chunk in (ends[i:i + self.max_batch] for i in range(0, len(ends), self.max_batch))]
+        # each call's results are handed out while the next call runs on the GPU (its copy precedes
+        # that call in the stream): the host's delivery overlaps the GPU instead of following it
+        previous = None
+        for chunk, call in jobs:
+            launched = self._launch(chunk, call)
+            if previous is not None:
+                self._deliver(previous[0], previous[1]())
+            previous = launched
+        if previous is not None:
+            self._deliver(previous[0], previous[1]())
         now = time.monotonic()
         for r in requests:  # idle time counts from a push's answer, not from its queueing
             r.stream.last_active, r.stream.done = now, r.stream.done + 1
         self.step_seconds += time.perf_counter() - started
         self.requests += len(requests)
+
+    def _step(self, pushes: list[_Request]) -> tuple[Tensor, np.ndarray]:
+        return self.engine.step_rows([r.stream.slot for r in pushes], np.stack([r.row for r in pushes]), pushes[0].frames)
 
     def _finish(self, ends: list[_Request]) -> tuple[Tensor, np.ndarray]:
         pushes = {r.stream.slot: r.checked for r in ends if r.checked is not None}
@@ -297,7 +305,7 @@ class _Batcher:
         begun = None
         if self.output != "tensor" and self.engine.device.type == "cuda":
             begun = torch.cuda.Event(enable_timing=True)
-            begun.record(torch.cuda.current_stream(self.engine.device))
+            begun.record(self._cuda_stream())
         try:
             audio, offsets = call()
             self.batches += 1
@@ -321,11 +329,7 @@ class _Batcher:
             if copied is not None:
                 copied.synchronize()  # releases the GIL: the event loop runs meanwhile
                 self.gpu_seconds += begun.elapsed_time(copied) / 1e3
-            pcm = host.numpy()[:offsets[-1]].copy()  # the pinned buffer is the next round's
-            widths = set(np.diff(offsets).tolist())
-            if len(widths) == 1:
-                return list(pcm.reshape(len(chunk), -1))
-            return np.split(pcm, offsets[1:-1])
+            return PCMBlock(host.numpy()[:offsets[-1]].copy(), offsets)  # the pinned buffer is the next round's
         return chunk, wait
 
     def _single(self, request: _Request) -> tuple[Tensor, np.ndarray]:
@@ -337,7 +341,7 @@ class _Batcher:
         """Convert on the device and start one copy into pinned memory (a buffer per engine call
         of the round, reused by the next round)."""
         if self.output == "int16":
-            audio = audio.float().mul_(32767.0).round_().clamp_(-32768, 32767).to(torch.int16)
+            audio = (audio.float() * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)  # not in place: a float32 engine's own audio
         elif audio.dtype != torch.float32:
             audio = audio.float()
         if audio.device.type != "cuda":
@@ -351,8 +355,14 @@ class _Batcher:
                                                      pin_memory=True)
         host[:audio.numel()].copy_(audio, non_blocking=True)
         copied = torch.cuda.Event(enable_timing=True)
-        copied.record(torch.cuda.current_stream(audio.device))
+        copied.record(self._cuda_stream())
         return host, copied
+
+    def _cuda_stream(self) -> torch.cuda.Stream:
+        """The engine thread's CUDA stream, looked up once (each lookup queries the driver)."""
+        if self._stream_of_engine_thread is None:
+            self._stream_of_engine_thread = torch.cuda.current_stream(self.engine.device)
+        return self._stream_of_engine_thread
 
     def _empty(self):
         if self.output == "tensor":
@@ -491,6 +501,40 @@ class AsyncStreamBatcher(_Batcher):
 
     async def __aexit__(self, *exc) -> None:
         await asyncio.get_running_loop().run_in_executor(None, self.close)
+
+
+class PCMBlock(Sequence):
+    """One engine call's host PCM, end to end: ``pcm`` 1-D (int16 or float32), request j's audio
+    ``pcm[offsets[j]:offsets[j + 1]]``. A sequence of those pieces (views); :meth:`rows` takes
+    several at once without a Python step per piece."""
+
+    def __init__(self, pcm: np.ndarray, offsets: np.ndarray) -> None:
+        self.pcm, self.offsets = pcm, offsets
+        width = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
+        self._width = width if len(offsets) > 1 and offsets[-1] == width * (len(offsets) - 1) else None
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def __getitem__(self, j: int) -> np.ndarray:
+        if not 0 <= j < len(self):
+            raise IndexError(j)
+        return self.pcm[self.offsets[j]:self.offsets[j + 1]]
+
+    def __iter__(self) -> Iterator[np.ndarray]:
+        bounds = self.offsets.tolist()
+        return (self.pcm[a:b] for a, b in zip(bounds, bounds[1:]))
+
+    def rows(self, picked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The pieces ``picked`` (int64 indices) end to end: (pcm 1-D, offsets int64 [len(picked) + 1])."""
+        if self._width is not None:  # every piece as long (one frame each, the usual call)
+            return (self.pcm.reshape(len(self), self._width)[picked].reshape(-1),
+                    np.arange(len(picked) + 1, dtype=np.int64) * self._width)
+        sizes = np.diff(self.offsets)[picked]
+        offsets = np.zeros(len(picked) + 1, np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        pieces = [self[j] for j in picked.tolist()]
+        return (np.concatenate(pieces) if pieces else self.pcm[:0]), offsets
 
 
 def _resolve_all(futures: list, values: list) -> None:

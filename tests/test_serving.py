@@ -11,12 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import engine64, frames_of, random_codes, upstream64
+from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
 from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.orpheus import ORPHEUS
-from snac_fast.serving import AsyncStreamBatcher, StreamBatcher
+from snac_fast.serving import AsyncStreamBatcher, PCMBlock, StreamBatcher
+from snac_fast.streaming import StreamEngine
+from snac_fast.synthetic import synthetic_model
 
 NAME = "snac_24khz"
 CONFIG = published_config(NAME)
@@ -363,3 +365,49 @@ def test_one_engine_per_worker_process():
         for i in range(2):
             want = expected_audio(codes[w][i], 10 * w + i).numpy()
             assert np.abs(outs[w][i] - want).max() < 1e-6, f"worker {w} stream {i}"
+
+
+def test_int16_output_of_a_float32_engine_is_the_rounding_of_its_float32_output():
+    """A float32 engine's audio is converted to int16 without touching the engine's own tensor
+    (its steady-state steps return inference tensors that an in-place scale refuses, or would
+    corrupt): two batchers on twin engines, pushed the same codes, one asked for float32 PCM and one
+    for int16, agree to the rounding."""
+    streams, frames = 3, 9
+    codes = [random_codes(CONFIG, frames, seed=70 + i) for i in range(streams)]
+    outputs = {}
+    for output in ("float32", "int16"):
+        engine = StreamEngine(synthetic_model(NAME, **NARROW), {**CONFIG, **NARROW}, streams, dtype=torch.float32)
+        with StreamBatcher(engine, max_batch=streams, output=output) as batcher:
+            sids = [batcher.open(10 + i) for i in range(streams)]
+            pieces = [[] for _ in range(streams)]
+            for f in range(frames):
+                futures = [batcher.submit(sid, frames_of(codes[i], STRIDES, f, f + 1)) for i, sid in enumerate(sids)]
+                for i, future in enumerate(futures):
+                    pieces[i].append(future.result())
+            for i, sid in enumerate(sids):
+                pieces[i].append(batcher.flush(sid))
+        outputs[output] = [np.concatenate(p) for p in pieces]
+    for i in range(streams):
+        want = np.clip(np.round(outputs["float32"][i].astype(np.float64) * 32767), -32768, 32767)
+        assert outputs["int16"][i].dtype == np.int16 and outputs["int16"][i].shape == want.shape
+        assert np.abs(outputs["int16"][i] - want).max() <= 1, f"stream {i}"
+    assert np.abs(outputs["float32"][0]).max() > 1e-3  # audio, not silence
+
+
+@pytest.mark.parametrize("sizes", [[5, 5, 5, 5], [3, 0, 7, 2, 9]])
+def test_pcm_block_pieces_and_rows(sizes):
+    """One engine call's PCM handed out whole: its pieces as a sequence, and any subset of them end
+    to end with their offsets (the engine process's reply to one front-end), equal widths or not."""
+    pcm = np.random.default_rng(len(sizes)).integers(-32768, 32767, sum(sizes)).astype(np.int16)
+    offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    block = PCMBlock(pcm, offsets)
+    pieces = np.split(pcm, offsets[1:-1])
+    assert len(block) == len(sizes)
+    assert all(np.array_equal(a, b) for a, b in zip(block, pieces, strict=True))
+    assert np.array_equal(block[len(sizes) - 1], pieces[-1])
+    with pytest.raises(IndexError):
+        block[len(sizes)]
+    for picked in ([0], [len(sizes) - 1, 1], list(range(len(sizes)))[::-1], []):
+        got, got_offsets = block.rows(np.asarray(picked, np.int64))
+        assert np.array_equal(got, np.concatenate([pieces[j] for j in picked]) if picked else pcm[:0])
+        assert got_offsets.tolist() == [0, *np.cumsum([sizes[j] for j in picked]).tolist()]
