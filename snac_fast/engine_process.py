@@ -9,9 +9,10 @@ thread and its rounds), and each front-end process (an HTTP worker, say) talks t
 streams' token ids itself (numpy, :class:`~snac_fast.orpheus.TokenFramer`: a bad id fails there,
 before anything is sent) and sends, once per turn of its event loop, one message holding every
 push queued in that turn as raw int64 arrays (request numbers, stream ids, one level-major row per
-push; no pickle to take apart). In the engine process one thread reads every front-end, the engine
-thread answers each engine call with one message per front-end (PCM of its pushes end to end and
-their offsets, cut from the call's PCM without a Python step per push), and a thread per
+push; no pickle to take apart). In the engine process one thread reads every front-end and queues
+each message's pushes as one block, the engine thread runs the blocks as row slices of its engine
+calls and answers each call with one message per front-end (PCM of its pushes end to end and their
+offsets, cut from the call's PCM), so no step of the engine process is per push, and a thread per
 front-end sends those, so a front-end that reads slowly never holds up the engine. Streams are the
 engine's; a front-end that disconnects releases its own.
 
@@ -33,6 +34,7 @@ import selectors
 import socket
 import tempfile
 import threading
+import time
 from multiprocessing.connection import Client, Connection, Listener
 
 import numpy as np
@@ -81,6 +83,63 @@ def _error_item(req: int, error: BaseException) -> tuple:
     return ("error", req, type(error).__name__, str(error))
 
 
+def _push_message(reqs: list[int], sids: list[int], frames: int, rows: list[np.ndarray]) -> bytes:
+    """Pushes of ``frames`` frames each as one front-end -> engine message: raw int64 arrays (n,
+    frames, request numbers, stream ids, level-major rows), not a pickle: cheap for the engine to read."""
+    return _PUSH + np.concatenate([np.array([len(reqs), frames], np.int64), np.asarray(reqs, np.int64),
+                                   np.asarray(sids, np.int64), np.concatenate(rows).astype(np.int64, copy=False)]).tobytes()
+
+
+class _PushBlock:
+    """The pushes of one front-end message with one frames count, queued as one item: the engine
+    process takes no Python step per push where arrays do (``streams``: the batcher's streams)."""
+
+    __slots__ = ("front", "reqs", "streams", "frames", "rows", "queued_at")
+
+    def __init__(self, front: _Front, reqs: np.ndarray, streams: list, frames: int, rows: np.ndarray) -> None:
+        self.front, self.reqs, self.streams, self.frames, self.rows = front, reqs, streams, frames, rows
+        self.queued_at = time.monotonic()
+
+    def __len__(self) -> int:
+        return len(self.streams)
+
+    def __iter__(self):
+        """As single requests (the rare paths: an engine call that failed, closing)."""
+        for req, stream, row in zip(self.reqs.tolist(), self.streams, self.rows):
+            yield _Request(stream, self.frames, row, False, (self.front, req))
+
+    def part(self, picked: list[int]) -> "_PushBlock":
+        return _PushBlock(self.front, self.reqs[picked], [self.streams[j] for j in picked], self.frames, self.rows[picked])
+
+    @staticmethod
+    def joined(blocks: list["_PushBlock"]) -> tuple["_PushBlock", np.ndarray, list]:
+        """One block of several front-ends' blocks of one frames count, with each push's front-end
+        number and the front-ends."""
+        fronts: dict[_Front, int] = {}
+        numbers = [fronts.setdefault(b.front, len(fronts)) for b in blocks]
+        front_of = np.repeat(np.asarray(numbers, np.int64), [len(b) for b in blocks])
+        if len(blocks) == 1:
+            return blocks[0], front_of, list(fronts)
+        block = _PushBlock(None, np.concatenate([b.reqs for b in blocks]), [s for b in blocks for s in b.streams],
+                           blocks[0].frames, np.concatenate([b.rows for b in blocks]))
+        return block, front_of, list(fronts)
+
+
+class _RowChunk(_PushBlock):
+    """One engine call's pushes, from several front-ends (``front_of``: each push's index into
+    ``fronts``)."""
+
+    __slots__ = ("front_of", "fronts")
+
+    def __init__(self, block: _PushBlock, front_of: np.ndarray, fronts: list, start: int, stop: int) -> None:
+        super().__init__(None, block.reqs[start:stop], block.streams[start:stop], block.frames, block.rows[start:stop])
+        self.front_of, self.fronts = front_of[start:stop], fronts
+
+    def __iter__(self):
+        for req, stream, row, k in zip(self.reqs.tolist(), self.streams, self.rows, self.front_of.tolist()):
+            yield _Request(stream, self.frames, row, False, (self.fronts[k], req))
+
+
 class _EngineBatcher(_Batcher):
     """The batcher of the engine process: requests come from front-ends, results go back to them,
     one message per front-end per engine call."""
@@ -88,18 +147,76 @@ class _EngineBatcher(_Batcher):
     def _new_future(self):
         raise AssertionError("engine-process requests carry their reply address")
 
-    def _deliver(self, requests: list[_Request], results) -> None:
+    # -- pushes as blocks (the reader thread queues them, the engine thread runs them) --------------
+
+    def _split_round(self, batch: list) -> tuple[list, list]:
+        now, carried, seen = [], [], set()
+        for item in batch:
+            if type(item) is not _PushBlock:
+                if item.stream in seen:
+                    carried.append(item)
+                else:
+                    seen.add(item.stream)
+                    now.append(item)
+            elif seen.isdisjoint(item.streams) and len(set(item.streams)) == len(item.streams):
+                seen.update(item.streams)
+                now.append(item)
+            else:  # a stream pushed again before its push ran: the later push waits, in order
+                first, later = [], []
+                for j, stream in enumerate(item.streams):
+                    (later if stream in seen else first).append(j)
+                    seen.add(stream)
+                now += [item.part(first)] if first else []
+                carried.append(item.part(later))
+        return now, carried
+
+    def _calls(self, requests: list) -> list:
+        by_frames: dict[int, list[_PushBlock]] = {}
+        single = []
+        for r in requests:
+            if type(r) is _PushBlock:
+                by_frames.setdefault(r.frames, []).append(r)
+            else:
+                single.append(r)
+        calls = []
+        for blocks in by_frames.values():
+            block, front_of, fronts = _PushBlock.joined(blocks)
+            if any(s.dropped for s in block.streams):  # released after its push was queued
+                dropped = [j for j, s in enumerate(block.streams) if s.dropped]
+                for j in dropped:
+                    s = block.streams[j]
+                    fronts[front_of[j]].error(int(block.reqs[j]), ValueError(f"stream {s.id} was released ({s.ended})"))
+                kept = [j for j, s in enumerate(block.streams) if not s.dropped]
+                block, front_of = block.part(kept), front_of[kept]
+            for start in range(0, len(block), self.max_batch):
+                chunk = _RowChunk(block, front_of, fronts, start, start + self.max_batch)
+                calls.append((chunk, lambda c=chunk: self.engine.step_rows([s.slot for s in c.streams], c.rows, c.frames)))
+        return calls + (super()._calls(single) if single else [])
+
+    def _mark_done(self, requests: list, now: float) -> None:
+        single = []
+        for r in requests:
+            if type(r) is _PushBlock:
+                for stream in r.streams:
+                    stream.last_active, stream.done = now, stream.done + 1
+                self.requests += len(r)
+            else:
+                single.append(r)
+        super()._mark_done(single, now)
+
+    def _deliver(self, requests, results) -> None:
+        if type(requests) is _RowChunk and isinstance(results, PCMBlock):  # one call's audio: no step per push
+            for k, front in enumerate(requests.fronts):
+                picked = np.flatnonzero(requests.front_of == k) if len(requests.fronts) > 1 else np.arange(len(requests))
+                if len(picked):
+                    pcm, offsets = results.rows(picked)
+                    front.send([("audio", requests.reqs[picked], offsets, pcm)])
+            return
+        if any(type(r) is _PushBlock for r in requests):  # closing: each push of a block gets the error
+            pairs = [(x, result) for r, result in zip(requests, results) for x in (r if type(r) is _PushBlock else [r])]
+            requests, results = [x for x, _ in pairs], [result for _, result in pairs]
         # a request's future is its reply address (front-end, request number); a release has None
         replies = [r.future for r in requests]
-        if isinstance(results, PCMBlock) and None not in replies:  # one call's audio: no step per push
-            numbers: dict[_Front, int] = {}
-            fronts = np.fromiter((numbers.setdefault(f, len(numbers)) for f, _ in replies), np.int64, len(replies))
-            reqs = np.fromiter((q for _, q in replies), np.int64, len(replies))
-            for front, k in numbers.items():
-                picked = np.flatnonzero(fronts == k) if len(numbers) > 1 else np.arange(len(replies))
-                pcm, offsets = results.rows(picked)
-                front.send([("audio", reqs[picked], offsets, pcm)])
-            return
         by_front: dict[_Front, tuple[list, list, list]] = {}
         for reply, result in zip(replies, results):
             if reply is None:
@@ -124,12 +241,25 @@ class _EngineBatcher(_Batcher):
         if message[:_TAG] == _PUSH:  # int64: n, frames, then n request numbers, n streams, n rows
             n, frames = np.frombuffer(message, np.int64, 2, _TAG).tolist()
             body = np.frombuffer(message, np.int64, offset=_TAG + 16)
-            reqs, sids, rows = body[:n].tolist(), body[n:2 * n].tolist(), body[2 * n:].reshape(n, -1)
-            for req, sid, row in zip(reqs, sids, rows):
-                try:
-                    self._queue(_Request(self._stream(sid), frames, row, False, (front, req)))
-                except ValueError as error:  # that stream ended: only this push fails
-                    front.error(req, error)
+            reqs, sids, rows = body[:n], body[n:2 * n].tolist(), body[2 * n:].reshape(n, -1)
+            streams = [self._streams.get(sid) for sid in sids]
+            if self._stopping or None in streams or any(s.ended for s in streams):
+                kept = []
+                for j, sid in enumerate(sids):
+                    try:
+                        if self._stopping:
+                            raise RuntimeError("the batcher is closed")
+                        self._stream(sid)
+                        kept.append(j)
+                    except (ValueError, RuntimeError) as error:  # that stream ended: only this push fails
+                        front.error(int(reqs[j]), error)
+                reqs, rows, streams = reqs[kept], rows[kept], [streams[j] for j in kept]
+            if streams:
+                for stream in streams:
+                    stream.queued += 1
+                self._pending.append(_PushBlock(front, reqs, streams, frames, rows))
+                if self._sleeping:
+                    self._wake.set()
             return
         for op in pickle.loads(message[_TAG:]):
             kind = op[0]
@@ -368,11 +498,8 @@ class EngineClient:
         by_frames: dict[int, list] = {}
         for push in pushes:
             by_frames.setdefault(push[2], []).append(push)
-        for frames, group in by_frames.items():  # raw int64 arrays, not a pickle: cheap to read for the engine
-            self._conn.send_bytes(_PUSH + np.concatenate([
-                np.array([len(group), frames], np.int64), np.array([p[0] for p in group], np.int64),
-                np.array([p[1] for p in group], np.int64), np.concatenate([p[3] for p in group]).astype(np.int64, copy=False),
-            ]).tobytes())
+        for frames, group in by_frames.items():
+            self._conn.send_bytes(_push_message([p[0] for p in group], [p[1] for p in group], frames, [p[3] for p in group]))
         if ops:
             self._conn.send_bytes(_OPS + pickle.dumps(ops, pickle.HIGHEST_PROTOCOL))
 

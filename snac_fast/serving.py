@@ -226,16 +226,21 @@ class _Batcher:
             if self.idle_timeout and time.monotonic() >= next_sweep:
                 self._release_idle()
                 next_sweep = time.monotonic() + self.idle_timeout / 4
-            batch = carried + taken if carried else taken
-            now, carried, seen = [], [], set()
-            for request in batch:
-                if request.stream in seen:
-                    carried.append(request)
-                else:
-                    seen.add(request.stream)
-                    now.append(request)
+            now, carried = self._split_round(carried + taken if carried else taken)
             if now:
                 self._run(now)
+
+    def _split_round(self, batch: list) -> tuple[list, list]:
+        """(what runs this round, what waits for the next): a stream's later requests wait for its
+        earlier one."""
+        now, carried, seen = [], [], set()
+        for request in batch:
+            if request.stream in seen:
+                carried.append(request)
+            else:
+                seen.add(request.stream)
+                now.append(request)
+        return now, carried
 
     def _sleep(self, timeout: float | None) -> None:
         """Wait (the engine thread) until a push sets the event, or ``timeout`` seconds."""
@@ -254,9 +259,31 @@ class _Batcher:
             self.engine.close(stream.slot)
             self.idle_released += 1
 
-    def _run(self, requests: list[_Request]) -> None:
-        """One round: group the requests into engine calls, launch them all, then finish and hand
-        out each call's results in order (later calls' GPU work overlaps earlier ones' copies)."""
+    def _run(self, requests: list) -> None:
+        """One round: group the requests into engine calls and run them in order. Each call's
+        results are handed out while the next call runs on the GPU (its copy precedes that call in
+        the stream): the host's delivery overlaps the GPU instead of following it."""
+        started = time.perf_counter()
+        self._copies = 0  # pinned buffers taken this round
+        previous = None
+        for chunk, call in self._calls(requests):
+            launched = self._launch(chunk, call)
+            if previous is not None:
+                self._deliver(previous[0], previous[1]())
+            previous = launched
+        if previous is not None:
+            self._deliver(previous[0], previous[1]())
+        self._mark_done(requests, time.monotonic())
+        self.step_seconds += time.perf_counter() - started
+
+    def _mark_done(self, requests: list[_Request], now: float) -> None:
+        for r in requests:  # idle time counts from a push's answer, not from its queueing
+            r.stream.last_active, r.stream.done = now, r.stream.done + 1
+        self.requests += len(requests)
+
+    def _calls(self, requests: list[_Request]) -> list[tuple[list[_Request], Callable[[], tuple[Tensor, np.ndarray]]]]:
+        """A round's engine calls: (requests, the call); releases and dropped streams' pushes are
+        handled here, without a call."""
         steps: dict[int, list[_Request]] = {}
         ends: list[_Request] = []
         for r in requests:
@@ -268,28 +295,11 @@ class _Batcher:
                 self._deliver([r], [ValueError(f"stream {r.stream.id} was released ({r.stream.ended})")])
             else:
                 steps.setdefault(r.frames, []).append(r)
-        calls = [chunk for group in steps.values()
+        calls = [(chunk, lambda c=chunk: self._step(c)) for group in steps.values()
                  for chunk in (group[i:i + self.max_batch] for i in range(0, len(group), self.max_batch))]
-        started = time.perf_counter()
-        self._copies = 0  # pinned buffers taken this round
-        jobs = [(chunk, lambda c=chunk: self._step(c)) for chunk in calls]
-        jobs += [(chunk, lambda c=chunk: self._finish(c))  # flush graphs are warmed up to max_batch rows
-                 for chunk in (ends[i:i + self.max_batch] for i in range(0, len(ends), self.max_batch))]
-        # each call's results are handed out while the next call runs on the GPU (its copy precedes
-        # that call in the stream): the host's delivery overlaps the GPU instead of following it
-        previous = None
-        for chunk, call in jobs:
-            launched = self._launch(chunk, call)
-            if previous is not None:
-                self._deliver(previous[0], previous[1]())
-            previous = launched
-        if previous is not None:
-            self._deliver(previous[0], previous[1]())
-        now = time.monotonic()
-        for r in requests:  # idle time counts from a push's answer, not from its queueing
-            r.stream.last_active, r.stream.done = now, r.stream.done + 1
-        self.step_seconds += time.perf_counter() - started
-        self.requests += len(requests)
+        calls += [(chunk, lambda c=chunk: self._finish(c))  # flush graphs are warmed up to max_batch rows
+                  for chunk in (ends[i:i + self.max_batch] for i in range(0, len(ends), self.max_batch))]
+        return calls
 
     def _step(self, pushes: list[_Request]) -> tuple[Tensor, np.ndarray]:
         return self.engine.step_rows([r.stream.slot for r in pushes], np.stack([r.row for r in pushes]), pushes[0].frames)

@@ -3,15 +3,18 @@ socket. Every stream's audio equals the offline decode of its codes; errors stay
 a cancelled await and a front-end that disconnects release their streams."""
 
 import asyncio
+import pickle
 import time
 
 import numpy as np
 import pytest
 import torch
 
-from helpers import NARROW, random_codes
+from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 from snac_fast import FastSNAC
-from snac_fast.engine_process import EngineClient, EngineProcess
+from snac_fast.configs import published_config
+from snac_fast.engine_process import _OPS, EngineClient, EngineProcess, _EngineBatcher, _Front, _push_message
+from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.metrics import snr_db
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.synthetic import make_checkpoint
@@ -101,3 +104,65 @@ def test_errors_stay_with_their_stream_and_streams_are_released(engine):
 def test_an_engine_that_cannot_start_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="failed to start: .*does not exist|failed to start"):
         EngineProcess(str(tmp_path / "missing"), device="cpu", local_files_only=True, model_options=OPTIONS)
+
+
+class CollectingFront(_Front):
+    """A front-end of the engine process's batcher, in this process: keeps what it is sent."""
+
+    def __init__(self):
+        self.streams, self.items = set(), []
+
+    def send(self, message):
+        self.items += message
+
+
+def test_engine_batcher_blocks_keep_each_streams_order_and_fail_only_bad_pushes():
+    """The engine process's batcher, in-process on a float64 engine: pushes arrive as blocks (one
+    per message). A stream pushed twice in one message runs its pushes in order over two rounds; a
+    push to a stream that does not exist fails alone; every stream's audio equals its whole decode."""
+    config = {**published_config("snac_24khz"), **NARROW}
+    engine = engine64("snac_24khz", streams=4, narrow=True)
+    batcher = _EngineBatcher(engine, max_batch=2, output="float32")
+    front = CollectingFront()
+    frames = 5
+    codes = [random_codes(config, frames, seed=60 + k) for k in range(3)]
+    sids = [batcher.open(20 + k) for k in range(3)]
+    strides = config["vq_strides"]
+
+    def row(k, f):
+        return engine.row_of(engine.check_codes(frames_of(codes[k], strides, f, f + 1)))
+
+    owner, req = {}, 0
+    def push(pushes):  # [(stream index or None for a stream that does not exist, frame)]
+        nonlocal req
+        reqs = list(range(req, req + len(pushes)))
+        for r, (k, _) in zip(reqs, pushes):
+            owner[r] = k
+        req += len(pushes)
+        batcher.take(front, _push_message(reqs, [sids[k] if k is not None else 999 for k, _ in pushes], 1,
+                                          [row(k or 0, f) for k, f in pushes]))
+
+    push([(0, 0), (1, 0), (0, 1), (None, 0), (2, 0), (0, 2)])  # stream 0 three times in one message
+    push([(1, 1), (2, 1), (1, 2), (2, 2)])
+    push([(k, f) for f in (3, 4) for k in range(3)])
+    batcher.take(front, _OPS + pickle.dumps([("flush", 100 + k, sids[k]) for k in range(3)]))
+    for k in range(3):
+        owner[100 + k] = k
+    deadline = time.monotonic() + 60
+    while len({i[1] for i in front.items if i[0] == "error"} | {int(r) for i in front.items if i[0] == "audio" for r in i[1]}) < req + 3:
+        assert time.monotonic() < deadline, front.items
+        time.sleep(0.01)
+    batcher.close()
+    errors = [i for i in front.items if i[0] == "error"]
+    assert [(e[1], e[2]) for e in errors] == [(3, "ValueError")] and "999" in errors[0][3]
+    pieces = {}
+    for item in front.items:
+        if item[0] == "audio":
+            _, reqs, offsets, pcm = item
+            for j, r in enumerate(reqs.tolist()):
+                pieces[r] = pcm[offsets[j]:offsets[j + 1]]
+    for k in range(3):  # request numbers rise with each stream's frames: their order is the audio's
+        audio = np.concatenate([pieces[r] for r in sorted(pieces) if owner[r] == k])
+        expected = decode_with_keyed_noise(upstream64("snac_24khz", True), codes[k], 20 + k)[0, 0]
+        assert audio.shape == tuple(expected.shape), k
+        assert np.abs(audio - expected.numpy()).max() < 1e-6, k
