@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("--max-streams", type=int, default=1024, help="per worker")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--model", default="synthetic:snac_24khz",
+                        help="what the server loads (a 24 kHz model: a folder of a smaller checkpoint lets a CPU keep pace)")
     parser.add_argument("--lm-workers", type=int, default=1, help="fake LM processes")
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--out", default=None)
@@ -210,7 +212,7 @@ def main() -> None:
     lm = start_fake_lm(lm_port, args.pace, frames, logs / "fake_lm.log", "--workers", str(args.lm_workers),
                        "--stats-dir", stats_dir)
     t0 = time.monotonic()
-    serve = [sys.executable, "-m", "snac_fast.cli", "serve", "--model", "synthetic:snac_24khz", "--port", str(port),
+    serve = [sys.executable, "-m", "snac_fast.cli", "serve", "--model", args.model, "--port", str(port),
              "--lm-url", f"http://127.0.0.1:{lm_port}/v1", "--workers", str(args.workers),
              "--max-streams", str(args.max_streams), "--max-batch", str(args.max_batch)]
     if args.device:
