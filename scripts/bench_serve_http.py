@@ -192,6 +192,7 @@ def main() -> None:
     parser.add_argument("--pace", type=float, default=1.0)
     parser.add_argument("--seconds", type=float, default=20.0, help="audio per request")
     parser.add_argument("--workers", type=int, default=1)
+    parser.add_argument("--shared-engine", action="store_true", help="the workers feed one engine process (serve --shared-engine)")
     parser.add_argument("--max-streams", type=int, default=1024, help="per worker")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--device", default=None)
@@ -217,6 +218,8 @@ def main() -> None:
              "--max-streams", str(args.max_streams), "--max-batch", str(args.max_batch)]
     if args.device:
         serve += ["--device", args.device]
+    if args.shared_engine:
+        serve += ["--shared-engine"]
     server = start(serve, f"http://127.0.0.1:{port}/health", logs / "server.log")
     print(f"server up in {time.monotonic() - t0:.1f} s; logs in {logs}", flush=True)
     results = {"args": vars(args), "server_start_s": time.monotonic() - t0, "rows": []}

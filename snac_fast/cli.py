@@ -135,7 +135,10 @@ def _add_serve_parser(sub, fmt) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8880)
     p.add_argument("--workers", type=int, default=1, help="worker processes, each with its own engine; without --device they take the host's GPUs in turn")
-    p.add_argument("--max-streams", type=int, default=256, help="concurrent streams per worker")
+    p.add_argument("--shared-engine", action="store_true",
+                   help="one engine process on the device that every worker feeds: all connections in one batch "
+                        "(--max-streams is then the engine's, for all workers)")
+    p.add_argument("--max-streams", type=int, default=256, help="concurrent streams per worker (per engine)")
     p.add_argument("--max-batch", type=int, default=256, help="streams per engine call")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle stream is released")
     p.add_argument("--voice", default="tara", help="voice when a request names none")
@@ -176,7 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
            "local_files_only": args.local_files_only, "lm_url": args.lm_url, "lm_model": args.lm_model,
            "max_streams": args.max_streams, "max_batch": args.max_batch, "idle_timeout_s": args.idle_timeout,
            "voice": args.voice, "lookahead": _lookahead(args.lookahead)}, host=args.host, port=args.port,
-          workers=args.workers)
+          workers=args.workers, shared_engine=args.shared_engine)
 
 
 def _int_list(text: str, name: str) -> list[int]:

@@ -301,7 +301,9 @@ def _serve_engine(address: str, settings: dict, report: Connection) -> None:
     except BaseException as error:  # noqa: BLE001 - the parent raises it with its message
         report.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
-    report.send(("ready", {"sampling_rate": codec.sampling_rate, "output": settings["output"]}))
+    report.send(("ready", {"sampling_rate": codec.sampling_rate, "output": settings["output"], "config": dict(codec.config),
+                           "samples_per_frame": engine.samples_per_frame, "max_streams": engine.max_streams,
+                           "device": str(codec.device)}))
     # one thread reads every front-end (fewer threads taking turns at the interpreter than one each)
     fronts: dict[Connection, _Front] = {}
     woken, wake = socket.socketpair()
@@ -370,6 +372,9 @@ class EngineProcess:
             self.close()
             raise RuntimeError(f"the engine process failed to start: {detail}")
         self.sampling_rate = detail["sampling_rate"]
+        # what a front-end needs to know of the engine without a model of its own: the model's
+        # config, samples per frame, stream slots, device (its name)
+        self.info = detail
 
     def close(self) -> None:
         if self._process.is_alive():
@@ -433,6 +438,15 @@ class EngineClient:
         framer.drop_incomplete() if drop_incomplete_frame else framer.finish()
         del self._framers[stream_id]
         return await self._request(lambda req: ("flush", req, stream_id), stream_id)
+
+    def is_open(self, stream_id: int) -> bool:
+        """Whether this client's stream takes pushes (not flushed nor released here)."""
+        return stream_id in self._framers
+
+    @property
+    def open_streams(self) -> int:
+        """This client's open streams."""
+        return len(self._framers)
 
     def release(self, stream_id: int) -> None:
         """Drop a stream without the rest of its audio (safe twice)."""

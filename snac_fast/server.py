@@ -9,8 +9,9 @@
   (binary), ``{"end": true}`` (or closing) ends the stream.
 - ``GET /health``, ``GET /metrics`` (Prometheus text).
 
-Every connection shares one engine: a full engine answers 503 with Retry-After; a client that goes
-away releases its stream at once. Design notes: docs/serving.md.
+Every connection shares one engine (with ``--workers N --shared-engine``, one engine process fed by
+every worker): a full engine answers 503 with Retry-After; a client that goes away releases its
+stream at once. Design notes: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -91,8 +92,19 @@ class _Metrics:
 
         class _Batcher:
             def collect(self):
+                if isinstance(batcher, _SharedEngineBatcher):  # the engine process's, read before the scrape
+                    stats = batcher.stats
+                    yield GaugeMetricFamily("snac_fast_active_streams", "open streams (of every worker)",
+                                            value=stats["open_streams"])
+                    yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=server.max_streams)
+                    yield CounterMetricFamily("snac_fast_steps", "engine calls", value=stats["batches"])
+                    yield CounterMetricFamily("snac_fast_step_requests", "pushes run by engine calls", value=stats["requests"])
+                    yield CounterMetricFamily("snac_fast_step_seconds", "engine-thread seconds in engine calls",
+                                              value=stats["step_seconds"])
+                    yield CounterMetricFamily("snac_fast_failed_steps", "engine calls that failed", value=stats["failed_calls"])
+                    return
                 yield GaugeMetricFamily("snac_fast_active_streams", "open streams", value=batcher.open_streams)
-                yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=batcher.engine.max_streams)
+                yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=server.max_streams)
                 yield GaugeMetricFamily("snac_fast_queue_depth", "pushes waiting for the engine thread",
                                         value=batcher.queued)
                 yield CounterMetricFamily("snac_fast_steps", "engine calls", value=batcher.batches)
@@ -210,36 +222,97 @@ async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
         yield buffer[5:].strip().decode()
 
 
+class _SharedEngineBatcher:
+    """What :class:`SpeechServer` asks of its batcher, over an :class:`~snac_fast.engine_process.EngineClient`
+    to one engine process that every worker feeds (``snac-fast serve --shared-engine``). The
+    engine's counters come from its stats, read by :meth:`refresh` (before each /metrics scrape)."""
+
+    def __init__(self, address: str, layout: TokenLayout) -> None:
+        self.address, self.layout = address, layout
+        self._client = None
+        self.stats = {"open_streams": 0, "batches": 0, "requests": 0, "failed_calls": 0, "step_seconds": 0.0}
+
+    def client(self):
+        """The client, made in the event loop that uses it (its replies are resolved there)."""
+        if self._client is None:
+            from snac_fast.engine_process import EngineClient
+
+            self._client = EngineClient(self.address, self.layout)
+        return self._client
+
+    async def open(self, seed: int | None) -> int:
+        return await self.client().open(seed)
+
+    async def push_ids(self, stream_id: int, ids) -> np.ndarray:
+        return await self.client().push_ids(stream_id, ids)
+
+    async def flush(self, stream_id: int, *, drop_incomplete_frame: bool = False) -> np.ndarray:
+        return await self.client().flush(stream_id, drop_incomplete_frame=drop_incomplete_frame)
+
+    def release(self, stream_id: int) -> None:
+        if self._client is not None:
+            self._client.release(stream_id)
+
+    def is_open(self, stream_id: int) -> bool:
+        return self._client is not None and self._client.is_open(stream_id)
+
+    @property
+    def open_streams(self) -> int:
+        """This worker's open streams."""
+        return 0 if self._client is None else self._client.open_streams
+
+    async def refresh(self) -> None:
+        self.stats.update(await self.client().stats())
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+
 class SpeechServer:
     """The state of one serving process: a codec's shared engine behind one batcher, an HTTP client
     for the LM, metrics. :func:`create_app` wraps it in a Starlette app."""
 
-    def __init__(self, codec, config: ServeConfig) -> None:
-        config.layout.check_model(codec.config)
-        # The engine thread takes the GIL back after each CUDA wait; with the event loop always busy,
-        # each take waited out the default 5 ms switch interval (engine calls of hundreds of ms at 256
-        # HTTP streams). This process is ours (a server), so it may set the interpreter's interval.
-        sys.setswitchinterval(SWITCH_INTERVAL_S)
+    def __init__(self, codec, config: ServeConfig, engine: tuple[str, dict] | None = None) -> None:
         self.codec, self.config = codec, config
-        self.engine = codec.shared_stream_engine(config.lookahead, max_streams=config.max_streams)
-        self.rate = int(codec.config["sampling_rate"])
-        self.frame_seconds = self.engine.samples_per_frame / self.rate
-        self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, layout=config.layout,
-                                          output="float32", idle_timeout_s=config.idle_timeout_s)
+        if engine is not None:  # a shared engine process: its address and what it told of itself
+            address, info = engine
+            config.layout.check_model(info["config"])
+            self.engine, self.device, self.max_streams = None, info["device"], info["max_streams"]
+            self.rate, samples_per_frame = int(info["config"]["sampling_rate"]), info["samples_per_frame"]
+            self.batcher = _SharedEngineBatcher(address, config.layout)
+        else:
+            config.layout.check_model(codec.config)
+            # The engine thread takes the GIL back after each CUDA wait; with the event loop always
+            # busy, each take waited out the default 5 ms switch interval (engine calls of hundreds
+            # of ms at 256 HTTP streams). This process is ours (a server): it may set the interval.
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+            self.engine = codec.shared_stream_engine(config.lookahead, max_streams=config.max_streams)
+            self.device, self.max_streams = str(codec.device), self.engine.max_streams
+            self.rate, samples_per_frame = int(codec.config["sampling_rate"]), self.engine.samples_per_frame
+            self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, layout=config.layout,
+                                              output="float32", idle_timeout_s=config.idle_timeout_s)
+        self.frame_seconds = samples_per_frame / self.rate
         self.metrics = _Metrics(self)
         self.draining = False
         self.lm = LMClient(config)
 
     # -- streams -------------------------------------------------------------------------------
 
-    def open_stream(self, seed: int | None) -> int | None:
+    async def open_stream(self, seed: int | None) -> int | None:
         """A stream id, or None when the engine is full or the server is shutting down."""
-        if self.draining or self.engine.open_streams >= self.engine.max_streams:
+        if self.draining or (self.engine is not None and self.engine.open_streams >= self.engine.max_streams):
             return None
         try:
+            if self.engine is None:
+                return await self.batcher.open(seed)
             return self.batcher.open(seed)
-        except RuntimeError:  # all slots taken between the look and the open
+        except RuntimeError:  # all slots taken (between the look and the open)
             return None
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.engine.open_streams if self.engine is not None else self.batcher.stats["open_streams"]
 
     async def push(self, sid: int, ids) -> np.ndarray:
         start = time.perf_counter()
@@ -254,7 +327,10 @@ class SpeechServer:
         deadline = time.monotonic() + 30.0
         while self.batcher.open_streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        await asyncio.get_running_loop().run_in_executor(None, self.batcher.close)
+        if self.engine is None:
+            self.batcher.close()
+        else:
+            await asyncio.get_running_loop().run_in_executor(None, self.batcher.close)
         await self.lm.aclose()
 
 
@@ -273,15 +349,17 @@ def _pcm_bytes(audio: np.ndarray, sample_format: str) -> bytes:
     return audio.astype("<f4", copy=False).tobytes()
 
 
-def create_app(codec, config: ServeConfig | None = None):
-    """The Starlette app serving ``codec`` (a :class:`~snac_fast.FastSNAC`) with ``config``."""
+def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict] | None = None):
+    """The Starlette app serving ``codec`` (a :class:`~snac_fast.FastSNAC`) with ``config``; or,
+    with ``engine`` (an :class:`~snac_fast.engine_process.EngineProcess`'s ``address`` and ``info``)
+    and no codec, feeding that engine process, which other workers share."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import JSONResponse, Response, StreamingResponse
     from starlette.routing import Route, WebSocketRoute
     from starlette.websockets import WebSocket, WebSocketDisconnect
 
-    server = SpeechServer(codec, config or ServeConfig())
+    server = SpeechServer(codec, config or ServeConfig(), engine)
 
     def error(status: int, message: str, kind: str = "invalid_request_error", **headers) -> JSONResponse:
         return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
@@ -307,7 +385,7 @@ def create_app(codec, config: ServeConfig | None = None):
         if problems:
             server.metrics.requests.labels("speech", "bad_request").inc()
             return error(400, problems[0])
-        sid = server.open_stream(seed)
+        sid = await server.open_stream(seed)
         if sid is None:
             server.metrics.requests.labels("speech", "busy").inc()
             return error(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
@@ -329,7 +407,7 @@ def create_app(codec, config: ServeConfig | None = None):
     async def stream_ids(websocket: WebSocket) -> None:
         await websocket.accept()
         seed = websocket.query_params.get("seed")
-        sid = server.open_stream(int(seed) if seed and seed.lstrip("-").isdigit() else None)
+        sid = await server.open_stream(int(seed) if seed and seed.lstrip("-").isdigit() else None)
         if sid is None:
             await websocket.close(code=1013, reason="all stream slots are in use; retry shortly")
             return
@@ -384,14 +462,18 @@ def create_app(codec, config: ServeConfig | None = None):
 
     async def health(request: Request) -> JSONResponse:
         status = "draining" if server.draining else "ok"
-        return JSONResponse({"status": status, "device": str(server.codec.device),
-                             "open_streams": server.batcher.open_streams, "slots_in_use": server.engine.open_streams,
-                             "max_streams": server.engine.max_streams, "sampling_rate": server.rate},
+        if server.engine is None:
+            await server.batcher.refresh()
+        return JSONResponse({"status": status, "device": server.device,
+                             "open_streams": server.batcher.open_streams, "slots_in_use": server.slots_in_use,
+                             "max_streams": server.max_streams, "sampling_rate": server.rate},
                             status_code=503 if server.draining else 200)
 
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+        if server.engine is None:
+            await server.batcher.refresh()
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
@@ -509,6 +591,11 @@ def app_from_environment():
     from snac_fast.api import FastSNAC
 
     settings = json.loads(os.environ[ENVIRONMENT])
+    engine = settings.pop("engine", None)
+    if engine is not None:  # --shared-engine: the parent runs the engine process; this worker feeds it
+        for key in ("model", "device", "dtype", "local_files_only"):
+            settings.pop(key, None)
+        return create_app(None, ServeConfig(**settings), (engine["address"], engine["info"]))
     device = worker_device(settings.pop("device", None), os.environ.get(CLAIMS))
     codec = FastSNAC.from_pretrained(settings.pop("model"), device=device,
                                      dtype=settings.pop("dtype", None),
@@ -520,16 +607,29 @@ def app_from_environment():
     return create_app(codec, config)
 
 
-def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: int = 1) -> None:
+def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: int = 1,
+          shared_engine: bool = False) -> None:
     """Run the server with uvicorn: ``settings`` are :class:`ServeConfig`'s fields plus ``model``,
     ``device``, ``dtype`` and ``local_files_only``. Without a ``device``, ``workers`` processes on a
-    host of several GPUs take them in turn (:func:`worker_device`)."""
+    host of several GPUs take them in turn (:func:`worker_device`). ``shared_engine``: one engine
+    process (on ``device``) that all ``workers`` feed, so every connection shares one batch
+    (docs/serving.md, "One engine process, fed by front-ends")."""
     import os
     import shutil
     import tempfile
 
     import uvicorn
 
+    engine = None
+    if shared_engine:
+        from snac_fast.engine_process import EngineProcess
+
+        engine = EngineProcess(settings["model"], device=settings.get("device"), dtype=settings.get("dtype"),
+                               max_streams=settings.get("max_streams", 256), max_batch=settings.get("max_batch", 256),
+                               lookahead=settings.get("lookahead"), output="float32",
+                               idle_timeout_s=settings.get("idle_timeout_s", 60.0),
+                               local_files_only=settings.get("local_files_only", False))
+        settings = {**settings, "engine": {"address": engine.address, "info": engine.info}}
     os.environ[ENVIRONMENT] = json.dumps(settings)
     os.environ[CLAIMS] = claims = tempfile.mkdtemp(prefix="snac-fast-serve-")
     try:
@@ -537,3 +637,5 @@ def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: in
                     timeout_graceful_shutdown=30, log_level="info")
     finally:
         shutil.rmtree(claims, ignore_errors=True)
+        if engine is not None:
+            engine.close()

@@ -362,3 +362,54 @@ def test_workers_take_the_hosts_gpus_in_turn(tmp_path, monkeypatch):
     assert worker_device("cuda:1", str(tmp_path)) == "cuda:1" and worker_device(None, None) is None
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert worker_device(None, str(tmp_path / "other")) is None
+
+
+def test_workers_sharing_one_engine_process_get_exact_audio(tmp_path):
+    """`snac-fast serve --shared-engine`: the app of a worker with no model of its own feeds an engine
+    process (CPU here). Two such apps (two workers) at once: four speech requests and a WebSocket
+    stream, every answer equal to the offline decode; /health and /metrics speak for the engine."""
+    from websockets.asyncio.client import connect
+
+    from snac_fast.engine_process import EngineProcess
+    from snac_fast.synthetic import make_checkpoint
+
+    checkpoint = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))
+    options = {"fuse": False, "accelerate_encoder": False}
+    codec = FastSNAC.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, **options)
+    codes = {f"shared {i}": random_codes(codec.config, 5 + i % 2, seed=700 + i) for i in range(4)}
+    ws_codes = random_codes(codec.config, 6, seed=750)
+    with EngineProcess(checkpoint, device="cpu", max_streams=8, max_batch=4, output="float32",
+                       model_options=options) as engine:
+        lm = FakeLM(split_tokens=True)
+        for text, c in codes.items():
+            lm.script(text, c)
+        with LiveServer(lm.app) as lm_server:
+            config = dict(lm_url=lm_server.url + "/v1", lm_model="orpheus", max_streams=8)
+            apps = [create_app(None, ServeConfig(**config), (engine.address, engine.info)) for _ in range(2)]
+            with LiveServer(apps[0]) as one, LiveServer(apps[1]) as two:
+                async def websocket():
+                    pieces = []
+                    async with connect(two.url.replace("http", "ws") + "/v1/audio/stream?seed=9&sample_format=f32") as ws:
+                        await ws.send(np.asarray(ORPHEUS.codes_to_ids(ws_codes).tolist(), "<i4").tobytes())
+                        await ws.send(json.dumps({"end": True}))
+                        while isinstance(message := await ws.recv(), bytes):
+                            pieces.append(message)
+                        assert json.loads(message) == {"type": "done"}
+                    return b"".join(pieces)
+
+                async def main():
+                    return await asyncio.gather(websocket(), *(speak((one, two)[i % 2].url, text, i, sample_format="f32")
+                                                               for i, text in enumerate(codes)))
+                streamed, *answers = asyncio.run(main())
+                health = httpx.get(one.url + "/health").json()
+                metrics = httpx.get(two.url + "/metrics").text
+    assert health["max_streams"] == 8 and health["device"] == "cpu" and health["slots_in_use"] == 0
+    assert "snac_fast_steps_total" in metrics and "snac_fast_active_streams 0.0" in metrics
+    got = torch.from_numpy(np.frombuffer(streamed, "<f4").copy())
+    assert snr_db(expected(codec, ws_codes, 9), got) >= 100
+    for i, (text, c) in enumerate(codes.items()):
+        status, _, data = answers[i]
+        assert status == 200, text
+        got = torch.from_numpy(np.frombuffer(data, "<f4").copy())
+        want = expected(codec, c, i)
+        assert got.shape == want.shape and snr_db(want, got) >= 100, text
