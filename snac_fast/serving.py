@@ -52,6 +52,10 @@ class _Stream:
         self.ended: str | None = None  # why it takes no more pushes (flushed, released, ...)
         self.dropped = False  # released without its audio: its queued work is skipped
 
+    def released_error(self) -> ValueError:
+        """What a push queued before the stream was released gets."""
+        return ValueError(f"stream {self.id} was released ({self.ended})")
+
 
 class _Request:
     """One push (``frames`` new frames as a level-major row), and/or the stream's end, or a release."""
@@ -292,7 +296,7 @@ class _Batcher:
             elif r.finish:
                 ends.append(r)
             elif r.stream.dropped:  # released after this push was queued: skip its work
-                self._deliver([r], [ValueError(f"stream {r.stream.id} was released ({r.stream.ended})")])
+                self._deliver([r], [r.stream.released_error()])
             else:
                 steps.setdefault(r.frames, []).append(r)
         calls = [(chunk, lambda c=chunk: self._step(c)) for group in steps.values()
@@ -520,8 +524,8 @@ class PCMBlock(Sequence):
 
     def __init__(self, pcm: np.ndarray, offsets: np.ndarray) -> None:
         self.pcm, self.offsets = pcm, offsets
-        width = int(offsets[1] - offsets[0]) if len(offsets) > 1 else 0
-        self._width = width if len(offsets) > 1 and offsets[-1] == width * (len(offsets) - 1) else None
+        widths = np.diff(offsets)
+        self._width = int(widths[0]) if len(widths) and (widths == widths[0]).all() else None  # every piece as long
 
     def __len__(self) -> int:
         return len(self.offsets) - 1

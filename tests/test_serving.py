@@ -394,7 +394,7 @@ def test_int16_output_of_a_float32_engine_is_the_rounding_of_its_float32_output(
     assert np.abs(outputs["float32"][0]).max() > 1e-3  # audio, not silence
 
 
-@pytest.mark.parametrize("sizes", [[5, 5, 5, 5], [3, 0, 7, 2, 9]])
+@pytest.mark.parametrize("sizes", [[5, 5, 5, 5], [3, 0, 7, 2, 9], [2, 1, 3]])  # the last: as long as 3 of the first
 def test_pcm_block_pieces_and_rows(sizes):
     """One engine call's PCM handed out whole: its pieces as a sequence, and any subset of them end
     to end with their offsets (the engine process's reply to one front-end), equal widths or not."""
