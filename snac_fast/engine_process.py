@@ -182,11 +182,12 @@ class _EngineBatcher(_Batcher):
         for blocks in by_frames.values():
             block, front_of, fronts = _PushBlock.joined(blocks)
             if any(s.dropped for s in block.streams):  # released after its push was queued
-                dropped = [j for j, s in enumerate(block.streams) if s.dropped]
-                for j in dropped:
-                    s = block.streams[j]
-                    fronts[front_of[j]].error(int(block.reqs[j]), ValueError(f"stream {s.id} was released ({s.ended})"))
-                kept = [j for j, s in enumerate(block.streams) if not s.dropped]
+                kept = []
+                for j, s in enumerate(block.streams):
+                    if s.dropped:
+                        fronts[front_of[j]].error(int(block.reqs[j]), s.released_error())
+                    else:
+                        kept.append(j)
                 block, front_of = block.part(kept), front_of[kept]
             for start in range(0, len(block), self.max_batch):
                 chunk = _RowChunk(block, front_of, fronts, start, start + self.max_batch)

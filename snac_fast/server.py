@@ -560,6 +560,7 @@ async def _sse(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes])
 
 ENVIRONMENT = "SNAC_FAST_SERVE"  # the JSON settings each uvicorn worker process builds its app from
 CLAIMS = "SNAC_FAST_SERVE_CLAIMS"  # a folder where each worker claims its number (its GPU among several)
+MODEL_SETTINGS = ("model", "device", "dtype", "local_files_only")  # the settings that are not ServeConfig's
 
 
 def worker_device(device: str | None, claims: str | None) -> str | None:
@@ -593,7 +594,7 @@ def app_from_environment():
     settings = json.loads(os.environ[ENVIRONMENT])
     engine = settings.pop("engine", None)
     if engine is not None:  # --shared-engine: the parent runs the engine process; this worker feeds it
-        for key in ("model", "device", "dtype", "local_files_only"):
+        for key in MODEL_SETTINGS:
             settings.pop(key, None)
         return create_app(None, ServeConfig(**settings), (engine["address"], engine["info"]))
     device = worker_device(settings.pop("device", None), os.environ.get(CLAIMS))
@@ -624,10 +625,10 @@ def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: in
     if shared_engine:
         from snac_fast.engine_process import EngineProcess
 
+        config = ServeConfig(**{k: v for k, v in settings.items() if k not in MODEL_SETTINGS})
         engine = EngineProcess(settings["model"], device=settings.get("device"), dtype=settings.get("dtype"),
-                               max_streams=settings.get("max_streams", 256), max_batch=settings.get("max_batch", 256),
-                               lookahead=settings.get("lookahead"), output="float32",
-                               idle_timeout_s=settings.get("idle_timeout_s", 60.0),
+                               max_streams=config.max_streams, max_batch=config.max_batch, lookahead=config.lookahead,
+                               output="float32", idle_timeout_s=config.idle_timeout_s,
                                local_files_only=settings.get("local_files_only", False))
         settings = {**settings, "engine": {"address": engine.address, "info": engine.info}}
     os.environ[ENVIRONMENT] = json.dumps(settings)
