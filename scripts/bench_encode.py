@@ -137,7 +137,7 @@ def steady_rate(shards: list[dict]) -> float | None:
     return sum(a for _, a in ends[1:]) / 3600 / (ends[-1][0] - ends[0][0]) * 60
 
 
-def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int]) -> dict:
+def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int], actors_per_gpu: list[int]) -> dict:
     """Hours of audio per minute: the local dataset engine vs the codec's own encode of the same
     clips (resampled already) in the same shards and batches; then the Ray engine on 1..n GPUs."""
     codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16, source=f"synthetic:{name}")
@@ -174,20 +174,23 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
         del codec, clips, shards
         torch.cuda.empty_cache()
         result["ray"] = {}
-        for gpus in ray_gpus:
-            import ray
+        for per_gpu in actors_per_gpu:
+            for gpus in ray_gpus:
+                import ray
 
-            ray.init(num_gpus=gpus, log_to_driver=False)  # encode_dataset joins it: the actors see `gpus` GPUs
-            try:
-                ray_run = datasets.encode_dataset(folder, Path(tmp) / f"ray{gpus}", engine="ray", model=f"synthetic:{name}",
-                                                  dtype="float16", loaders=1, **run)
-            finally:
-                ray.shutdown()
-            wall = ray_run["wall_seconds"]
-            result["ray"][gpus] = {"wall_s": wall, "hours_per_minute": hours / wall * 60,
-                                   "steady_hours_per_minute": steady_rate(ray_run["per_shard"]),
-                                   "shards_equal_local": same_shards(Path(tmp) / f"ray{gpus}", Path(tmp) / "out0")}
-            print(f"ray {gpus} GPU(s):", result["ray"][gpus], flush=True)
+                ray.init(num_gpus=gpus, log_to_driver=False)  # encode_dataset joins it: the actors see `gpus` GPUs
+                label = f"{gpus}x{per_gpu}"
+                try:
+                    ray_run = datasets.encode_dataset(folder, Path(tmp) / f"ray{label}", engine="ray", model=f"synthetic:{name}",
+                                                      dtype="float16", loaders=1, actors_per_gpu=per_gpu, **run)
+                finally:
+                    ray.shutdown()
+                wall = ray_run["wall_seconds"]
+                result["ray"][label] = {"gpus": gpus, "actors_per_gpu": per_gpu, "wall_s": wall,
+                                        "hours_per_minute": hours / wall * 60,
+                                        "steady_hours_per_minute": steady_rate(ray_run["per_shard"]),
+                                        "shards_equal_local": same_shards(Path(tmp) / f"ray{label}", Path(tmp) / "out0")}
+                print(f"ray {gpus} GPU(s), {per_gpu} actor(s) each:", result["ray"][label], flush=True)
     return result
 
 
@@ -209,11 +212,13 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=2000, help="corpus files (2-12 s each)")
     ap.add_argument("--batch-seconds", type=float, default=300.0)
     ap.add_argument("--ray-gpus", default="", help="also run the Ray engine on these GPU counts, e.g. 1,2")
+    ap.add_argument("--ray-actors-per-gpu", default="1", help="the Ray runs with these actors per GPU, e.g. 1,2")
     args = ap.parse_args()
     loads = [] if args.no_workloads else [(10.0, 1), (10.0, 32), (60.0, 1)]
     results = {f"{s:g} s B={b}": bench_workload(args.model, s, b, args.rounds) for s, b in loads}
     ray_gpus = [int(g) for g in args.ray_gpus.split(",") if g]
-    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds, ray_gpus)
+    per_gpu = [int(a) for a in args.ray_actors_per_gpu.split(",")]
+    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds, ray_gpus, per_gpu)
     env = environment()
     rows = []
     for label, by_mode in results.items():
@@ -242,16 +247,21 @@ def main() -> None:
                f"in the same batches: {corpus['own_hours_per_minute']:.1f} h/min; pipeline / own = "
                f"{corpus['pipeline_vs_own']:.2f}.\n")
         if corpus["ray"]:
-            base = corpus["ray"].get(1)
+            local = corpus["pipeline_steady_hours_per_minute"]
+
+            def ratio(a, b):
+                return f"{a / b:.2f}" if a and b else "-"
             md += ("\nRay engine (a local Ray cluster on this machine; wall = the whole run, Ray start-up and actor "
                    "model loads included; steady = audio per minute between the first and the last shard "
-                   "finished):\n\n" + markdown_table(
-                       ["GPUs", "wall s", "h/min (wall)", "h/min (steady)", "steady vs 1 GPU", "shards equal local"],
-                       [[g, f"{r['wall_s']:.1f}", f"{r['hours_per_minute']:.1f}",
+                   "finished; per GPU vs local: steady / GPUs / the local engine's steady rate):\n\n" + markdown_table(
+                       ["GPUs", "actors per GPU", "wall s", "h/min (wall)", "h/min (steady)", "steady vs 1 GPU",
+                        "per GPU vs local (steady)", "shards equal local"],
+                       [[r["gpus"], r["actors_per_gpu"], f"{r['wall_s']:.1f}", f"{r['hours_per_minute']:.1f}",
                          f"{r['steady_hours_per_minute']:.1f}" if r["steady_hours_per_minute"] else "-",
-                         f"{r['steady_hours_per_minute'] / base['steady_hours_per_minute']:.2f}x"
-                         if base and base["steady_hours_per_minute"] and r["steady_hours_per_minute"] else "-",
-                         r["shards_equal_local"]] for g, r in corpus["ray"].items()]))
+                         ratio(r["steady_hours_per_minute"],
+                               corpus["ray"].get(f"1x{r['actors_per_gpu']}", {}).get("steady_hours_per_minute")),
+                         ratio(r["steady_hours_per_minute"] and r["steady_hours_per_minute"] / r["gpus"], local),
+                         r["shards_equal_local"]] for r in corpus["ray"].values()]))
     write_results(args.out.parent, args.out.name, {"environment": env, "model": args.model, "encode": results,
                                                    "corpus": corpus}, md)
     print(md)

@@ -259,6 +259,7 @@ def engine_front_end(args, address, streams, pace, index, ready, go, out) -> Non
     per_frame_ids = [[ORPHEUS.codes_to_ids([c[:, f * strides[0] // s:(f + 1) * strides[0] // s] for c, s in zip(codes, strides)]).numpy().ravel()
                       for f in range(frames)] for codes in pool]
     first = index * streams  # global stream numbers, for seeds and the audio check
+    counts_engine = index < args.gpus  # front-end k feeds engine k % gpus: the first of each reports its figures
     recorder, behind = Recorder({first} if index == 0 else set()), [0.0]
     ready.put({})
     go.wait()
@@ -286,8 +287,8 @@ def engine_front_end(args, address, streams, pace, index, ready, go, out) -> Non
             client.close()
         run_loop(main, args.uvloop)
     out.put({**recorder.raw(frames, interval, wall0, cpu0, behind[0]),
-             # the engine process's figures over this front-end's run (counted once, by the first)
-             **({key: stats[name] - stats["before"][name] if index == 0 else 0
+             # the engine process's figures over this front-end's run (counted once per engine)
+             **({key: stats[name] - stats["before"][name] if counts_engine else 0
                  for key, name in [("batches", "batches"), ("gpu_span_s", "gpu_seconds"), ("engine_thread_s", "step_seconds")]}),
              "requests": 0, "graphs_captured": [], **probe.summary()})
 
@@ -355,7 +356,8 @@ def main() -> None:
     parser.add_argument("--max-streams", type=int, default=None, help="engine slots (default: the most streams asked)")
     parser.add_argument("--output", default="int16", choices=["tensor", "float32", "int16"])
     parser.add_argument("--processes", type=int, default=1)
-    parser.add_argument("--gpus", type=int, default=1, help="GPUs the processes are spread over")
+    parser.add_argument("--gpus", type=int, default=1,
+                        help="GPUs the processes are spread over (engine path: one engine process per GPU, front-end k feeds GPU k %% gpus)")
     parser.add_argument("--gc-freeze", action="store_true")
     parser.add_argument("--spin-gpu", type=float, default=0.0, metavar="S",
                         help="keep the GPU busy for S seconds right before each load (clocks up after an idle gap)")
@@ -384,13 +386,16 @@ def main() -> None:
         codec, engine, warm = build(args, device)
         results["warmup"] = warm
         print("warm-up", warm, flush=True)
-    engine_process = None
+    engine_processes = []
     if "engine" in paths:
         from snac_fast.engine_process import EngineProcess
 
+        if args.processes % args.gpus:
+            parser.error("--processes must be a multiple of --gpus on the engine path")
         t0 = time.perf_counter()
-        engine_process = EngineProcess(f"synthetic:{args.model}", device=args.device, max_streams=max(sizes),
-                                       max_batch=args.max_batch, output=args.output)
+        devices = [args.device] if args.gpus == 1 else [f"cuda:{g}" for g in range(args.gpus)]
+        engine_processes = [EngineProcess(f"synthetic:{args.model}", device=d, max_streams=-(-max(sizes) // args.gpus),
+                                          max_batch=args.max_batch, output=args.output) for d in devices]
         results["engine_process_start_s"] = time.perf_counter() - t0
         print(f"engine process up in {results['engine_process_start_s']:.1f} s", flush=True)
         if args.processes != 1 or paths == ["engine"]:  # the offline decodes the audio is checked against
@@ -402,7 +407,8 @@ def main() -> None:
                 ctx = mp.get_context("spawn")
                 ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
                 share = streams // args.processes
-                procs = [ctx.Process(target=engine_front_end, args=(args, engine_process.address, share, pace, k, ready, go, out))
+                procs = [ctx.Process(target=engine_front_end,
+                                     args=(args, engine_processes[k % args.gpus].address, share, pace, k, ready, go, out))
                          for k in range(args.processes)]
                 for p in procs:
                     p.start()
@@ -443,7 +449,7 @@ def main() -> None:
                    "snr_db_min": min((c["snr_db_min"] for c in checks if c["snr_db_min"] is not None), default=None)}
             results["rows"].append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
-    if engine_process is not None:
+    for engine_process in engine_processes:
         engine_process.close()
     results["frame_ms"] = frame_ms
     if args.out:

@@ -288,8 +288,13 @@ class _EngineBatcher(_Batcher):
 def _serve_engine(address: str, settings: dict, report: Connection) -> None:
     """The engine process: load, warm up, then accept front-ends until terminated."""
     try:
+        import torch
+
         from snac_fast.api import FastSNAC
 
+        device = torch.device(settings["device"]) if settings.get("device") else None
+        if device is not None and device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)  # the process's current GPU: its engine thread's device_scope is then a no-op
         codec = FastSNAC.from_pretrained(settings["model"], device=settings.get("device"), dtype=settings.get("dtype"),
                                          local_files_only=settings.get("local_files_only", False),
                                          **settings.get("model_options", {}))

@@ -210,6 +210,8 @@ class _Batcher:
     # -- the engine thread ---------------------------------------------------------------------
 
     def _serve(self) -> None:
+        if self.engine.device.type == "cuda" and self.engine.device.index is not None:
+            torch.cuda.set_device(self.engine.device)  # per thread; the engine's device_scope is then a no-op per call
         carried: list[_Request] = []  # a stream's later requests wait for its earlier one
         next_sweep = time.monotonic() + (self.idle_timeout or 0) / 4
         while True:

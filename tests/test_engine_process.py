@@ -166,3 +166,32 @@ def test_engine_batcher_blocks_keep_each_streams_order_and_fail_only_bad_pushes(
         expected = decode_with_keyed_noise(upstream64("snac_24khz", True), codes[k], 20 + k)[0, 0]
         assert audio.shape == tuple(expected.shape), k
         assert np.abs(audio - expected.numpy()).max() < 1e-6, k
+
+
+@pytest.mark.gpu
+def test_gpu_one_engine_process_per_gpu_each_exact(checkpoint):
+    """Engine processes on cuda:0 and cuda:1 (float32), both fed at once: each stream's audio
+    equals the offline decode on that GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs (a two-GPU device kind)")
+    codec = FastSNAC.from_pretrained(checkpoint, device="cuda:0", dtype=torch.float32)
+    codes = [random_codes(codec.config, 8, seed=300 + k) for k in range(4)]
+    with EngineProcess(checkpoint, device="cuda:0", dtype="float32", max_streams=4, max_batch=4, output="float32") as first, \
+            EngineProcess(checkpoint, device="cuda:1", dtype="float32", max_streams=4, max_batch=4, output="float32") as second:
+        assert (first.info["device"], second.info["device"]) == ("cuda:0", "cuda:1")
+
+        async def front_end(process, streams):
+            client = EngineClient(process.address)
+            try:
+                return await asyncio.gather(*(speak(client, codes[k], k) for k in streams))
+            finally:
+                client.close()
+
+        async def main():
+            return await asyncio.gather(front_end(first, [0, 1]), front_end(second, [2, 3]))
+
+        results = [audio for group in asyncio.run(main()) for audio in group]
+    for k, audio in enumerate(results):
+        expected = codec.decode([c.cuda() for c in codes[k]], seed=k)[0, 0].cpu()
+        assert audio.shape == tuple(expected.shape)
+        assert snr_db(expected, torch.from_numpy(audio)) >= 100

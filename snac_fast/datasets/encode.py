@@ -37,7 +37,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
                    engine: str = "local", address: str | None = None, model_options: dict | None = None,
                    files_per_shard: int = 256, batch_seconds: float = 300.0, pad_seconds: float = 1.0,
                    suffixes: Sequence[str] | None = None, loaders: int | None = None, progress: bool = True,
-                   device: str | None = None, dtype: str | None = None) -> dict:
+                   device: str | None = None, dtype: str | None = None, actors_per_gpu: int = 1) -> dict:
     """Encode every input of ``source`` (see :func:`list_inputs`) into Parquet shards in ``out``
     (see the module docstring). Returns a summary: files, shards written and skipped, seconds of
     audio, errors, wall seconds, and ``per_shard``: each shard written (index, audio seconds,
@@ -46,15 +46,15 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     engine "local": this process encodes with ``codec`` (a FastSNAC; default: ``model`` loaded by
     ``FastSNAC.from_pretrained(model, device=, dtype=, **model_options)``). engine "ray" (needs
     ``pip install 'snac-fast[ray]'``): Ray Data reads each shard's audio in CPU tasks and encodes
-    it in actors (one per GPU of the cluster, else up to ``loaders`` CPU actors), each loading ``model``
-    itself; ``address`` joins a running cluster, else a local one is started. Both engines write
-    the same shards."""
+    it in actors (``actors_per_gpu`` per GPU of the cluster, each a process with its own share of the
+    GPU; else up to ``loaders`` CPU actors), each loading ``model`` itself; ``address`` joins a
+    running cluster, else a local one is started. Both engines write the same shards."""
     if engine not in ("local", "ray"):
         raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
     _require_pyarrow()
     loaders = loaders or min(16, os.cpu_count() or 1)
-    if files_per_shard < 1 or batch_seconds <= 0 or pad_seconds < 0 or loaders < 1:
-        raise ValueError("files_per_shard and loaders must be >= 1, batch_seconds > 0 and pad_seconds >= 0")
+    if files_per_shard < 1 or batch_seconds <= 0 or pad_seconds < 0 or loaders < 1 or actors_per_gpu < 1:
+        raise ValueError("files_per_shard, loaders and actors_per_gpu must be >= 1, batch_seconds > 0 and pad_seconds >= 0")
     inputs = list_inputs(source, suffixes)
     load = {"model": str(model or DEFAULT_MODEL), "device": device, "dtype": dtype, **(model_options or {})}
     if engine == "ray":
@@ -77,7 +77,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
             _encode_with_ray,  # its actors run encode_shard of this module
         )
 
-        done = _encode_with_ray(shards, todo, load, settings, address, loaders)
+        done = _encode_with_ray(shards, todo, load, settings, address, loaders, actors_per_gpu)
     else:
         done = _encode_here(shards, todo, codec, settings, loaders, progress, start)
     return {"files": len(inputs), "shards": len(shards), "shards_skipped": len(shards) - len(todo),

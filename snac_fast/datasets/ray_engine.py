@@ -73,7 +73,8 @@ def _batch_dtype_name(load: dict, gpus: int) -> str:
     return "float16" if parse_dtype(load.get("dtype"), device) == torch.float16 else "float32"
 
 
-def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, cpu_actors: int) -> list[dict]:
+def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, cpu_actors: int,
+                     actors_per_gpu: int = 1) -> list[dict]:
     try:
         import ray
         from ray.data import ActorPoolStrategy
@@ -92,13 +93,13 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
         gpus = int(resources.get("GPU", 0)) if load.get("device") != "cpu" else 0
         dtype = _batch_dtype_name(load, gpus)
         # CPU actors leave half the CPUs to the reading tasks (all of them taken would stall the reads)
-        actors = gpus or max(1, min(cpu_actors, int(resources.get("CPU", 2)) // 2))
+        actors = gpus * actors_per_gpu or max(1, min(cpu_actors, int(resources.get("CPU", 2)) // 2))
         calls = CALLS_PER_GPU_ACTOR if gpus else CALLS_PER_CPU_ACTOR
         data = ray.data.from_items([{"shard": n} for n in todo], override_num_blocks=len(todo))
         data = data.map(_read_shard, fn_kwargs={"shards": shards, "rate": rate, "dtype": dtype}, num_cpus=1)
         data = data.map(_EncodeShard, fn_constructor_kwargs={"load": load, "settings": settings, "dtype": dtype},
                         compute=ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=calls),
-                        num_gpus=1 if gpus else 0, num_cpus=0 if gpus else 1)
+                        num_gpus=1 / actors_per_gpu if gpus else 0, num_cpus=0 if gpus else 1)
         return data.take_all()
     finally:
         if started:
