@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--files", type=int, default=2000, help="corpus files (2-12 s each)")
     ap.add_argument("--batch-seconds", type=float, default=300.0)
     ap.add_argument("--ray-gpus", default="", help="also run the Ray engine on these GPU counts, e.g. 1,2")
-    ap.add_argument("--ray-actors-per-gpu", default="1", help="the Ray runs with these actors per GPU, e.g. 1,2")
+    ap.add_argument("--ray-actors-per-gpu", default="2", help="the Ray runs with these actors per GPU, e.g. 1,2")
     args = ap.parse_args()
     loads = [] if args.no_workloads else [(10.0, 1), (10.0, 32), (60.0, 1)]
     results = {f"{s:g} s B={b}": bench_workload(args.model, s, b, args.rounds) for s, b in loads}

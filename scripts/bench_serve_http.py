@@ -202,7 +202,9 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--out", default=None)
     parser.add_argument("--profile-server", type=float, default=0.0, metavar="S",
-                        help="py-spy the server (and its workers) for S seconds, 5 s into each run, into --logs")
+                        help="py-spy the server (and its workers) for S seconds, --profile-delay s into each run, into --logs")
+    parser.add_argument("--profile-delay", type=float, default=5.0, metavar="S",
+                        help="seconds into each run before py-spy starts (0: from the first request, for the first audio)")
     parser.add_argument("--logs", default=None, help="folder for the LM's and the server's output (default: a temporary one)")
     args = parser.parse_args()
     logs = Path(args.logs or tempfile.mkdtemp(prefix="bench_serve_http_"))
@@ -228,8 +230,8 @@ def main() -> None:
         for run, clients in enumerate(int(c) for c in args.clients.split(",")):
             if args.profile_server:
                 out = logs / f"server_profile_{clients}.txt"
-                subprocess.Popen(["bash", "-c", f"sleep 5 && py-spy record -p {server.pid} --subprocesses --threads "
-                                  f"-d {args.profile_server:g} -r 100 -f raw -o {out} > {out}.log 2>&1"])
+                subprocess.Popen(["bash", "-c", f"sleep {args.profile_delay:g} && py-spy record -p {server.pid} --subprocesses --threads --idle "
+                                  f"-d {args.profile_server:g} -r 200 -f raw -o {out} > {out}.log 2>&1"])
             records = all_clients(f"http://127.0.0.1:{port}", clients, f"run{run}-{clients}", args.client_procs)
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
             row = summarize(records, read_stats_dir(stats_dir), frames, args.pace, scrape, geometry)
