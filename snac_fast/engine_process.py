@@ -40,7 +40,7 @@ from multiprocessing.connection import Client, Connection, Listener
 import numpy as np
 
 from snac_fast.orpheus import ORPHEUS, TokenLayout
-from snac_fast.serving import PCMBlock, _Batcher, _Request
+from snac_fast.serving import PCMBlock, _Batcher, _Request, freeze_startup_objects
 
 # message kinds, front-end -> engine process: pushes (see _PUSH), ops ("open", req, seed),
 # ("flush", req, sid), ("release", sid), ("stats", req); back: ("opened", req, sid),
@@ -307,6 +307,7 @@ def _serve_engine(address: str, settings: dict, report: Connection) -> None:
     except BaseException as error:  # noqa: BLE001 - the parent raises it with its message
         report.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
+    freeze_startup_objects()  # a full collection would stall every stream's round
     report.send(("ready", {"sampling_rate": codec.sampling_rate, "output": settings["output"], "config": dict(codec.config),
                            "samples_per_frame": engine.samples_per_frame, "max_streams": engine.max_streams,
                            "device": str(codec.device)}))

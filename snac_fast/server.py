@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS, TokenLayout
-from snac_fast.serving import AsyncStreamBatcher
+from snac_fast.serving import AsyncStreamBatcher, freeze_startup_objects
 
 log = logging.getLogger("snac_fast.server")
 
@@ -478,6 +478,7 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
+        freeze_startup_objects()
         yield
         await server.close()
 

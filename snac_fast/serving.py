@@ -22,6 +22,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import threading
 import time
 from collections import deque
@@ -556,3 +557,14 @@ class PCMBlock(Sequence):
 def _resolve_all(futures: list, values: list) -> None:
     for future, value in zip(futures, values):
         _Batcher._resolve(future, value)
+
+
+def freeze_startup_objects() -> None:
+    """Call once a serving process has loaded and warmed up: every object alive then (torch, the
+    model, the app: ~180k objects) leaves the garbage collector's reach (``gc.freeze``). Otherwise
+    the first requests' new long-lived objects trigger full collections that scan them all, ~50-100
+    ms with the interpreter held, and every stream of the process waits that long (the first clients
+    after start-up, and after each new high of open streams). ``snac-fast serve`` and the engine
+    process call it; a server built on :class:`AsyncStreamBatcher` should too."""
+    gc.collect()
+    gc.freeze()
