@@ -413,3 +413,19 @@ def test_workers_sharing_one_engine_process_get_exact_audio(tmp_path):
         got = torch.from_numpy(np.frombuffer(data, "<f4").copy())
         want = expected(codec, c, i)
         assert got.shape == want.shape and snr_db(want, got) >= 100, text
+
+
+def test_server_start_up_freezes_its_objects_out_of_the_collectors_reach(codec):
+    """A full collection over the start-up objects would stall every stream of a worker: the app's
+    start-up (lifespan) freezes what is alive then."""
+    import gc
+
+    gc.unfreeze()
+    try:
+        app = create_app(codec, ServeConfig(lm_url="http://127.0.0.1:9/v1"))
+        assert gc.get_freeze_count() == 0
+        with LiveServer(app):
+            frozen = gc.get_freeze_count()
+        assert frozen > 10_000  # torch, the model and the app
+    finally:
+        gc.unfreeze()
