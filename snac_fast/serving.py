@@ -98,17 +98,20 @@ class _Batcher:
         self._sleeping = False
         self._stopping = False
         self._closed = False
-        self._pinned: list[Tensor] = []  # per engine call of an engine-thread round: host PCM lands here
-        self._copies = 0
+        # host PCM of the engine calls in flight lands here; a call's buffer is free again once its
+        # results are copied out (at most three calls are undelivered: two of a round and the last of
+        # the round before)
+        self._free_pinned: list[Tensor] = []
         self._stream_of_engine_thread: torch.cuda.Stream | None = None
         if output != "tensor" and engine.device.type == "cuda":  # allocated now, not under load (cudaHostAlloc)
             size = max_batch * engine.samples_per_frame * engine.frames_per_group
-            self._pinned = [torch.empty(size, dtype=torch.int16 if output == "int16" else torch.float32, pin_memory=True)
-                            for _ in range(2)]
+            self._free_pinned = [torch.empty(size, dtype=torch.int16 if output == "int16" else torch.float32,
+                                             pin_memory=True) for _ in range(3)]
             # the conversion kernels' first launches (lazy module loads) now, not in the first pushes
-            _, copied = self._to_host(torch.zeros(size, device=engine.device, dtype=engine.dtype))
+            host, copied = self._to_host(torch.zeros(size, device=engine.device, dtype=engine.dtype))
             copied.synchronize()
-            self._copies, self._stream_of_engine_thread = 0, None  # the engine thread's own stream, later
+            self._free_pinned.append(host)
+            self._stream_of_engine_thread = None  # the engine thread's own stream, later
         # for monitoring: engine calls, requests run, streams released for idling, failed engine calls
         self.batches = self.requests = self.idle_released = self.failed_calls = 0
         self.step_seconds = 0.0  # engine-thread time in engine calls, copies included
@@ -214,13 +217,18 @@ class _Batcher:
         if self.engine.device.type == "cuda" and self.engine.device.index is not None:
             torch.cuda.set_device(self.engine.device)  # per thread; the engine's device_scope is then a no-op per call
         carried: list[_Request] = []  # a stream's later requests wait for its earlier one
+        in_flight = None  # the last engine call of the round before, launched but not yet delivered
         next_sweep = time.monotonic() + (self.idle_timeout or 0) / 4
         while True:
+            if in_flight is not None and not self._pending and not carried:
+                in_flight = self._timed(self._land, in_flight)  # nothing to launch meanwhile: deliver it now
             while not self._pending and not carried and not self._stopping:
                 self._sleep(self.idle_timeout / 4 if self.idle_timeout else None)
                 if self.idle_timeout and time.monotonic() >= next_sweep:
                     break
             if self.max_wait and self._pending and len(self._pending) + len(carried) < self.max_batch:
+                if in_flight is not None:
+                    in_flight = self._timed(self._land, in_flight)
                 deadline = self._pending[0].queued_at + self.max_wait
                 while not self._stopping and len(self._pending) + len(carried) < self.max_batch:
                     left = deadline - time.monotonic()
@@ -229,13 +237,17 @@ class _Batcher:
                     self._sleep(left)
             taken = [self._pending.popleft() for _ in range(len(self._pending))]
             if self._stopping and not taken and not carried:
+                if in_flight is not None:
+                    self._timed(self._land, in_flight)
                 return
             if self.idle_timeout and time.monotonic() >= next_sweep:
                 self._release_idle()
                 next_sweep = time.monotonic() + self.idle_timeout / 4
             now, carried = self._split_round(carried + taken if carried else taken)
             if now:
-                self._run(now)
+                in_flight = self._timed(self._run, now, in_flight)
+            elif in_flight is not None:
+                in_flight = self._timed(self._land, in_flight)
 
     def _split_round(self, batch: list) -> tuple[list, list]:
         """(what runs this round, what waits for the next): a stream's later requests wait for its
@@ -266,22 +278,40 @@ class _Batcher:
             self.engine.close(stream.slot)
             self.idle_released += 1
 
-    def _run(self, requests: list) -> None:
-        """One round: group the requests into engine calls and run them in order. Each call's
+    def _run(self, requests: list, in_flight: tuple | None) -> tuple | None:
+        """One round: group the requests into engine calls and launch them in order. Each call's
         results are handed out while the next call runs on the GPU (its copy precedes that call in
-        the stream): the host's delivery overlaps the GPU instead of following it."""
-        started = time.perf_counter()
-        self._copies = 0  # pinned buffers taken this round
-        previous = None
+        the stream), and the round's last call stays in flight, handed out once the next round's
+        first call is launched (or before the engine thread sleeps): the host's deliveries and the
+        next round's grouping overlap the GPU instead of following it. A stream's pushes are
+        launched in order, so its state on the GPU is too. ``in_flight``: the round before's last
+        call, (its round's requests, chunk, wait). Returns this round's."""
+        previous, launched = in_flight, None
         for chunk, call in self._calls(requests):
-            launched = self._launch(chunk, call)
+            launched = (None, *self._launch(chunk, call))
             if previous is not None:
-                self._deliver(previous[0], previous[1]())
+                self._land(previous)
             previous = launched
-        if previous is not None:
-            self._deliver(previous[0], previous[1]())
-        self._mark_done(requests, time.monotonic())
-        self.step_seconds += time.perf_counter() - started
+        if launched is None:  # no engine call (releases, dropped pushes): done now
+            self._mark_done(requests, time.monotonic())
+            return previous
+        return (requests, *launched[1:])
+
+    def _timed(self, work: Callable, *args):
+        """``work(*args)``, its time counted as the engine thread's time in engine calls."""
+        started = time.perf_counter()
+        try:
+            return work(*args)
+        finally:
+            self.step_seconds += time.perf_counter() - started
+
+    def _land(self, launched: tuple) -> None:
+        """Deliver a launched call's results (waiting for its copy); with its round's requests, mark
+        that round done."""
+        round_requests, chunk, wait = launched
+        self._deliver(chunk, wait())
+        if round_requests is not None:
+            self._mark_done(round_requests, time.monotonic())
 
     def _mark_done(self, requests: list[_Request], now: float) -> None:
         for r in requests:  # idle time counts from a push's answer, not from its queueing
@@ -343,10 +373,13 @@ class _Batcher:
             return chunk, lambda e=error: [e] * len(chunk)
 
         def wait() -> list:
-            if copied is not None:
-                copied.synchronize()  # releases the GIL: the event loop runs meanwhile
-                self.gpu_seconds += begun.elapsed_time(copied) / 1e3
-            return PCMBlock(host.numpy()[:offsets[-1]].copy(), offsets)  # the pinned buffer is the next round's
+            if copied is None:
+                return PCMBlock(host.numpy()[:offsets[-1]].copy(), offsets)
+            copied.synchronize()  # releases the GIL: the event loop runs meanwhile
+            self.gpu_seconds += begun.elapsed_time(copied) / 1e3
+            block = PCMBlock(host.numpy()[:offsets[-1]].copy(), offsets)
+            self._free_pinned.append(host)  # copied out: the buffer can take another call's PCM
+            return block
         return chunk, wait
 
     def _single(self, request: _Request) -> tuple[Tensor, np.ndarray]:
@@ -355,21 +388,18 @@ class _Batcher:
         return self.engine.step_rows([request.stream.slot], request.row[None], request.frames)
 
     def _to_host(self, audio: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-        """Convert on the device and start one copy into pinned memory (a buffer per engine call
-        of the round, reused by the next round)."""
+        """Convert on the device and start one copy into a free pinned buffer (the caller returns
+        it to ``_free_pinned`` once the PCM is copied out)."""
         if self.output == "int16":
             audio = (audio.float() * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)  # not in place: a float32 engine's own audio
         elif audio.dtype != torch.float32:
             audio = audio.float()
         if audio.device.type != "cuda":
             return audio, None
-        index, self._copies = self._copies, self._copies + 1
-        while len(self._pinned) <= index:
-            self._pinned.append(torch.empty(0, dtype=audio.dtype, pin_memory=True))
-        host = self._pinned[index]
-        if host.numel() < audio.numel() or host.dtype != audio.dtype:
-            host = self._pinned[index] = torch.empty(max(audio.numel(), 2 * host.numel()), dtype=audio.dtype,
-                                                     pin_memory=True)
+        host = self._free_pinned.pop() if self._free_pinned else None
+        if host is None or host.numel() < audio.numel() or host.dtype != audio.dtype:
+            host = torch.empty(max(audio.numel(), 2 * (0 if host is None else host.numel())), dtype=audio.dtype,
+                               pin_memory=True)
         host[:audio.numel()].copy_(audio, non_blocking=True)
         copied = torch.cuda.Event(enable_timing=True)
         copied.record(self._cuda_stream())
