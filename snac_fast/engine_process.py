@@ -12,7 +12,7 @@ push queued in that turn as raw int64 arrays (request numbers, stream ids, one l
 push; no pickle to take apart). In the engine process one thread reads every front-end and queues
 each message's pushes as one block, the engine thread runs the blocks as row slices of its engine
 calls and answers each call with one message per front-end (PCM of its pushes end to end and their
-offsets, cut from the call's PCM), so no step of the engine process is per push, and a thread per
+offsets, cut from the call's PCM; raw arrays too, not a pickle), so no step of the engine process is per push, and a thread per
 front-end sends those, so a front-end that reads slowly never holds up the engine. Streams are the
 engine's; a front-end that disconnects releases its own.
 
@@ -27,11 +27,13 @@ from __future__ import annotations
 
 import asyncio
 import multiprocessing as mp
+import operator
 import os
 import pickle
 import queue
 import selectors
 import socket
+import struct
 import tempfile
 import threading
 import time
@@ -46,9 +48,12 @@ from snac_fast.serving import PCMBlock, _Batcher, _Request, freeze_startup_objec
 # ("flush", req, sid), ("release", sid), ("stats", req); back: ("opened", req, sid),
 # ("audio", reqs, offsets, pcm), ("error", req, kind, message), ("stats", req, dict)
 _ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError}
-# front-end -> engine process messages are bytes: an 8-byte tag, then raw int64 pushes or pickled ops
+# messages are bytes: an 8-byte tag, then raw arrays (pushes; the audio of an engine call) or a
+# pickle (everything else)
 _TAG = 8
-_PUSH, _OPS = b"push\0\0\0\0", b"ops\0\0\0\0\0"
+_PUSH, _OPS, _AUDIO = b"push\0\0\0\0", b"ops\0\0\0\0\0", b"audio\0\0\0"
+_AUDIO_HEAD = struct.Struct("<qqq")  # n, samples, 0 for int16 or 1 for float32
+_PCM_TYPES = (np.dtype(np.int16), np.dtype(np.float32))
 
 
 class _Front:
@@ -64,18 +69,50 @@ class _Front:
     def send(self, message) -> None:
         self._outbox.put(message)
 
+    def send_audio(self, reqs: np.ndarray, offsets: np.ndarray, pcm: np.ndarray) -> None:
+        """Requests ``reqs``' audio, ``pcm[offsets[j]:offsets[j + 1]]``, as one raw message."""
+        self._outbox.put((reqs, offsets, pcm))
+
     def stop(self) -> None:
         self._outbox.put(None)
 
     def _send_all(self) -> None:
         while (message := self._outbox.get()) is not None:
             try:
-                self.conn.send(message)
+                if type(message) is tuple:
+                    self.conn.send_bytes(_audio_message(*message))
+                else:
+                    self.conn.send(message)
             except (OSError, EOFError, BrokenPipeError):  # the front-end is gone: its reader releases its streams
                 pass
 
     def error(self, req: int, error: BaseException) -> None:
         self.send([_error_item(req, error)])
+
+
+def _audio_message(reqs: np.ndarray, offsets: np.ndarray, pcm: np.ndarray) -> np.ndarray:
+    """The bytes of :meth:`_Front.send_audio`'s message (uint8): the tag, n, the samples, the PCM
+    type, then reqs (int64 [n]), offsets (int64 [n + 1]) and the PCM, written once (a pickle
+    copied the PCM twice, with the sender thread holding the interpreter)."""
+    at = _TAG + _AUDIO_HEAD.size
+    out = np.empty(at + 8 * (2 * len(reqs) + 1) + pcm.nbytes, np.uint8)
+    out[:_TAG] = np.frombuffer(_AUDIO, np.uint8)
+    _AUDIO_HEAD.pack_into(out, _TAG, len(reqs), pcm.size, _PCM_TYPES.index(pcm.dtype))
+    for part in (reqs, offsets, pcm):
+        out[at:at + part.nbytes].view(part.dtype)[:] = part
+        at += part.nbytes
+    return out
+
+
+def _read_audio(data: bytes) -> tuple:
+    """:func:`_audio_message`'s message as an item ("audio", reqs, offsets, pcm); the PCM copied
+    out (writable, as a pickle's would be)."""
+    n, samples, kind = _AUDIO_HEAD.unpack_from(data, _TAG)
+    at = _TAG + _AUDIO_HEAD.size
+    reqs = np.frombuffer(data, np.int64, n, at)
+    offsets = np.frombuffer(data, np.int64, n + 1, at + 8 * n)
+    pcm = np.frombuffer(data, _PCM_TYPES[kind], samples, at + 8 * (2 * n + 1)).copy()
+    return ("audio", reqs, offsets, pcm)
 
 
 def _error_item(req: int, error: BaseException) -> tuple:
@@ -88,6 +125,21 @@ def _push_message(reqs: list[int], sids: list[int], frames: int, rows: list[np.n
     frames, request numbers, stream ids, level-major rows), not a pickle: cheap for the engine to read."""
     return _PUSH + np.concatenate([np.array([len(reqs), frames], np.int64), np.asarray(reqs, np.int64),
                                    np.asarray(sids, np.int64), np.concatenate(rows).astype(np.int64, copy=False)]).tobytes()
+
+
+# per push in C, not in a Python loop
+_ENDED, _DROPPED, _SLOT = operator.attrgetter("ended"), operator.attrgetter("dropped"), operator.attrgetter("slot")
+
+
+def _added(seen: set, streams: list) -> bool:
+    """Add ``streams`` (none of them in ``seen``) to ``seen`` if none is there twice; else leave
+    ``seen`` as it was. Whether they were added."""
+    size = len(seen)
+    seen.update(streams)
+    if len(seen) - size == len(streams):
+        return True
+    seen.difference_update(streams)
+    return False
 
 
 class _PushBlock:
@@ -158,8 +210,7 @@ class _EngineBatcher(_Batcher):
                 else:
                     seen.add(item.stream)
                     now.append(item)
-            elif seen.isdisjoint(item.streams) and len(set(item.streams)) == len(item.streams):
-                seen.update(item.streams)
+            elif seen.isdisjoint(item.streams) and _added(seen, item.streams):  # new streams, none twice
                 now.append(item)
             else:  # a stream pushed again before its push ran: the later push waits, in order
                 first, later = [], []
@@ -181,7 +232,7 @@ class _EngineBatcher(_Batcher):
         calls = []
         for blocks in by_frames.values():
             block, front_of, fronts = _PushBlock.joined(blocks)
-            if any(s.dropped for s in block.streams):  # released after its push was queued
+            if any(map(_DROPPED, block.streams)):  # released after its push was queued
                 kept = []
                 for j, s in enumerate(block.streams):
                     if s.dropped:
@@ -191,7 +242,7 @@ class _EngineBatcher(_Batcher):
                 block, front_of = block.part(kept), front_of[kept]
             for start in range(0, len(block), self.max_batch):
                 chunk = _RowChunk(block, front_of, fronts, start, start + self.max_batch)
-                calls.append((chunk, lambda c=chunk: self.engine.step_rows([s.slot for s in c.streams], c.rows, c.frames)))
+                calls.append((chunk, lambda c=chunk: self.engine.step_rows(list(map(_SLOT, c.streams)), c.rows, c.frames)))
         return calls + (super()._calls(single) if single else [])
 
     def _mark_done(self, requests: list, now: float) -> None:
@@ -211,7 +262,7 @@ class _EngineBatcher(_Batcher):
                 picked = np.flatnonzero(requests.front_of == k) if len(requests.fronts) > 1 else np.arange(len(requests))
                 if len(picked):
                     pcm, offsets = results.rows(picked)
-                    front.send([("audio", requests.reqs[picked], offsets, pcm)])
+                    front.send_audio(requests.reqs[picked], offsets, pcm)
             return
         if any(type(r) is _PushBlock for r in requests):  # closing: each push of a block gets the error
             pairs = [(x, result) for r, result in zip(requests, results) for x in (r if type(r) is _PushBlock else [r])]
@@ -243,8 +294,8 @@ class _EngineBatcher(_Batcher):
             n, frames = np.frombuffer(message, np.int64, 2, _TAG).tolist()
             body = np.frombuffer(message, np.int64, offset=_TAG + 16)
             reqs, sids, rows = body[:n], body[n:2 * n].tolist(), body[2 * n:].reshape(n, -1)
-            streams = [self._streams.get(sid) for sid in sids]
-            if self._stopping or None in streams or any(s.ended for s in streams):
+            streams = list(map(self._streams.get, sids))
+            if self._stopping or None in streams or any(map(_ENDED, streams)):
                 kept = []
                 for j, sid in enumerate(sids):
                     try:
@@ -527,7 +578,8 @@ class EngineClient:
     def _read(self) -> None:
         try:
             while True:
-                message = self._conn.recv()
+                data = self._conn.recv_bytes()
+                message = [_read_audio(data)] if data[:_TAG] == _AUDIO else pickle.loads(data)
                 self._loop.call_soon_threadsafe(self._answer, message)
         except (EOFError, OSError):
             if not self._closed:

@@ -9,13 +9,22 @@ import time
 import numpy as np
 import pytest
 import torch
-
 from helpers import NARROW, engine64, frames_of, random_codes, upstream64
+
 from snac_fast import FastSNAC
 from snac_fast.configs import published_config
-from snac_fast.engine_process import _OPS, EngineClient, EngineProcess, _EngineBatcher, _Front, _push_message
-from snac_fast.noise import decode_with_keyed_noise
+from snac_fast.engine_process import (
+    _OPS,
+    EngineClient,
+    EngineProcess,
+    _audio_message,
+    _EngineBatcher,
+    _Front,
+    _push_message,
+    _read_audio,
+)
 from snac_fast.metrics import snr_db
+from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.synthetic import make_checkpoint
 
@@ -114,6 +123,9 @@ class CollectingFront(_Front):
 
     def send(self, message):
         self.items += message
+
+    def send_audio(self, reqs, offsets, pcm):  # through the wire format, as the sender thread sends it
+        self.items.append(_read_audio(_audio_message(reqs, offsets, pcm).tobytes()))
 
 
 def test_engine_batcher_blocks_keep_each_streams_order_and_fail_only_bad_pushes():
