@@ -230,7 +230,7 @@ def main() -> None:
         for run, clients in enumerate(int(c) for c in args.clients.split(",")):
             if args.profile_server:
                 out = logs / f"server_profile_{clients}.txt"
-                subprocess.Popen(["bash", "-c", f"sleep {args.profile_delay:g} && py-spy record -p {server.pid} --subprocesses --threads --idle "
+                subprocess.Popen(["bash", "-c", f"sleep {args.profile_delay:g} && py-spy record -p {server.pid} --subprocesses --threads --idle --nonblocking "
                                   f"-d {args.profile_server:g} -r 200 -f raw -o {out} > {out}.log 2>&1"])
             records = all_clients(f"http://127.0.0.1:{port}", clients, f"run{run}-{clients}", args.client_procs)
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
