@@ -12,9 +12,9 @@ push queued in that turn as raw int64 arrays (request numbers, stream ids, one l
 push; no pickle to take apart). In the engine process one thread reads every front-end and queues
 each message's pushes as one block, the engine thread runs the blocks as row slices of its engine
 calls and answers each call with one message per front-end (PCM of its pushes end to end and their
-offsets, cut from the call's PCM; raw arrays too, not a pickle), so no step of the engine process is per push, and a thread per
-front-end sends those, so a front-end that reads slowly never holds up the engine. Streams are the
-engine's; a front-end that disconnects releases its own.
+offsets, cut from the call's PCM; raw arrays too, not a pickle), so no step of the engine process
+is per push, and a thread per front-end sends those, so a front-end that reads slowly never holds
+up the engine. Streams are the engine's; a front-end that disconnects releases its own.
 
     engine = EngineProcess("hubertsiuzdak/snac_24khz", max_streams=4096)   # in the parent
     client = EngineClient(engine.address)                                  # in each front-end
@@ -42,10 +42,11 @@ from multiprocessing.connection import Client, Connection, Listener
 import numpy as np
 
 from snac_fast.orpheus import ORPHEUS, TokenLayout
-from snac_fast.serving import PCMBlock, _Batcher, _Request, freeze_startup_objects
+from snac_fast.serving import PCMBlock, _Batcher, _Request, _streams_done, freeze_startup_objects
 
-# message kinds, front-end -> engine process: pushes (see _PUSH), ops ("open", req, seed),
-# ("flush", req, sid), ("release", sid), ("stats", req); back: ("opened", req, sid),
+# message kinds, front-end -> engine process: pushes (_push_message), ops ("open", req, seed),
+# ("flush", req, sid), ("release", sid), ("stats", req); back: an engine call's audio
+# (_audio_message, read as ("audio", reqs, offsets, pcm)), or items ("opened", req, sid),
 # ("audio", reqs, offsets, pcm), ("error", req, kind, message), ("stats", req, dict)
 _ERRORS = {"ValueError": ValueError, "RuntimeError": RuntimeError}
 # messages are bytes: an 8-byte tag, then raw arrays (pushes; the audio of an engine call) or a
@@ -249,8 +250,7 @@ class _EngineBatcher(_Batcher):
         single = []
         for r in requests:
             if type(r) is _PushBlock:
-                for stream in r.streams:
-                    stream.last_active, stream.done = now, stream.done + 1
+                _streams_done(r.streams, now)
                 self.requests += len(r)
             else:
                 single.append(r)
@@ -342,10 +342,10 @@ def _serve_engine(address: str, settings: dict, report: Connection) -> None:
         import torch
 
         from snac_fast.api import FastSNAC
+        from snac_fast.ops._runtime import make_current
 
-        device = torch.device(settings["device"]) if settings.get("device") else None
-        if device is not None and device.type == "cuda" and device.index is not None:
-            torch.cuda.set_device(device)  # the process's current GPU: its engine thread's device_scope is then a no-op
+        if settings.get("device"):
+            make_current(torch.device(settings["device"]))  # warm-up and graphs on that GPU, not the first
         codec = FastSNAC.from_pretrained(settings["model"], device=settings.get("device"), dtype=settings.get("dtype"),
                                          local_files_only=settings.get("local_files_only", False),
                                          **settings.get("model_options", {}))

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from snac_fast.ops._runtime import make_current
 from snac_fast.orpheus import TokenFramer, TokenLayout
 from snac_fast.streaming import CheckedCodes, StreamEngine, StreamSlot
 from snac_fast.streaming.engine import joined_audio
@@ -99,8 +100,8 @@ class _Batcher:
         self._stopping = False
         self._closed = False
         # host PCM of the engine calls in flight lands here; a call's buffer is free again once its
-        # results are copied out (at most three calls are undelivered: two of a round and the last of
-        # the round before)
+        # results are copied out (two calls are undelivered at most, more only while a refused push's
+        # call is retried push by push)
         self._free_pinned: list[Tensor] = []
         self._stream_of_engine_thread: torch.cuda.Stream | None = None
         if output != "tensor" and engine.device.type == "cuda":  # allocated now, not under load (cudaHostAlloc)
@@ -214,8 +215,7 @@ class _Batcher:
     # -- the engine thread ---------------------------------------------------------------------
 
     def _serve(self) -> None:
-        if self.engine.device.type == "cuda" and self.engine.device.index is not None:
-            torch.cuda.set_device(self.engine.device)  # per thread; the engine's device_scope is then a no-op per call
+        make_current(self.engine.device)  # per thread: the engine's device_scope is then a no-op per call
         carried: list[_Request] = []  # a stream's later requests wait for its earlier one
         in_flight = None  # the last engine call of the round before, launched but not yet delivered
         next_sweep = time.monotonic() + (self.idle_timeout or 0) / 4
@@ -314,8 +314,7 @@ class _Batcher:
             self._mark_done(round_requests, time.monotonic())
 
     def _mark_done(self, requests: list[_Request], now: float) -> None:
-        for r in requests:  # idle time counts from a push's answer, not from its queueing
-            r.stream.last_active, r.stream.done = now, r.stream.done + 1
+        _streams_done([r.stream for r in requests], now)
         self.requests += len(requests)
 
     def _calls(self, requests: list[_Request]) -> list[tuple[list[_Request], Callable[[], tuple[Tensor, np.ndarray]]]]:
@@ -582,6 +581,11 @@ class PCMBlock(Sequence):
         np.cumsum(sizes, out=offsets[1:])
         pieces = [self[j] for j in picked.tolist()]
         return (np.concatenate(pieces) if pieces else self.pcm[:0]), offsets
+
+
+def _streams_done(streams: list[_Stream], now: float) -> None:
+    for stream in streams:  # idle time counts from a push's answer, not from its queueing
+        stream.last_active, stream.done = now, stream.done + 1
 
 
 def _resolve_all(futures: list, values: list) -> None:

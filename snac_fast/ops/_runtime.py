@@ -272,6 +272,13 @@ def device_scope(device: torch.device):
     return torch.cuda.device(device)
 
 
+def make_current(device: torch.device) -> None:
+    """Make ``device`` the calling thread's current CUDA device for good (a thread that works only
+    on it: :func:`device_scope` is then a no-op); nothing off CUDA or for "cuda" without an index."""
+    if device.type == "cuda" and device.index is not None:
+        torch.cuda.set_device(device)
+
+
 @contextlib.contextmanager
 def true_float32():
     """Run convolutions and matmuls in real float32 (no TF32) inside the block."""
