@@ -34,6 +34,7 @@ import queue
 import selectors
 import socket
 import struct
+import sys
 import tempfile
 import threading
 import time
@@ -338,6 +339,9 @@ class _EngineBatcher(_Batcher):
 
 def _serve_engine(address: str, settings: dict, report: Connection) -> None:
     """The engine process: load, warm up, then accept front-ends until terminated."""
+    # the engine, reader and sender threads take turns at the interpreter: hand it over within 1 ms,
+    # not the default 5, so a push waits less for the engine thread (A/B on an H100: p99 16.7 vs 22.2 ms)
+    sys.setswitchinterval(0.001)
     try:
         import torch
 

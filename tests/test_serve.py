@@ -429,3 +429,17 @@ def test_server_start_up_freezes_its_objects_out_of_the_collectors_reach(codec):
         assert frozen > 10_000  # torch, the model and the app
     finally:
         gc.unfreeze()
+
+
+def test_start_up_warms_the_decode_path_and_leaves_no_stream_open(codec):
+    """Each worker runs one silent stream through its batcher before the first request (the first
+    request of a worker paid for first-time work): the engine has decoded, the LM session exists,
+    and the warm-up's stream is gone."""
+    app = create_app(codec, ServeConfig(lm_url="http://127.0.0.1:9/v1"))
+    state = app.state.server
+    assert state.batcher.batches == 0 and state.lm._session is None
+    with LiveServer(app) as server:
+        assert state.batcher.batches >= 1 and state.lm._session is not None
+        assert slots_freed(state)
+        health = httpx.get(server.url + "/health").json()
+        assert health["open_streams"] == 0 and health["slots_in_use"] == 0
