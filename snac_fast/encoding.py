@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from snac_fast.compiling import compiling_concurrently
 from snac_fast.graphs import GraphCache
 from snac_fast.ops._runtime import device_scope
+from snac_fast.ops.row_tails import clear_row_tails
 
 
 def _conv_reach(conv: nn.Conv1d, reach: int) -> int:
@@ -99,26 +100,10 @@ def rows_as_alone(model: nn.Module, lengths: Tensor, total: int) -> Iterator[Non
     padding unit (upstream's padded length of the clip), at most ``total``, the batch's length.
     Device operations only (no host sync): capturable in a CUDA graph."""
     width = _tail_width(model.encoder)
-    tails: dict[tuple[int, torch.dtype], tuple[Tensor, Tensor]] = {}
-
-    def tail_of(t: Tensor) -> tuple[Tensor, Tensor]:
-        """(the steps to clear [B, 1, width], per row 0 or 1 [B, 1, 1]) at t's rate"""
-        steps = t.shape[-1]
-        key = (steps, t.dtype)
-        if key not in tails:
-            ends = lengths * steps // total
-            cols = (ends[:, None] + torch.arange(width, device=t.device)).clamp_(max=steps - 1)
-            # a row that fills the batch has no steps past its end: its clamped columns are its own,
-            # written back unchanged (every duplicate of a column writes one value)
-            keep = (ends == steps).to(t.dtype)[:, None, None]
-            tails[key] = cols[:, None, :], keep
-        return tails[key]
 
     def clear_tails(module: nn.Module, inputs, output) -> None:
         for t in output if isinstance(output, tuple) else (output,):
-            cols, keep = tail_of(t)
-            cols = cols.expand(t.shape[0], t.shape[1], -1)
-            t.scatter_(2, cols, t.gather(2, cols) * keep)
+            clear_row_tails(t, lengths, total, width)
 
     handles = [layer.register_forward_hook(clear_tails) for layer in _layers_read_by_wider_convs(model.encoder)]
     try:
