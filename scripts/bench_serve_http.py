@@ -158,8 +158,9 @@ def playback_stalls(record: dict, rate: int) -> float:
 def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scrape: str, geometry: dict) -> dict:
     ok = [r for r in records if r["status"] == 200]
     frame_ms = FRAME_S * 1e3
-    ttfa = [(r["chunks"][0][0] - lm_stats[r["text"]]["first_sent"]) * 1e3
-            for r in ok if r["chunks"] and r["text"] in lm_stats]
+    firsts = sorted(((r["chunks"][0][0] - lm_stats[r["text"]]["first_sent"]) * 1e3, int(r["text"].rsplit(" ", 1)[-1]))
+                    for r in ok if r["chunks"] and r["text"] in lm_stats)
+    ttfa = [ms for ms, _ in firsts]
     added = np.array([d for r in ok if r["text"] in lm_stats
                       for d in chunk_delays(r, lm_stats[r["text"]]["sends"], **geometry)]) * 1e3
     gaps = np.concatenate([np.diff([t for t, _ in r["chunks"]]) * 1e3 for r in ok if len(r["chunks"]) > 1] or [np.zeros(0)])
@@ -171,6 +172,7 @@ def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scr
     over = [(r["end"] - r["start"] - frames * FRAME_S / pace) * 1e3 for r in ok]  # past the stream's nominal length
     return {"clients": len(records), "ok": len(ok), "complete_audio": complete,
             "ttfa_p50_ms": pct(ttfa, 50), "ttfa_p99_ms": pct(ttfa, 99), "ttfa_max_ms": max(ttfa, default=float("nan")),
+            "ttfa_worst_ms_client": [(round(ms, 1), i) for ms, i in firsts[-5:]],  # i: arrival order
             "chunk_added_p50_ms": pct(added, 50), "chunk_added_p99_ms": pct(added, 99),
             "chunk_added_p999_ms": pct(added, 99.9), "chunk_added_max_ms": float(added.max()) if len(added) else float("nan"),
             "chunks_timed": len(added), "chunks_added_over_frame": int((added > frame_ms).sum()),

@@ -325,10 +325,11 @@ class SpeechServer:
         return audio
 
     async def warm_up(self, frames: int = 8) -> None:
-        """One silent stream through this worker's whole decode path (open, pushes of one frame of
-        ids, flush) and the LM session made, before the first request: otherwise each worker's
-        first request paid for first-time work, ~25 ms more to first audio on an H100 (the p99 of
-        256 clients right after start-up; docs/serving.md)."""
+        """Before the first request, each part of the request path once: the LM session made, a
+        streaming response, an LM event parsed, and one silent stream through this worker's decode
+        path (open, pushes of one frame of ids, flush). Otherwise the first requests paid for that
+        first-time work: 256 clients right after start-up saw first audio p99 27-30 ms on an H100,
+        6-7 ms on the next load (docs/serving.md)."""
         if self.lm._aiohttp is not None:
             self.lm._client()
         # what the first request would import (anyio's streams for a streaming response, the idna
@@ -336,7 +337,14 @@ class SpeechServer:
         for name in _FIRST_REQUEST_IMPORTS:
             with contextlib.suppress(ImportError):
                 importlib.import_module(name)
+        from starlette.responses import StreamingResponse
+
+        # a streaming response sent nowhere (anyio's task group and streams, first used here, not at
+        # a client's first audio) and an LM event parsed
+        await _send_nowhere(StreamingResponse(_one(_pcm_bytes(np.zeros(16, np.float32), "s16")), media_type="audio/pcm"))
         layout = self.config.layout
+        async for _ in _ids_of_events(_sse_data(_one(_WARM_UP_EVENTS)), layout.offset):  # JSON, the token regex
+            pass
         frame = layout.offset + np.arange(layout.frame_size, dtype=np.int64) * layout.codebook_size  # code 0 each
         sid = await self.open_stream(seed=0)
         if sid is None:
@@ -360,6 +368,31 @@ class SpeechServer:
         else:
             await asyncio.get_running_loop().run_in_executor(None, self.batcher.close)
         await self.lm.aclose()
+
+
+_WARM_UP_EVENTS = b'data: {"choices": [{"text": "<custom_token_10>"}]}\n\ndata: [DONE]\n\n'
+
+
+async def _one(item):
+    yield item
+
+
+async def _send_nowhere(response) -> None:
+    """Run a Starlette response as uvicorn does (ASGI spec 2.3: a task group that also listens for
+    the client's disconnect), its messages dropped."""
+    finished = asyncio.Event()
+
+    async def receive() -> dict:
+        await finished.wait()
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict) -> None:
+        if message["type"] == "http.response.body" and not message.get("more_body", False):
+            finished.set()
+
+    scope = {"type": "http", "asgi": {"version": "3.0", "spec_version": "2.3"}, "http_version": "1.1",
+             "method": "POST", "path": "/", "headers": []}
+    await response(scope, receive, send)
 
 
 def _wav_header(rate: int, sample_format: str) -> bytes:
