@@ -22,7 +22,6 @@ import contextlib
 import importlib
 import json
 import logging
-import re
 import struct
 import sys
 import time
@@ -31,17 +30,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS, TokenLayout
+from snac_fast.lm_client import LMClient, LMOutputError, _ids_of_events, _sse_data
+from snac_fast.orpheus import ORPHEUS, TokenLayout
 from snac_fast.serving import AsyncStreamBatcher, freeze_startup_objects
 
 log = logging.getLogger("snac_fast.server")
 
-# The prompt Orpheus-family models were trained on, in text form: start of human (128259), the text
-# as "voice: text" after <|begin_of_text|>, end of text (128009), end of human (128260), start of AI
-# (128261), start of speech (128257). canopyai/Orpheus-TTS, orpheus_tts/engine_class.py, _format_prompt.
-ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
-CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
-END_OF_SPEECH = 128258
 RESPONSE_FORMATS = ("pcm", "wav")
 SWITCH_INTERVAL_S = 0.0005
 SAMPLE_FORMATS = {"s16": "int16", "f32": "float32"}
@@ -66,10 +60,6 @@ class ServeConfig:
     layout: TokenLayout = field(default_factory=lambda: ORPHEUS)
     lm_timeout_s: float = 60.0
     lookahead: int | str | None = None  # the streams' (StreamEngine): None exact, samples or "fp16"
-
-
-class LMOutputError(Exception):
-    """The language model's stream could not be turned into audio (a malformed token, an error)."""
 
 
 class _Metrics:
@@ -124,105 +114,6 @@ class _Metrics:
         self.push.observe(seconds)
         if seconds > frame_seconds:
             self.late.inc()
-
-
-class LMClient:
-    """Streams audio token ids from an OpenAI-compatible completions API (``config.lm_url``), one
-    HTTP connection per stream, on aiohttp: its C parsers read an SSE chunk for about a third of
-    httpx's host time (docs/serving.md, "The LM client"), and a server reads one chunk per stream
-    every ~30 ms."""
-
-    def __init__(self, config: ServeConfig) -> None:
-        self.config = config
-        self._session = None
-        self._aiohttp = None
-        if config.lm_url is not None:  # imported now: importing it at the first request delayed its audio
-            import aiohttp
-
-            self._aiohttp = aiohttp
-
-    def _client(self):
-        """The session, made in the event loop that uses it (aiohttp binds a session to its loop)."""
-        if self._session is None:
-            aiohttp = self._aiohttp
-            # one connection per stream: a smaller pool would queue the streams past it behind whole
-            # answers. One timeout for connecting too: a loaded host's event loop can take seconds to
-            # see a local connect complete (CI timed out 1 of 32 at 5 s); a dead LM refuses at once
-            connector = aiohttp.TCPConnector(limit=self.config.max_streams + 8)
-            timeout = aiohttp.ClientTimeout(total=None, connect=self.config.lm_timeout_s,
-                                            sock_read=self.config.lm_timeout_s)
-            # trust_env: HTTP(S)_PROXY and NO_PROXY apply, as for any HTTP client a user configures
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True)
-        return self._session
-
-    async def ids(self, text: str, voice: str, model: str | None) -> AsyncIterator[list[int]]:
-        """The LM's audio token ids for a prompt, as they stream in (control tokens dropped; the end
-        of speech ends it). LMOutputError for anything that is not a completions stream, and for an
-        LM that cannot be reached or stops answering."""
-        if self._aiohttp is None:
-            raise LMOutputError("this server has no language model: start it with --lm-url")
-        body = {"model": self.config.lm_model or model, "prompt": ORPHEUS_PROMPT.format(voice=voice, text=text),
-                "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
-                "top_p": self.config.top_p, "repetition_penalty": self.config.repetition_penalty, "stream": True}
-        url = self.config.lm_url.rstrip("/") + "/completions"
-        try:
-            async with self._client().post(url, json=body) as response:
-                if response.status != 200:
-                    detail = (await response.read()).decode(errors="replace")[:200]
-                    raise LMOutputError(f"the language model at {url} answered {response.status}: {detail}")
-                async for ids in _ids_of_events(_sse_data(response.content.iter_any()), self.config.layout.offset):
-                    yield ids
-        except (self._aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise LMOutputError(f"the language model at {url} failed: {type(e).__name__}: {e}") from None
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
-async def _ids_of_events(events: AsyncIterator[str], offset: int) -> AsyncIterator[list[int]]:
-    """Audio token ids (>= ``offset``) from a completions stream's ``data:`` fields, a list per chunk
-    that completes any; ends at ``[DONE]`` or the end of speech. LMOutputError for a chunk that is
-    not a completion."""
-    tail = ""  # text after the last whole token: a token can be cut between two chunks
-    async for data in events:
-        if data == "[DONE]":
-            return
-        try:
-            text_piece = json.loads(data)["choices"][0].get("text") or ""
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise LMOutputError(f"the language model sent a chunk that is not a completion: {data[:120]!r}") from None
-        tail += text_piece
-        ids, end, cut = [], False, 0
-        for match in CUSTOM_TOKEN.finditer(tail):
-            cut = match.end()
-            token = CUSTOM_TOKEN_ID + int(match.group(1))
-            if token == END_OF_SPEECH:
-                end = True
-                break
-            if token >= offset:
-                ids.append(token)
-        tail = tail[cut:]
-        start = tail.rfind("<")
-        tail = tail[start:] if start >= 0 and len(tail) - start < 32 else ""  # keep only a token's beginning
-        if ids:
-            yield ids
-        if end:
-            return
-
-
-async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The ``data:`` fields of a server-sent-event stream, read from raw bytes as they arrive (text
-    and line decoders cost a fifth of the event loop at 256 streams)."""
-    buffer = b""
-    async for raw in chunks:
-        buffer += raw
-        *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip().decode()
-    if buffer.startswith(b"data:"):
-        yield buffer[5:].strip().decode()
 
 
 class _SharedEngineBatcher:

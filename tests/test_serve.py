@@ -22,7 +22,8 @@ from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.fake_lm import FakeLM
-from snac_fast.server import ORPHEUS_PROMPT, LMClient, ServeConfig, create_app
+from snac_fast.lm_client import ORPHEUS_PROMPT, LMClient
+from snac_fast.server import ServeConfig, create_app
 from snac_fast.synthetic import synthetic_model
 
 RATE = 24000

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench_serve_http import free_port, start_fake_lm  # noqa: E402
 
 from snac_fast.orpheus import ORPHEUS  # noqa: E402
-from snac_fast.server import ORPHEUS_PROMPT, LMClient, ServeConfig, _ids_of_events, _sse_data  # noqa: E402
+from snac_fast.lm_client import ORPHEUS_PROMPT, LMClient, _ids_of_events, _sse_data  # noqa: E402
+from snac_fast.server import ServeConfig  # noqa: E402
 
 
 async def read_httpx(url: str, streams: int) -> int:
