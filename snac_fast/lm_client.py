@@ -8,12 +8,9 @@ import asyncio
 import json
 import re
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from snac_fast.orpheus import CUSTOM_TOKEN_ID
-
-if TYPE_CHECKING:
-    from snac_fast.server import ServeConfig
+from snac_fast.orpheus import CUSTOM_TOKEN_ID, TokenLayout
 
 # The prompt Orpheus-family models were trained on, in text form: start of human (128259), the text
 # as "voice: text" after <|begin_of_text|>, end of text (128009), end of human (128260), start of AI
@@ -21,6 +18,20 @@ if TYPE_CHECKING:
 ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
 CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
 END_OF_SPEECH = 128258
+
+class LMSettings(Protocol):
+    """What the client reads of its server's settings (:class:`snac_fast.server.ServeConfig`)."""
+
+    lm_url: str | None
+    lm_model: str | None
+    max_streams: int
+    lm_timeout_s: float
+    max_tokens: int
+    temperature: float
+    top_p: float
+    repetition_penalty: float
+    layout: TokenLayout
+
 
 class LMOutputError(Exception):
     """The language model's stream could not be turned into audio (a malformed token, an error)."""
@@ -32,7 +43,7 @@ class LMClient:
     httpx's host time (docs/serving.md, "The LM client"), and a server reads one chunk per stream
     every ~30 ms."""
 
-    def __init__(self, config: ServeConfig) -> None:
+    def __init__(self, config: LMSettings) -> None:
         self.config = config
         self._session = None
         self._aiohttp = None
