@@ -5,6 +5,7 @@ server-sent events turned into audio token ids as they arrive."""
 from __future__ import annotations
 
 import asyncio
+import codecs
 import json
 import re
 from collections.abc import AsyncIterator
@@ -85,6 +86,19 @@ class LMClient:
                     yield ids
         except (self._aiohttp.ClientError, asyncio.TimeoutError) as e:
             raise LMOutputError(f"the language model at {url} failed: {type(e).__name__}: {e}") from None
+
+    async def warm_up(self) -> None:
+        """Before the first request: the session made, and one completions event parsed (JSON, the
+        token pattern), so that no request's first audio waits for their first use."""
+        if self._aiohttp is not None:
+            self._client()
+            codecs.lookup("idna")  # aiohttp loads it for the LM's host name at the first request
+
+        async def events():
+            yield b'data: {"choices": [{"text": "<custom_token_10>"}]}\n\ndata: [DONE]\n\n'
+
+        async for _ in _ids_of_events(_sse_data(events()), self.config.layout.offset):
+            pass
 
     async def aclose(self) -> None:
         if self._session is not None:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import importlib
 import json
 import logging
 import struct
@@ -30,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from snac_fast.lm_client import LMClient, LMOutputError, _ids_of_events, _sse_data
+from snac_fast.lm_client import LMClient, LMOutputError
 from snac_fast.orpheus import ORPHEUS, TokenLayout
 from snac_fast.serving import AsyncStreamBatcher, freeze_startup_objects
 
@@ -39,8 +38,6 @@ log = logging.getLogger("snac_fast.server")
 RESPONSE_FORMATS = ("pcm", "wav")
 SWITCH_INTERVAL_S = 0.0005
 SAMPLE_FORMATS = {"s16": "int16", "f32": "float32"}
-_FIRST_REQUEST_IMPORTS = ("anyio.lowlevel", "anyio.streams.memory", "anyio.streams.stapled", "anyio.streams.tls",
-                          "anyio._core._sockets", "anyio._core._streams", "encodings.idna")
 
 
 @dataclass
@@ -216,26 +213,18 @@ class SpeechServer:
         return audio
 
     async def warm_up(self, frames: int = 8) -> None:
-        """Before the first request, each part of the request path once: the LM session made, a
-        streaming response, an LM event parsed, and one silent stream through this worker's decode
-        path (open, pushes of one frame of ids, flush). Otherwise the first requests paid for that
+        """Before the first request, each part of the request path once: the LM client's
+        (:meth:`LMClient.warm_up`), a streaming response, and one silent stream through this
+        worker's decode path (open, pushes of one frame of ids, flush). Otherwise the first requests paid for that
         first-time work: 256 clients right after start-up saw first audio p99 27-30 ms on an H100,
         6-7 ms on the next load (docs/serving.md)."""
-        if self.lm._aiohttp is not None:
-            self.lm._client()
-        # what the first request would import (anyio's streams for a streaming response, the idna
-        # codec for the LM's host name): 6-8 ms of one CPU, every stream of the worker waiting
-        for name in _FIRST_REQUEST_IMPORTS:
-            with contextlib.suppress(ImportError):
-                importlib.import_module(name)
+        await self.lm.warm_up()
         from starlette.responses import StreamingResponse
 
-        # a streaming response sent nowhere (anyio's task group and streams, first used here, not at
-        # a client's first audio) and an LM event parsed
+        # a streaming response sent nowhere: anyio's task group and streams first used here, not at a
+        # client's first audio
         await _send_nowhere(StreamingResponse(_one(_pcm_bytes(np.zeros(16, np.float32), "s16")), media_type="audio/pcm"))
         layout = self.config.layout
-        async for _ in _ids_of_events(_sse_data(_one(_WARM_UP_EVENTS)), layout.offset):  # JSON, the token regex
-            pass
         frame = layout.offset + np.arange(layout.frame_size, dtype=np.int64) * layout.codebook_size  # code 0 each
         sid = await self.open_stream(seed=0)
         if sid is None:
@@ -259,9 +248,6 @@ class SpeechServer:
         else:
             await asyncio.get_running_loop().run_in_executor(None, self.batcher.close)
         await self.lm.aclose()
-
-
-_WARM_UP_EVENTS = b'data: {"choices": [{"text": "<custom_token_10>"}]}\n\ndata: [DONE]\n\n'
 
 
 async def _one(item):
