@@ -215,9 +215,9 @@ class SpeechServer:
     async def warm_up(self, frames: int = 8) -> None:
         """Before the first request, each part of the request path once: the LM client's
         (:meth:`LMClient.warm_up`), a streaming response, and one silent stream through this
-        worker's decode path (open, pushes of one frame of ids, flush). Otherwise the first requests paid for that
-        first-time work: 256 clients right after start-up saw first audio p99 27-30 ms on an H100,
-        6-7 ms on the next load (docs/serving.md)."""
+        worker's decode path (open, pushes of one frame of ids, flush). Otherwise the first
+        requests paid for that first-time work: 256 clients right after start-up saw first audio
+        p99 27-30 ms on an H100, 6-7 ms on the next load (docs/serving.md)."""
         await self.lm.warm_up()
         from starlette.responses import StreamingResponse
 

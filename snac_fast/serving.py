@@ -372,12 +372,12 @@ class _Batcher:
             return chunk, lambda e=error: [e] * len(chunk)
 
         def wait() -> list:
-            if copied is None:
-                return PCMBlock(host.numpy()[:offsets[-1]].copy(), offsets)
-            copied.synchronize()  # releases the GIL: the event loop runs meanwhile
-            self.gpu_seconds += begun.elapsed_time(copied) / 1e3
+            if copied is not None:
+                copied.synchronize()  # releases the GIL: the event loop runs meanwhile
+                self.gpu_seconds += begun.elapsed_time(copied) / 1e3
             block = PCMBlock(host.numpy()[:offsets[-1]].copy(), offsets)
-            self._free_pinned.append(host)  # copied out: the buffer can take another call's PCM
+            if copied is not None:
+                self._free_pinned.append(host)  # copied out: the pinned buffer can take another call's PCM
             return block
         return chunk, wait
 

@@ -93,7 +93,7 @@ def one_run() -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--per-message", type=int, default=40, help="pushes per front-end message (an H100 run's had ~5)")
+    parser.add_argument("--per-message", type=int, default=PER_MESSAGE, help="pushes per front-end message (an H100 run's had ~5)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     global PER_MESSAGE
