@@ -91,12 +91,12 @@ def one_run() -> dict:
 
 
 def main() -> None:
+    global PER_MESSAGE
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--per-message", type=int, default=PER_MESSAGE, help="pushes per front-end message (an H100 run's had ~5)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    global PER_MESSAGE
     PER_MESSAGE = args.per_message
     runs = [one_run() for _ in range(args.repeats)]
     for run in runs:
