@@ -127,3 +127,53 @@ class GcProbe:
         full = [ms for g, ms in self.pauses if g == 2]
         return {"gc_pauses": len(self.pauses), "gc_max_pause_ms": max((ms for _, ms in self.pauses), default=0.0),
                 "gc_full": len(full), "gc_full_max_ms": max(full, default=0.0)}
+
+
+class MachineLoad:
+    """What the machine did during a run: each GPU's busy fraction (nvidia-smi's utilization, the
+    share of sample periods with a kernel running, sampled every 200 ms) and the host's busy cores
+    (/proc/stat). Either part is empty where its source is missing."""
+
+    def __enter__(self):
+        import shutil
+        import subprocess
+
+        self._cpu = self._cpu_times()
+        self._smi = None
+        if shutil.which("nvidia-smi"):
+            self._smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
+                                          "-lms", "200"], stdout=subprocess.PIPE, text=True)
+        self._t0 = time.perf_counter()
+        return self
+
+    @staticmethod
+    def _cpu_times() -> tuple[float, float] | None:
+        try:
+            fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        except OSError:
+            return None
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all (in jiffies)
+
+    def __exit__(self, *exc):
+        wall = time.perf_counter() - self._t0
+        self.cores = None
+        end = self._cpu_times()
+        if self._cpu and end:
+            idle, total = end[0] - self._cpu[0], end[1] - self._cpu[1]
+            self.cores = (1 - idle / total) * (os.cpu_count() or 1) if total else None
+        self.gpu_busy: dict[int, float] = {}
+        if self._smi is not None:
+            self._smi.terminate()
+            out, _ = self._smi.communicate()
+            samples: dict[int, list[float]] = {}
+            for line in out.splitlines():
+                try:
+                    index, busy = (int(v) for v in line.split(","))
+                except ValueError:
+                    continue
+                samples.setdefault(index, []).append(busy / 100)
+            self.gpu_busy = {k: statistics.fmean(v) for k, v in samples.items()}
+        self.wall = wall
+
+    def summary(self) -> dict:
+        return {"host_cores_busy": self.cores, "gpu_busy": self.gpu_busy}

@@ -14,6 +14,7 @@ pipeline); "own batched encode" encodes the same clips already resampled, in the
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import tempfile
@@ -25,7 +26,7 @@ import soundfile
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import environment, markdown_table, timed_call, write_results  # noqa: E402
+from bench_common import MachineLoad, environment, markdown_table, timed_call, write_results  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast import datasets  # noqa: E402
@@ -126,7 +127,11 @@ def write_corpus(folder: Path, files: int) -> None:
     clips = [speech_like(rng.uniform(2, 12), 16000, int(rng.integers(1 << 30))) for _ in range(min(files, 200))]
     folder.mkdir()
     for n in range(files):
-        soundfile.write(folder / f"{n:06d}.wav", clips[n % len(clips)], 16000)
+        path = folder / f"{n:06d}.wav"
+        if n < len(clips):
+            soundfile.write(path, clips[n], 16000)
+        else:  # a repeat: a hard link (a large corpus written in seconds; every file is still read)
+            os.link(folder / f"{n % len(clips):06d}.wav", path)
 
 
 def steady_rate(shards: list[dict]) -> float | None:
@@ -137,7 +142,8 @@ def steady_rate(shards: list[dict]) -> float | None:
     return sum(a for _, a in ends[1:]) / 3600 / (ends[-1][0] - ends[0][0]) * 60
 
 
-def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int], actors_per_gpu: list[int]) -> dict:
+def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int], actors_per_gpu: list[int],
+                 actor_cpus: list[float], local_runs: int = 2) -> dict:
     """Hours of audio per minute: the local dataset engine vs the codec's own encode of the same
     clips (resampled already) in the same shards and batches; then the Ray engine on 1..n GPUs."""
     codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16, source=f"synthetic:{name}")
@@ -148,9 +154,13 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
         run = {"files_per_shard": per_shard, "batch_seconds": batch_seconds, "progress": False}
         print(f"corpus of {files} files written", flush=True)
         warm = datasets.encode_dataset(folder, Path(tmp) / "warm", codec, **run)  # compiles, caches: not timed
-        # two timed runs, the faster kept, as for the own encode below
-        summary = min((datasets.encode_dataset(folder, Path(tmp) / f"out{k}", codec, **run) for k in range(2)),
-                      key=lambda r: r["wall_seconds"])
+        # timed runs (two by default), the faster kept, as for the own encode below
+        timed = []
+        for k in range(local_runs):
+            with MachineLoad() as load:
+                timed.append(datasets.encode_dataset(folder, Path(tmp) / f"out{k}", codec, **run))
+            timed[-1]["load"] = load.summary()
+        summary = min(timed, key=lambda r: r["wall_seconds"])
         items = datasets.list_inputs(folder)
         with datasets.readers._Readers(16, codec.sampling_rate, datasets.batching._batch_dtype(codec)) as readers:
             clips = readers.collect(items, readers.submit(items))
@@ -159,39 +169,54 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
         for _ in range(2):  # the same shards and batches, queued back to back, no reading or writing
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            for _ in datasets.encode_back_to_back(codec, shards, 1.0, batch_seconds):
-                pass
-            torch.cuda.synchronize()
+            with MachineLoad() as own_load:
+                for _ in datasets.encode_back_to_back(codec, shards, 1.0, batch_seconds):
+                    pass
+                torch.cuda.synchronize()
             own_s.append(time.perf_counter() - t0)
         hours = summary["audio_seconds"] / 3600
         result = {"files": files, "audio_hours": hours, "pipeline_s": summary["wall_seconds"],
                   "own_encode_s": min(own_s), "warm_run_s": warm["wall_seconds"],
                   "pipeline_hours_per_minute": hours / summary["wall_seconds"] * 60,
                   "own_hours_per_minute": hours / min(own_s) * 60,
-                  "pipeline_steady_hours_per_minute": steady_rate(summary["per_shard"])}
+                  "pipeline_steady_hours_per_minute": steady_rate(summary["per_shard"]),
+                  "pipeline_load": summary["load"], "own_load": own_load.summary()}
         result["pipeline_vs_own"] = result["pipeline_hours_per_minute"] / result["own_hours_per_minute"]
         print("corpus:", {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, flush=True)
         del codec, clips, shards
         torch.cuda.empty_cache()
         result["ray"] = {}
-        for per_gpu in actors_per_gpu:
-            for gpus in ray_gpus:
-                import ray
+        for cpus in actor_cpus:
+            for per_gpu in actors_per_gpu:
+                for gpus in ray_gpus:
+                    import ray
 
-                ray.init(num_gpus=gpus, log_to_driver=False)  # encode_dataset joins it: the actors see `gpus` GPUs
-                label = f"{gpus}x{per_gpu}"
-                try:
-                    ray_run = datasets.encode_dataset(folder, Path(tmp) / f"ray{label}", engine="ray", model=f"synthetic:{name}",
-                                                      dtype="float16", loaders=1, actors_per_gpu=per_gpu, **run)
-                finally:
-                    ray.shutdown()
-                wall = ray_run["wall_seconds"]
-                result["ray"][label] = {"gpus": gpus, "actors_per_gpu": per_gpu, "wall_s": wall,
-                                        "hours_per_minute": hours / wall * 60,
-                                        "steady_hours_per_minute": steady_rate(ray_run["per_shard"]),
-                                        "shards_equal_local": same_shards(Path(tmp) / f"ray{label}", Path(tmp) / "out0")}
-                print(f"ray {gpus} GPU(s), {per_gpu} actor(s) each:", result["ray"][label], flush=True)
+                    from snac_fast.datasets import ray_engine
+
+                    ray_engine.CPUS_PER_GPU_ACTOR = cpus
+                    ray.init(num_gpus=gpus, log_to_driver=False)  # encode_dataset joins it: the actors see `gpus` GPUs
+                    label = f"{gpus}x{per_gpu}" + (f"c{cpus:g}" if len(actor_cpus) > 1 else "")
+                    try:
+                        with MachineLoad() as load:
+                            ray_run = datasets.encode_dataset(folder, Path(tmp) / f"ray{label}", engine="ray",
+                                                              model=f"synthetic:{name}", dtype="float16", loaders=1,
+                                                              actors_per_gpu=per_gpu, **run)
+                    finally:
+                        ray.shutdown()
+                    wall = ray_run["wall_seconds"]
+                    result["ray"][label] = {"gpus": gpus, "actors_per_gpu": per_gpu, "cpus_per_actor": cpus, "wall_s": wall,
+                                            "hours_per_minute": hours / wall * 60,
+                                            "steady_hours_per_minute": steady_rate(ray_run["per_shard"]),
+                                            "shards_equal_local": same_shards(Path(tmp) / f"ray{label}", Path(tmp) / "out0"),
+                                            "load": load.summary()}
+                    print(f"ray {label}:", result["ray"][label], flush=True)
     return result
+
+
+def _load_text(load: dict) -> str:
+    busy = load["gpu_busy"].get(torch.cuda.current_device())
+    cores = load["host_cores_busy"]
+    return (f"{busy:.2f}" if busy is not None else "-") + " / " + (f"{cores:.1f}" if cores is not None else "-")
 
 
 def same_shards(a: Path, b: Path) -> bool:
@@ -213,12 +238,20 @@ def main() -> None:
     ap.add_argument("--batch-seconds", type=float, default=300.0)
     ap.add_argument("--ray-gpus", default="", help="also run the Ray engine on these GPU counts, e.g. 1,2")
     ap.add_argument("--ray-actors-per-gpu", default="2", help="the Ray runs with these actors per GPU, e.g. 1,2")
+    ap.add_argument("--ray-actor-cpus", default=None,
+                    help="the Ray runs with these CPUs reserved per GPU actor, e.g. 0,2 (default: the engine's)")
+    ap.add_argument("--local-runs", type=int, default=2, help="timed runs of the local engine, the faster kept")
     args = ap.parse_args()
     loads = [] if args.no_workloads else [(10.0, 1), (10.0, 32), (60.0, 1)]
     results = {f"{s:g} s B={b}": bench_workload(args.model, s, b, args.rounds) for s, b in loads}
     ray_gpus = [int(g) for g in args.ray_gpus.split(",") if g]
     per_gpu = [int(a) for a in args.ray_actors_per_gpu.split(",")]
-    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds, ray_gpus, per_gpu)
+    from snac_fast.datasets import ray_engine
+
+    actor_cpus = ([float(c) for c in args.ray_actor_cpus.split(",")] if args.ray_actor_cpus
+                  else [ray_engine.CPUS_PER_GPU_ACTOR])
+    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds, ray_gpus, per_gpu,
+                                                      actor_cpus, args.local_runs)
     env = environment()
     rows = []
     for label, by_mode in results.items():
@@ -241,26 +274,38 @@ def main() -> None:
     if corpus is not None:
         md += (f"\nCorpus, local engine, one GPU: {corpus['files']} speech-like WAV files (16 kHz, 2-12 s, "
                f"{corpus['audio_hours']:.2f} h), 256 files per shard: {corpus['pipeline_hours_per_minute']:.1f} h of "
-               f"audio per minute ({corpus['pipeline_s']:.1f} s, the faster of two runs; "
+               f"audio per minute ({corpus['pipeline_s']:.1f} s, the fastest of {args.local_runs} run(s); "
                f"{corpus['pipeline_steady_hours_per_minute']:.1f} h/min from the first shard written to the last); "
                f"the codec's own batched encode of the same clips "
                f"in the same batches: {corpus['own_hours_per_minute']:.1f} h/min; pipeline / own = "
-               f"{corpus['pipeline_vs_own']:.2f}.\n")
+               f"{corpus['pipeline_vs_own']:.2f}. GPU busy (nvidia-smi) / host cores busy: pipeline "
+               f"{_load_text(corpus['pipeline_load'])}, own encode {_load_text(corpus['own_load'])}.\n")
         if corpus["ray"]:
             local = corpus["pipeline_steady_hours_per_minute"]
 
             def ratio(a, b):
                 return f"{a / b:.2f}" if a and b else "-"
+
+            def one_gpu(r):
+                return next((o["steady_hours_per_minute"] for o in corpus["ray"].values() if o["gpus"] == 1
+                             and o["actors_per_gpu"] == r["actors_per_gpu"] and o["cpus_per_actor"] == r["cpus_per_actor"]), None)
+
+            def busy(r):
+                used = sorted(r["load"]["gpu_busy"].items())[:r["gpus"]]
+                return " / ".join(f"{b:.2f}" for _, b in used) or "-"
             md += ("\nRay engine (a local Ray cluster on this machine; wall = the whole run, Ray start-up and actor "
                    "model loads included; steady = audio per minute between the first and the last shard "
-                   "finished; per GPU vs local: steady / GPUs / the local engine's steady rate):\n\n" + markdown_table(
-                       ["GPUs", "actors per GPU", "wall s", "h/min (wall)", "h/min (steady)", "steady vs 1 GPU",
-                        "per GPU vs local (steady)", "shards equal local"],
-                       [[r["gpus"], r["actors_per_gpu"], f"{r['wall_s']:.1f}", f"{r['hours_per_minute']:.1f}",
+                   "finished; per GPU vs local: steady / GPUs / the local engine's steady rate; GPU busy: "
+                   "nvidia-smi's utilization over the whole run, start-up included, per GPU; host cores: busy "
+                   "cores over the whole run):\n\n" + markdown_table(
+                       ["GPUs", "actors per GPU", "CPUs per actor", "wall s", "h/min (wall)", "h/min (steady)",
+                        "steady vs 1 GPU", "per GPU vs local (steady)", "GPU busy", "host cores", "shards equal local"],
+                       [[r["gpus"], r["actors_per_gpu"], f"{r['cpus_per_actor']:g}", f"{r['wall_s']:.1f}",
+                         f"{r['hours_per_minute']:.1f}",
                          f"{r['steady_hours_per_minute']:.1f}" if r["steady_hours_per_minute"] else "-",
-                         ratio(r["steady_hours_per_minute"],
-                               corpus["ray"].get(f"1x{r['actors_per_gpu']}", {}).get("steady_hours_per_minute")),
+                         ratio(r["steady_hours_per_minute"], one_gpu(r)),
                          ratio(r["steady_hours_per_minute"] and r["steady_hours_per_minute"] / r["gpus"], local),
+                         busy(r), f"{r['load']['host_cores_busy']:.1f}" if r["load"]["host_cores_busy"] else "-",
                          r["shards_equal_local"]] for r in corpus["ray"].values()]))
     write_results(args.out.parent, args.out.name, {"environment": env, "model": args.model, "encode": results,
                                                    "corpus": corpus}, md)

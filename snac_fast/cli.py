@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--loaders", type=int,
                    help="processes reading audio (local engine; default one per CPU up to 16), CPU actors at most (ray)")
     p.add_argument("--engine", choices=["local", "ray"], default="local",
-                   help="local: this process; ray: Ray Data, two actors per GPU (pip install 'snac-fast[ray]')")
+                   help="local: this process; ray: Ray Data, three actors per GPU (pip install 'snac-fast[ray]')")
     p.add_argument("--address", help="with --engine ray: join this Ray cluster (default: start a local one)")
 
     p = sub.add_parser("decode-dataset", help="Parquet code shards -> audio files or Parquet",

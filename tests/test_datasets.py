@@ -223,6 +223,14 @@ def test_ray_engine_writes_the_same_shards(corpus, tmp_path, monkeypatch):
         ds.encode_dataset(corpus, tmp_path / "x", engine="ray", codec=object())
 
 
+def test_gpu_actors_reserve_cpus_but_at_most_half_the_cluster():
+    from snac_fast.datasets.ray_engine import CPUS_PER_GPU_ACTOR, _gpu_actor_cpus
+
+    assert _gpu_actor_cpus(32, 6) == CPUS_PER_GPU_ACTOR == 2  # 2 GPUs of a 32-CPU host: 12 reserved, 20 read
+    assert _gpu_actor_cpus(8, 3) == pytest.approx(8 / 6)  # a small host: half its CPUs for the three actors
+    assert _gpu_actor_cpus(0, 3) == 0
+
+
 def test_reader_tasks_spool_their_audio_or_send_it_inline(corpus, tmp_path):
     """A reader task writes its clips into one spool file (lengths alone come back); where the spool
     cannot take it, the arrays come back themselves. Both give the clips read_clip gives."""

@@ -37,7 +37,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
                    engine: str = "local", address: str | None = None, model_options: dict | None = None,
                    files_per_shard: int = 256, batch_seconds: float = 300.0, pad_seconds: float = 1.0,
                    suffixes: Sequence[str] | None = None, loaders: int | None = None, progress: bool = True,
-                   device: str | None = None, dtype: str | None = None, actors_per_gpu: int = 2) -> dict:
+                   device: str | None = None, dtype: str | None = None, actors_per_gpu: int = 3) -> dict:
     """Encode every input of ``source`` (see :func:`list_inputs`) into Parquet shards in ``out``
     (see the module docstring). Returns a summary: files, shards written and skipped, seconds of
     audio, errors, wall seconds, and ``per_shard``: each shard written (index, audio seconds,
@@ -46,9 +46,9 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     engine "local": this process encodes with ``codec`` (a FastSNAC; default: ``model`` loaded by
     ``FastSNAC.from_pretrained(model, device=, dtype=, **model_options)``). engine "ray" (needs
     ``pip install 'snac-fast[ray]'``): Ray Data reads each shard's audio in CPU tasks and encodes
-    it in actors (``actors_per_gpu`` per GPU of the cluster, each a process with its share of the GPU:
-    two interpreters launch one GPU's encodes, where one alone leaves it waiting; else up to ``loaders``
-    CPU actors), each loading ``model`` itself; ``address`` joins a
+    it in actors (``actors_per_gpu`` per GPU of the cluster, each a process with its share of the GPU
+    and two CPUs reserved: several interpreters launch one GPU's encodes, where one alone leaves it
+    waiting; else up to ``loaders`` CPU actors), each loading ``model`` itself; ``address`` joins a
     running cluster, else a local one is started. Both engines write the same shards."""
     if engine not in ("local", "ray"):
         raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")

@@ -1,7 +1,7 @@
 """The Ray Data engine of encode_dataset (``engine='ray'``): shards read by CPU tasks and encoded by
-actors, two per GPU by default (each with half of it: one actor's interpreter cannot launch the
-encodes as fast as the GPU runs them; two raised one H200's rate from 0.91 to 1.18 of the local
-engine's, docs/datasets.md).
+actors, three per GPU by default (each with a third of it: one actor's interpreter cannot launch
+the encodes as fast as the GPU runs them; on an H100 one GPU ran 229.8 h/min with two actors and
+253.3 with three, docs/datasets.md).
 
 A reading task hands its shard over as one flat array of every clip's samples, already in the
 dtype the encoder's batches are built in, plus the clips' small records: Ray keeps the array in its
@@ -26,6 +26,10 @@ from snac_fast.datasets.runs import _load
 # actor's encode is its own host work
 CALLS_PER_GPU_ACTOR = 2
 CALLS_PER_CPU_ACTOR = 1
+# CPUs Ray reserves for each GPU actor, the reading tasks taking the rest: its launching, batching
+# and writing threads need cores that the reads, at Ray's default priority, would otherwise take
+# (2 GPUs: 447 h/min against 427 with none reserved, docs/datasets.md)
+CPUS_PER_GPU_ACTOR = 2.0
 
 
 def _read_shard(row: dict, shards: list, rate: int, dtype: str) -> dict:
@@ -64,6 +68,12 @@ class _EncodeShard:
         return encode_shard(self.codec, _clips_of(row), int(row["shard"]), self.settings)
 
 
+def _gpu_actor_cpus(cpus: float, actors: int) -> float:
+    """CPUs each GPU actor reserves: :data:`CPUS_PER_GPU_ACTOR`, less on a small cluster so that the
+    actors hold at most half of its ``cpus`` (the rest read; more would leave actors unplaceable)."""
+    return min(CPUS_PER_GPU_ACTOR, cpus / (2 * actors))
+
+
 def _batch_dtype_name(load: dict, gpus: int) -> str:
     """The dtype the actors' codecs build batches in (``batching._batch_dtype``), known before any
     actor exists: float16 for a float16 codec, else float32."""
@@ -76,7 +86,7 @@ def _batch_dtype_name(load: dict, gpus: int) -> str:
 
 
 def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, cpu_actors: int,
-                     actors_per_gpu: int = 2) -> list[dict]:
+                     actors_per_gpu: int = 3) -> list[dict]:
     try:
         import ray
         from ray.data import ActorPoolStrategy
@@ -101,7 +111,8 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
         data = data.map(_read_shard, fn_kwargs={"shards": shards, "rate": rate, "dtype": dtype}, num_cpus=1)
         data = data.map(_EncodeShard, fn_constructor_kwargs={"load": load, "settings": settings, "dtype": dtype},
                         compute=ActorPoolStrategy(size=actors, max_concurrent_calls_per_actor=calls),
-                        num_gpus=1 / actors_per_gpu if gpus else 0, num_cpus=0 if gpus else 1)
+                        num_gpus=1 / actors_per_gpu if gpus else 0,
+                        num_cpus=_gpu_actor_cpus(resources.get("CPU", 0), actors) if gpus else 1)
         return data.take_all()
     finally:
         if started:
