@@ -171,6 +171,9 @@ class _PushBlock:
         number and the front-ends."""
         fronts: dict[_Front, int] = {}
         numbers = [fronts.setdefault(b.front, len(fronts)) for b in blocks]
+        if len(fronts) > 1:  # each front-end's pushes side by side: its reply is one slice of the call's PCM
+            order = sorted(range(len(blocks)), key=numbers.__getitem__)
+            blocks, numbers = [blocks[i] for i in order], [numbers[i] for i in order]
         front_of = np.repeat(np.asarray(numbers, np.int64), [len(b) for b in blocks])
         if len(blocks) == 1:
             return blocks[0], front_of, list(fronts)
@@ -259,11 +262,14 @@ class _EngineBatcher(_Batcher):
 
     def _deliver(self, requests, results) -> None:
         if type(requests) is _RowChunk and isinstance(results, PCMBlock):  # one call's audio: no step per push
+            # front_of is sorted (_PushBlock.joined): each front-end's pushes are one run of the call's
+            # (a gather per front-end queued for the GIL behind the reader and sender threads)
+            bounds = np.searchsorted(requests.front_of, np.arange(len(requests.fronts) + 1)).tolist()
             for k, front in enumerate(requests.fronts):
-                picked = np.flatnonzero(requests.front_of == k) if len(requests.fronts) > 1 else np.arange(len(requests))
-                if len(picked):
-                    pcm, offsets = results.rows(picked)
-                    front.send_audio(requests.reqs[picked], offsets, pcm)
+                start, stop = bounds[k], bounds[k + 1]
+                if stop > start:
+                    pcm, offsets = results.span(start, stop)
+                    front.send_audio(requests.reqs[start:stop], offsets, pcm)
             return
         if any(type(r) is _PushBlock for r in requests):  # closing: each push of a block gets the error
             pairs = [(x, result) for r, result in zip(requests, results) for x in (r if type(r) is _PushBlock else [r])]

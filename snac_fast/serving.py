@@ -551,13 +551,11 @@ class AsyncStreamBatcher(_Batcher):
 
 class PCMBlock(Sequence):
     """One engine call's host PCM, end to end: ``pcm`` 1-D (int16 or float32), request j's audio
-    ``pcm[offsets[j]:offsets[j + 1]]``. A sequence of those pieces (views); :meth:`rows` takes
-    several at once without a Python step per piece."""
+    ``pcm[offsets[j]:offsets[j + 1]]``. A sequence of those pieces (views); :meth:`span` takes
+    consecutive ones at once without a Python step per piece."""
 
     def __init__(self, pcm: np.ndarray, offsets: np.ndarray) -> None:
         self.pcm, self.offsets = pcm, offsets
-        widths = np.diff(offsets)
-        self._width = int(widths[0]) if len(widths) and (widths == widths[0]).all() else None  # every piece as long
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -571,16 +569,11 @@ class PCMBlock(Sequence):
         bounds = self.offsets.tolist()
         return (self.pcm[a:b] for a, b in zip(bounds, bounds[1:]))
 
-    def rows(self, picked: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The pieces ``picked`` (int64 indices) end to end: (pcm 1-D, offsets int64 [len(picked) + 1])."""
-        if self._width is not None:  # every piece as long (one frame each, the usual call)
-            return (self.pcm.reshape(len(self), self._width)[picked].reshape(-1),
-                    np.arange(len(picked) + 1, dtype=np.int64) * self._width)
-        sizes = np.diff(self.offsets)[picked]
-        offsets = np.zeros(len(picked) + 1, np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        pieces = [self[j] for j in picked.tolist()]
-        return (np.concatenate(pieces) if pieces else self.pcm[:0]), offsets
+    def span(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray]:
+        """Pieces ``start`` to ``stop - 1`` end to end, without a copy: (pcm 1-D, a view; offsets
+        int64 [stop - start + 1] from 0)."""
+        offsets = self.offsets[start:stop + 1]
+        return self.pcm[offsets[0]:offsets[-1]], offsets - offsets[0]
 
 
 def _streams_done(streams: list[_Stream], now: float) -> None:

@@ -21,11 +21,14 @@ from snac_fast.engine_process import (
     _EngineBatcher,
     _Front,
     _push_message,
+    _PushBlock,
     _read_audio,
+    _RowChunk,
 )
 from snac_fast.metrics import snr_db
 from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.orpheus import ORPHEUS
+from snac_fast.serving import PCMBlock
 from snac_fast.synthetic import make_checkpoint
 
 OPTIONS = {"fuse": False, "accelerate_encoder": False}
@@ -178,6 +181,33 @@ def test_engine_batcher_blocks_keep_each_streams_order_and_fail_only_bad_pushes(
         expected = decode_with_keyed_noise(upstream64("snac_24khz", True), codes[k], 20 + k)[0, 0]
         assert audio.shape == tuple(expected.shape), k
         assert np.abs(audio - expected.numpy()).max() < 1e-6, k
+
+
+def test_one_call_of_several_front_ends_replies_to_each_with_its_own_pushes():
+    """Blocks of three front-ends, queued interleaved, joined into one call: each front-end's pushes
+    side by side (its reply one slice of the call's PCM), each push's row with it, and the replies
+    carry each front-end's request numbers with their own audio."""
+    fronts = [CollectingFront() for _ in range(3)]
+    order = [0, 1, 0, 2, 1, 0]  # the front-end of each queued block
+    blocks, want = [], {}
+    for b, k in enumerate(order):
+        reqs = np.arange(3) + 10 * b + 100 * k
+        rows = np.stack([np.full(4, r) for r in reqs])  # a row tells its request
+        blocks.append(_PushBlock(fronts[k], reqs, [object() for _ in reqs], 1, rows))
+        want.update({int(r): (k, np.full(5, r, np.int16)) for r in reqs})
+    block, front_of, joined_fronts = _PushBlock.joined(blocks)
+    assert joined_fronts == fronts and front_of.tolist() == sorted(front_of.tolist())
+    assert np.array_equal(block.rows[:, 0], block.reqs)  # rows moved with their pushes
+    chunk = _RowChunk(block, front_of, joined_fronts, 0, len(block))
+    pcm = np.concatenate([want[int(r)][1] for r in chunk.reqs])  # the call's audio, in its order
+    batcher = _EngineBatcher.__new__(_EngineBatcher)
+    batcher._deliver(chunk, PCMBlock(pcm, np.arange(len(chunk) + 1, dtype=np.int64) * 5))
+    for k, front in enumerate(fronts):
+        assert len(front.items) == 1  # one reply per front-end and call
+        _, reqs, offsets, audio = front.items[0]
+        assert sorted(reqs.tolist()) == sorted(r for r, (owner, _) in want.items() if owner == k)
+        for j, r in enumerate(reqs.tolist()):
+            assert np.array_equal(audio[offsets[j]:offsets[j + 1]], want[r][1])
 
 
 @pytest.mark.gpu

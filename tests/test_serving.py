@@ -397,9 +397,9 @@ def test_int16_output_of_a_float32_engine_is_the_rounding_of_its_float32_output(
 
 
 @pytest.mark.parametrize("sizes", [[5, 5, 5, 5], [3, 0, 7, 2, 9], [2, 1, 3]])  # the last: as long as 3 of the first
-def test_pcm_block_pieces_and_rows(sizes):
-    """One engine call's PCM handed out whole: its pieces as a sequence, and any subset of them end
-    to end with their offsets (the engine process's reply to one front-end), equal widths or not."""
+def test_pcm_block_pieces_and_spans(sizes):
+    """One engine call's PCM handed out whole: its pieces as a sequence, and any run of them end to
+    end with their offsets (the engine process's reply to one front-end), as views."""
     pcm = np.random.default_rng(len(sizes)).integers(-32768, 32767, sum(sizes)).astype(np.int16)
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     block = PCMBlock(pcm, offsets)
@@ -409,7 +409,8 @@ def test_pcm_block_pieces_and_rows(sizes):
     assert np.array_equal(block[len(sizes) - 1], pieces[-1])
     with pytest.raises(IndexError):
         block[len(sizes)]
-    for picked in ([0], [len(sizes) - 1, 1], list(range(len(sizes)))[::-1], []):
-        got, got_offsets = block.rows(np.asarray(picked, np.int64))
-        assert np.array_equal(got, np.concatenate([pieces[j] for j in picked]) if picked else pcm[:0])
-        assert got_offsets.tolist() == [0, *np.cumsum([sizes[j] for j in picked]).tolist()]
+    for start, stop in [(0, 1), (1, len(sizes)), (0, len(sizes)), (2, 2)]:
+        got, got_offsets = block.span(start, stop)
+        assert np.array_equal(got, np.concatenate(pieces[start:stop]) if stop > start else pcm[:0])
+        assert got_offsets.tolist() == [0, *np.cumsum(sizes[start:stop]).tolist()]
+        assert got.base is not None and np.shares_memory(got, pcm) or got.size == 0  # a view, no copy
