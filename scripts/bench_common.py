@@ -143,7 +143,6 @@ class MachineLoad:
         if shutil.which("nvidia-smi"):
             self._smi = subprocess.Popen(["nvidia-smi", "--query-gpu=index,utilization.gpu", "--format=csv,noheader,nounits",
                                           "-lms", "200"], stdout=subprocess.PIPE, text=True)
-        self._t0 = time.perf_counter()
         return self
 
     @staticmethod
@@ -155,7 +154,6 @@ class MachineLoad:
         return fields[3] + fields[4], sum(fields)  # idle + iowait, all (in jiffies)
 
     def __exit__(self, *exc):
-        wall = time.perf_counter() - self._t0
         self.cores = None
         end = self._cpu_times()
         if self._cpu and end:
@@ -173,7 +171,6 @@ class MachineLoad:
                     continue
                 samples.setdefault(index, []).append(busy / 100)
             self.gpu_busy = {k: statistics.fmean(v) for k, v in samples.items()}
-        self.wall = wall
 
     def summary(self) -> dict:
         return {"host_cores_busy": self.cores, "gpu_busy": self.gpu_busy}

@@ -7,8 +7,10 @@ own batched encode of the same audio.
 Per workload every mode is built afresh (the compile peer: reduce-overhead, fp16 autocast,
 ``dynamic=False``, compiled for that one shape) and the modes are timed in interleaved rounds over
 rotated inputs: per call = wall clock with a synchronize, GPU = CUDA events around the call. The
-corpus: speech-like clips of 2-12 s written as 16 kHz WAV files (read, resampled, batched by the
-pipeline); "own batched encode" encodes the same clips already resampled, in the same batches.
+corpus: speech-like clips of 2-12 s written as 16 kHz WAV files (200 distinct clips, the other
+files hard links to them; every file is read, resampled, batched by the pipeline); "own batched
+encode" encodes the same clips already resampled, in the same batches. Each corpus run also
+records the GPUs' busy fraction (nvidia-smi) and the host's busy cores.
 """
 
 from __future__ import annotations

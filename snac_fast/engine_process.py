@@ -262,8 +262,8 @@ class _EngineBatcher(_Batcher):
 
     def _deliver(self, requests, results) -> None:
         if type(requests) is _RowChunk and isinstance(results, PCMBlock):  # one call's audio: no step per push
-            # front_of is sorted (_PushBlock.joined): each front-end's pushes are one run of the call's
-            # (a gather per front-end queued for the GIL behind the reader and sender threads)
+            # front_of is sorted (_PushBlock.joined): each front-end's pushes are one run of the call's,
+            # its reply a view (a gather per front-end queued for the GIL: docs/serving.md)
             bounds = np.searchsorted(requests.front_of, np.arange(len(requests.fronts) + 1)).tolist()
             for k, front in enumerate(requests.fronts):
                 start, stop = bounds[k], bounds[k + 1]
