@@ -145,7 +145,7 @@ def steady_rate(shards: list[dict]) -> float | None:
 
 
 def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int], actors_per_gpu: list[int],
-                 actor_cpus: list[float], local_runs: int = 2, launchers: list[int] = ()) -> dict:
+                 actor_cpus: list[float], local_runs: int = 2) -> dict:
     """Hours of audio per minute: the local dataset engine vs the codec's own encode of the same
     clips (resampled already) in the same shards and batches; then the Ray engine on 1..n GPUs."""
     codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16, source=f"synthetic:{name}")
@@ -185,17 +185,6 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
                   "pipeline_load": summary["load"], "own_load": own_load.summary()}
         result["pipeline_vs_own"] = result["pipeline_hours_per_minute"] / result["own_hours_per_minute"]
         print("corpus:", {k: round(v, 3) if isinstance(v, float) else v for k, v in result.items()}, flush=True)
-        result["launchers"] = {}
-        for count in (n for n in launchers if n > 1):  # helpers spawned, each loading the model: start-up in the wall
-            with MachineLoad() as load:
-                run_n = datasets.encode_dataset(folder, Path(tmp) / f"launchers{count}", model=f"synthetic:{name}",
-                                                device="cuda", dtype="float16", launchers=count, **run)
-            result["launchers"][count] = {
-                "wall_s": run_n["wall_seconds"], "hours_per_minute": hours / run_n["wall_seconds"] * 60,
-                "steady_hours_per_minute": steady_rate(run_n["per_shard"]),
-                "vs_own": hours / run_n["wall_seconds"] * 60 / result["own_hours_per_minute"],
-                "shards_equal_local": same_shards(Path(tmp) / f"launchers{count}", Path(tmp) / "out0"), "load": load.summary()}
-            print(f"launchers {count}:", result["launchers"][count], flush=True)
         del codec, clips, shards
         torch.cuda.empty_cache()
         result["ray"] = {}
@@ -254,7 +243,6 @@ def main() -> None:
     ap.add_argument("--ray-actor-cpus", default=None,
                     help="the Ray runs with these CPUs reserved per GPU actor, e.g. 0,2 (default: the engine's)")
     ap.add_argument("--local-runs", type=int, default=2, help="timed runs of the local engine, the faster kept")
-    ap.add_argument("--launchers", default="", help="also run the local engine with these launching processes, e.g. 2,3")
     args = ap.parse_args()
     loads = [] if args.no_workloads else [(10.0, 1), (10.0, 32), (60.0, 1)]
     results = {f"{s:g} s B={b}": bench_workload(args.model, s, b, args.rounds) for s, b in loads}
@@ -265,8 +253,7 @@ def main() -> None:
     actor_cpus = ([float(c) for c in args.ray_actor_cpus.split(",")] if args.ray_actor_cpus
                   else [ray_engine.CPUS_PER_GPU_ACTOR])
     corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds, ray_gpus, per_gpu,
-                                                      actor_cpus, args.local_runs,
-                                                      [int(n) for n in args.launchers.split(",") if n])
+                                                      actor_cpus, args.local_runs)
     env = environment()
     rows = []
     for label, by_mode in results.items():
@@ -295,11 +282,6 @@ def main() -> None:
                f"in the same batches: {corpus['own_hours_per_minute']:.1f} h/min; pipeline / own = "
                f"{corpus['pipeline_vs_own']:.2f}. GPU busy (nvidia-smi) / host cores busy: pipeline "
                f"{_load_text(corpus['pipeline_load'])}, own encode {_load_text(corpus['own_load'])}.\n")
-        for count, r in corpus["launchers"].items():
-            md += (f"\nLocal engine, {count} launching processes (`launchers={count}`, the helpers' start-up in the "
-                   f"wall): {r['hours_per_minute']:.1f} h/min ({r['wall_s']:.1f} s; "
-                   f"{r['steady_hours_per_minute'] or 0:.1f} h/min steady), {r['vs_own']:.2f} of the own encode; GPU busy / "
-                   f"host cores {_load_text(r['load'])}; shards equal the one-process run's: {r['shards_equal_local']}.\n")
         if corpus["ray"]:
             local = corpus["pipeline_steady_hours_per_minute"]
 

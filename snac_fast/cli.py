@@ -107,9 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="local: this process; ray: Ray Data, three actors per GPU (pip install 'snac-fast[ray]')")
     p.add_argument("--address", help="with --engine ray: join this Ray cluster (default: start a local one)")
-    p.add_argument("--launchers", type=int, default=1,
-                   help="local engine: processes launching encodes on the device, each loading the model "
-                        "(default 1; more keep a GPU busier on long corpora)")
 
     p = sub.add_parser("decode-dataset", help="Parquet code shards -> audio files or Parquet",
                        epilog=EPILOG, formatter_class=fmt,
@@ -353,15 +350,13 @@ def cmd_encode_dataset(args: argparse.Namespace) -> None:
 
     if args.files_per_shard < 1 or (args.loaders or 1) < 1 or args.batch_seconds <= 0 or args.pad_seconds < 0:
         raise UsageError("--files-per-shard and --loaders must be >= 1, --batch-seconds > 0, --pad-seconds >= 0")
-    if args.launchers < 1 or (args.launchers > 1 and args.engine != "local"):
-        raise UsageError("--launchers must be >= 1, and more than 1 only with --engine local")
     suffixes = [s if s.startswith(".") else "." + s for s in args.suffixes.split(",") if s] if args.suffixes else None
     # the inputs are listed (and refused) before the model loads: here, or in each Ray actor
     summary = encode_dataset(args.src, args.out, model=args.model, device=args.device, dtype=args.dtype,
                              model_options={"local_files_only": args.local_files_only}, engine=args.engine,
                              address=args.address, files_per_shard=args.files_per_shard,
                              batch_seconds=args.batch_seconds, pad_seconds=args.pad_seconds, suffixes=suffixes,
-                             loaders=args.loaders, launchers=args.launchers)
+                             loaders=args.loaders)
     print(f"{args.out}: {summary['files']} files in {summary['shards']} shards ({summary['shards_skipped']} already done), "
           f"{summary['audio_seconds'] / 3600:.3f} h of audio, {summary['errors']} errors, {summary['wall_seconds']:.1f} s")
 

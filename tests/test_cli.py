@@ -107,7 +107,6 @@ def test_dataset_commands_round_trip(tmp_path):
     assert "1 written" in proc.stdout and soundfile.info(str(tmp_path / "audio" / "one.wav")).samplerate == 24000
     assert_usage_error(cli("encode-dataset", tmp_path / "nowhere", tmp_path / "x", "--device", "cpu"), "does not exist")
     assert_usage_error(cli("encode-dataset", corpus, tmp_path / "x", "--files-per-shard", "0"), "--files-per-shard")
-    assert_usage_error(cli("encode-dataset", corpus, tmp_path / "x", "--launchers", "2", "--engine", "ray"), "--launchers")
 
 
 def test_a_model_flag_that_disagrees_with_the_file_is_refused_unless_forced(tmp_path):

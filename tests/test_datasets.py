@@ -5,9 +5,6 @@ import json
 import math
 import os
 import sys
-import time
-import warnings
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -224,87 +221,6 @@ def test_ray_engine_writes_the_same_shards(corpus, tmp_path, monkeypatch):
     assert ds.encode_dataset(corpus, tmp_path / "ray", engine="ray", **common)["shards_skipped"] == 3  # resumable
     with pytest.raises(ValueError, match="not a codec"):
         ds.encode_dataset(corpus, tmp_path / "x", engine="ray", codec=object())
-
-
-def helper_launch_settings(tmp_path):
-    model = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))
-    return dict(model=model, device="cpu", model_options={"accelerate_encoder": False, "fuse": False},
-                files_per_shard=1, pad_seconds=0.5, progress=False)
-
-
-def test_a_helper_launcher_claims_shards_and_reports_them(corpus, tmp_path):
-    """What a spawned helper runs, here in this process: it loads the model (and says so in its
-    flag), encodes the shards it claims from the shared counter (the last three here), reports
-    each and its end."""
-    import queue
-
-    common = helper_launch_settings(tmp_path)
-    one = ds.encode_dataset(corpus, tmp_path / "one", **common)
-    shards = [[item] for item in ds.list_inputs(corpus)]
-    load = {"model": common["model"], "device": "cpu", "dtype": None, **common["model_options"]}
-    settings = {"out": str(tmp_path / "two"), "pad_seconds": 0.5, "batch_seconds": 300.0}
-    (tmp_path / "two").mkdir()
-    claims, reports = ds.encode._Claims(len(shards)), queue.Queue()
-    claims.next = 4  # positions 0-3 went to other processes
-    loading = [1, 1]
-    ds.encode._launch_helper(1, shards, list(range(len(shards))), claims, reports, loading, load, settings, 1)
-    got = [reports.get_nowait() for _ in range(reports.qsize())]
-    assert loading == [1, 0] and got[-1] == ("end", 1, None)
-    assert [kind for kind, _, _ in got[:-1]] == ["shard"] * 3
-    assert sorted(summary["shard"] for _, _, summary in got[:-1]) == [4, 5, 6]
-    mine = {name: row for name, row in rows_of(tmp_path / "two").items()}
-    assert mine and all(row == rows_of(tmp_path / "one")[name] for name, row in mine.items()) and len(mine) == 3
-    assert len(one["per_shard"]) == 7
-
-
-def test_helper_launchers_write_what_one_process_writes(corpus, tmp_path, monkeypatch):
-    """launchers=2: a spawned helper joins once it has loaded the model (this process's launches
-    are slowed so that it may claim some): every shard reported once, the shards one process's."""
-    common = helper_launch_settings(tmp_path)
-    one = ds.encode_dataset(corpus, tmp_path / "one", **common)
-    real = ds.encode.launch_batches
-
-    def slow(*args, **kwargs):
-        time.sleep(0.5)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ds.encode, "launch_batches", slow)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # a helper that failed: the main process would warn
-        two = ds.encode_dataset(corpus, tmp_path / "two", launchers=2, **common)
-    assert sorted(d["shard"] for d in two["per_shard"]) == list(range(7)) and two["errors"] == one["errors"]
-    assert rows_of(tmp_path / "two") == rows_of(tmp_path / "one")
-    with pytest.raises(ValueError, match="launchers > 1"):
-        ds.encode_dataset(corpus, tmp_path / "x", FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu"),
-                          launchers=2)
-
-
-def _claims_two_and_dies(who, shards, todo, claims, reports, loading, load, settings, loaders):
-    """A helper launcher (spawned) that claims two shards and dies before encoding them."""
-    loading[who] = 0
-    claims(), claims()
-    (Path(settings["out"]).parent / "claimed").touch()
-    os._exit(3)
-
-
-def test_the_shards_of_a_helper_that_dies_are_encoded_by_the_main_process(corpus, tmp_path, monkeypatch):
-    common = helper_launch_settings(tmp_path)
-    one = ds.encode_dataset(corpus, tmp_path / "one", **common)
-    monkeypatch.setattr(ds.encode, "_launch_helper", _claims_two_and_dies)
-    real = ds.encode.launch_batches
-
-    def once_the_helper_claimed(*args, **kwargs):
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "claimed").exists():
-            assert time.monotonic() < deadline, "the helper never claimed"
-            time.sleep(0.05)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(ds.encode, "launch_batches", once_the_helper_claimed)
-    with pytest.warns(RuntimeWarning, match="2 shard.*main process instead.*without reporting"):
-        two = ds.encode_dataset(corpus, tmp_path / "two", launchers=2, **common)
-    assert sorted(d["shard"] for d in two["per_shard"]) == list(range(7))
-    assert rows_of(tmp_path / "two") == rows_of(tmp_path / "one") and len(one["per_shard"]) == 7
 
 
 def test_gpu_actors_reserve_cpus_but_at_most_half_the_cluster():
