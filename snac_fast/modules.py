@@ -138,6 +138,7 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
     """A residual unit (Snake -> dilated depthwise conv7 -> Snake -> 1x1 conv, plus x) in two
     kernels: depthwise conv + bias + snake; 1x1 conv + bias + residual add, whose epilogue also
     writes the next unit's input snake (or applies the next layer's snake) once surgery set that up.
+    On Hopper, fp16 units of up to 64 channels run as one Gluon kernel instead (ops/residual_unit).
     The unit's own first snake is then computed by the layer before it; called on a plain tensor,
     the unit runs it itself (a third kernel).
 
@@ -171,6 +172,7 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
         unit's output overwrites it (no new activation buffers)."""
         from snac_fast.ops.depthwise import depthwise_conv_snake
         from snac_fast.ops.pointwise import pointwise_conv, pointwise_conv_pair
+        from snac_fast.ops.residual_unit import residual_unit, unit_applies
 
         snake1, dw, snake2, pw = self.block
         if isinstance(x, tuple):
@@ -180,6 +182,15 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
         else:
             s = snake(x, snake1.alpha) if isinstance(snake1, _Absorbed) else snake1(x)
             out = snake_out = None
+        if (unit_applies(x, dw.in_channels) and not torch.compiler.is_compiling()
+                and x.is_contiguous() and s.is_contiguous()):
+            # one kernel; its output may go over x but never over s (other tiles read s's halo)
+            unit = (x, s, dw.weight, dw.bias, dw.dilation[0], snake2.alpha, pw.weight, pw.bias)
+            if self._snake_pair is not None:
+                return residual_unit(*unit, pair_alpha=self._snake_pair.alpha, out=out)
+            if self.channels_last_out:
+                return residual_unit(*unit, alpha_out=self.alpha_out, channels_last=True)
+            return residual_unit(*unit, alpha_out=self.alpha_out, out=out)
         h = depthwise_conv_snake(s, dw.weight, dw.bias, dw.dilation[0], snake2.alpha)
         if self._snake_pair is not None:
             return pointwise_conv_pair(h, pw.weight, pw.bias, residual=x, alpha=self._snake_pair.alpha,

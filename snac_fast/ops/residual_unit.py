@@ -1,0 +1,264 @@
+"""A whole residual unit in one Gluon kernel on Hopper, beside its torch reference.
+
+The unit ``y = x + W @ snake(dwconv7(snake(x)) + b_dw, alpha2) + b_pw`` runs elsewhere as two
+Triton kernels (``ops/depthwise``: the depthwise conv and its snake; ``ops/pointwise``: the 1x1
+GEMM, residual add and the next unit's input snake), and the depthwise output h makes a round trip
+through memory between them: 6 passes over the unit's activation (read s; write h; read h and x;
+write y and snake(y)). Here one program keeps a tile of h on chip: it computes the depthwise conv of
+its [C, BT] tile from the input snake s (aligned 16-byte chunks around runs of 8 outputs, taps
+chosen among registers, as ``ops/depthwise`` does), stores h in shared memory in the wgmma layout,
+multiplies on the tensor cores (``out^T = h^T @ W^T``, M = BT steps, N = K = C), and writes the
+epilogue: 4 passes. Written in Gluon (``triton.experimental.gluon``) because the one-kernel unit in
+plain Triton measured slower than the two kernels (docs/kernels.md): Gluon places h in the wgmma
+operand layout explicitly and issues the MMA itself.
+
+The kernel reads s at other tiles' positions (the conv's halo), so ``snake_out`` must not alias s;
+``out`` may alias x (each program reads x only where it writes y).
+
+The kernel takes up to 128 channels (padded to a power of two in registers, masked in memory); the
+decoder and encoder call it (:func:`unit_applies`) for fp16 on sm_90 at up to 64 channels, where it
+measured faster at every dilation (24 kHz block 4, the 24 kHz encoder's first block); everything
+else keeps the two kernels. ``SNAC_FAST_GLUON=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import Tensor
+
+from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET
+from snac_fast.ops.depthwise import depthwise_conv_snake_reference
+from snac_fast.ops.pointwise import pointwise_conv_reference
+from snac_fast.ops.snake import snake_reference
+
+MAX_CHANNELS = 128  # h, W and the accumulator of a 64-step tile fit one SM's registers up to here
+# Where the decoder takes it: at 96 and 128 channels the kernel measured 0.84-1.09x the two kernels
+# (slower at dilations 3 and 9: 5 and 9 chunk loads a run), at 48-64 channels 1.00-1.36x (H100,
+# 2026-11-26, benchmarks/logs/gluon_unit_ab_h100.log)
+APPLIES_UP_TO = 64
+KERNEL_SIZE = 7
+
+HAS_GLUON = False
+if HAS_TRITON:
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (
+            fence_async_shared,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+
+        HAS_GLUON = True
+    except ImportError:  # pragma: no cover - Triton before Gluon (3.5)
+        pass
+
+if HAS_GLUON:
+    # the fast sine of ops/snake.py (same constants; see its docstring for the error bound)
+    _INV_PI = gl.constexpr(0.3183098861837907)
+    _PI_A = gl.constexpr(3.140625)
+    _PI_B = gl.constexpr(0.0009675025939941406)
+    _PI_C = gl.constexpr(1.5099580252808664e-07)
+    _S1 = gl.constexpr(-0.16666647791862488)
+    _S2 = gl.constexpr(0.008332899771630764)
+    _S3 = gl.constexpr(-0.00019800900190602988)
+    _S4 = gl.constexpr(2.590491931186989e-06)
+
+    @gluon.jit
+    def _snake(v, alpha):
+        y = alpha * v
+        k = gl.floor(y * _INV_PI + 0.5)
+        r = y - k * _PI_A
+        r = r - k * _PI_B
+        r = r - k * _PI_C
+        u = r * r
+        p = _S3 + u * _S4
+        p = _S2 + u * p
+        p = _S1 + u * p
+        s = r + (r * u) * p
+        return v + (1.0 / (alpha + 1e-9)) * (s * s)
+
+    @gluon.jit
+    def _lanes(v):
+        """v [R, N, 8] (the last axis inside one thread) -> its 8 slices [R, N]: register renaming."""
+        R: gl.constexpr = v.shape[0]
+        N: gl.constexpr = v.shape[1]
+        even, odd = gl.split(gl.reshape(v, (R, N, 4, 2)))
+        e04, e26 = gl.split(gl.reshape(even, (R, N, 2, 2)))
+        e15, e37 = gl.split(gl.reshape(odd, (R, N, 2, 2)))
+        e0, e4 = gl.split(e04)
+        e2, e6 = gl.split(e26)
+        e1, e5 = gl.split(e15)
+        e3, e7 = gl.split(e37)
+        return e0, e1, e2, e3, e4, e5, e6, e7
+
+    @gluon.jit
+    def _window(lanes, START: gl.constexpr):
+        """lanes[START : START + 8] stacked back into [R, N, 8]."""
+        R: gl.constexpr = lanes[0].shape[0]
+        N: gl.constexpr = lanes[0].shape[1]
+        e04 = gl.join(lanes[START], lanes[START + 4])
+        e26 = gl.join(lanes[START + 2], lanes[START + 6])
+        e15 = gl.join(lanes[START + 1], lanes[START + 5])
+        e37 = gl.join(lanes[START + 3], lanes[START + 7])
+        even = gl.reshape(gl.join(e04, e26), (R, N, 4))
+        odd = gl.reshape(gl.join(e15, e37), (R, N, 4))
+        return gl.reshape(gl.join(even, odd), (R, N, 8))
+
+    @gluon.jit
+    def _residual_unit_kernel(
+        x_ptr, s_ptr, w_ptr, dw_w_ptr, dw_b_ptr, alpha2_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr,
+        T, C, out_stride_b, out_stride_c, out_stride_t,
+        C_P: gl.constexpr, DILATION: gl.constexpr, BT: gl.constexpr, WARPS_M: gl.constexpr,
+        PAIR: gl.constexpr, SNAKE_OUT: gl.constexpr, CHANNELS_LAST: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """One [C, BT] tile of batch row program_id(1). x, s: [B, C, T] contiguous; w: [C, C];
+        dw_w: [C, 7]; per-channel vectors [C]. Writes out (strided) = y, or snake(y, alpha_out) if
+        SNAKE_OUT; PAIR also writes snake_out = snake(y, alpha_out) ([B, C, T] contiguous)."""
+        b = gl.program_id(1)
+        t0 = gl.program_id(0) * BT
+        NR: gl.constexpr = BT // 8
+        CH: gl.constexpr = (3 * DILATION + 7) // 8  # halo chunks on each side of a run
+
+        # depthwise conv + bias + snake: [C_P, NR, 8], each thread runs of 8 outputs
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // NR, NR, 1], [num_warps, 1, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.SliceLayout(0, L3)
+        c = gl.arange(0, C_P, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        r = gl.arange(0, NR, layout=gl.SliceLayout(1, L2))
+        e = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
+        c_ok = c < C
+        row = (b * C + c).to(gl.int64) * T
+        pos = t0 + r[:, None] * 8 + e[None, :]
+        base = s_ptr + row[:, None, None]
+        lanes = ()
+        for q in gl.static_range(-CH, 1 + CH):  # whole chunks are in [0, T) or out (zero padding)
+            src = pos + q * 8
+            m = c_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :]
+            lanes = lanes + _lanes(gl.load(base + src[None, :, :], mask=m, other=0.0).to(gl.float32))
+        acc3 = gl.zeros([C_P, NR, 8], gl.float32, L3)
+        for k in gl.static_range(7):
+            wk = gl.load(dw_w_ptr + c * 7 + k, mask=c_ok, other=0.0).to(gl.float32)
+            tap = gl.convert_layout(_window(lanes, (k - 3) * DILATION + 8 * CH), L3, assert_trivial=True)
+            acc3 += wk[:, None, None] * tap
+        acc3 += gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
+        alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
+        h = gl.reshape(_snake(acc3, alpha2).to(gl.float16), (C_P, BT))
+
+        # 1x1 conv on the tensor cores: out^T [BT, C] = h^T [BT, C] @ W^T [C, C], both from shared memory
+        smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        h_smem = gl.allocate_shared_memory(gl.float16, [C_P, BT], smem_l)
+        h_smem.store(h)
+        LW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        wo = gl.arange(0, C_P, layout=gl.SliceLayout(1, LW))
+        wi = gl.arange(0, C_P, layout=gl.SliceLayout(0, LW))
+        w = gl.load(w_ptr + wo[:, None] * C + wi[None, :], mask=(wo < C)[:, None] & (wi < C)[None, :], other=0.0)
+        w_smem = gl.allocate_shared_memory(gl.float16, [C_P, C_P], smem_l)
+        w_smem.store(w.to(gl.float16))
+        fence_async_shared()
+        WARPS_N: gl.constexpr = num_warps // WARPS_M
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+                                                        instr_shape=[16, C_P // WARPS_N, 16])
+        acc = gl.zeros([BT, C_P], gl.float32, mma_l)
+        acc = warpgroup_mma(h_smem.permute((1, 0)), w_smem.permute((1, 0)), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+
+        # epilogue: bias, residual and snake in 16-byte runs along T (x is channels-first); a
+        # channels-last output is converted to runs along C for its store
+        EL: gl.constexpr = gl.BlockedLayout([8, 1], [BT // 8, 256 // BT], [1, num_warps], [0, 1])
+        y = gl.convert_layout(acc, EL)
+        t = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, EL))
+        o = gl.arange(0, C_P, layout=gl.SliceLayout(0, EL))
+        o_ok = o < C
+        m2 = (t < T)[:, None] & o_ok[None, :]
+        y += gl.load(pw_b_ptr + o, mask=o_ok, other=0.0).to(gl.float32)[None, :]
+        xo = (b * C + o).to(gl.int64) * T
+        y += gl.load(x_ptr + xo[None, :] + t[:, None], mask=m2, other=0.0).to(gl.float32)
+        if PAIR or SNAKE_OUT:
+            alpha_out = gl.load(alpha_out_ptr + o, mask=o_ok, other=1.0).to(gl.float32)[None, :]
+            ys = _snake(y, alpha_out)
+        if SNAKE_OUT:
+            result = ys.to(gl.float16)
+        else:
+            result = y.to(gl.float16)
+        if CHANNELS_LAST:
+            CL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+            result = gl.convert_layout(result, CL)
+            tc = t0 + gl.arange(0, BT, layout=gl.SliceLayout(1, CL))
+            oc = gl.arange(0, C_P, layout=gl.SliceLayout(0, CL))
+            mc = (tc < T)[:, None] & (oc < C)[None, :]
+        else:
+            tc, oc, mc = t, o, m2
+        dst = (out_ptr + b.to(gl.int64) * out_stride_b + oc[None, :].to(gl.int64) * out_stride_c
+               + tc[:, None].to(gl.int64) * out_stride_t)
+        gl.store(dst, result, mask=mc)
+        if PAIR:
+            gl.store(snake_out_ptr + xo[None, :] + t[:, None], ys.to(gl.float16), mask=m2)
+
+
+def residual_unit_reference(x: Tensor, s: Tensor, dw_weight: Tensor, dw_bias: Tensor | None, dilation: int,
+                            alpha2: Tensor, pw_weight: Tensor, pw_bias: Tensor | None,
+                            alpha_out: Tensor | None = None) -> Tensor:
+    """y = x + pw(snake(dw(s) + b_dw, alpha2)) + b_pw in float32 (float64 for float64 input), h
+    rounded to x's dtype between the convs as the kernels do; snake(y, alpha_out) if given.
+    x, s: [B, C, T]; dw_weight [C, 1, 7]; pw_weight [C, C, 1]. Returns float32/float64."""
+    h = depthwise_conv_snake_reference(s, dw_weight, dw_bias, dilation, alpha2)
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    y = pointwise_conv_reference(h.to(compute), pw_weight.to(compute), pw_bias, residual=x.to(compute))
+    return y if alpha_out is None else snake_reference(y, alpha_out)
+
+
+def unit_tiling(channels: int) -> tuple[int, int, int, int]:
+    """(C_P, BT, num_warps, WARPS_M) for a unit of ``channels``: channels padded to a power of two,
+    64-step tiles on 8 warps (wgmma's M of 64 on 4 of them, N split over 2), so each thread holds
+    C_P * BT / 8 / 256 <= 4 runs of 8 outputs (at 128 channels, 128-step tiles spilled at dilation 9:
+    H100, 2026-11-26, docs/kernels.md)."""
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise ValueError(f"the one-kernel unit takes 1..{MAX_CHANNELS} channels, got {channels}")
+    c_p = max(64, 1 << (channels - 1).bit_length())  # 64: the smallest 128-byte-swizzled W tile
+    return c_p, 64, 8, 4
+
+
+def unit_applies(x: Tensor, channels: int) -> bool:
+    """Whether :func:`residual_unit` runs the Gluon kernel for x ([B, C, T]); else callers keep
+    the two kernels."""
+    return (HAS_GLUON and not TRITON_INTERPRET and x.is_cuda and x.dtype == torch.float16
+            and channels <= APPLIES_UP_TO and os.environ.get("SNAC_FAST_GLUON", "1") != "0"
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+def residual_unit(x: Tensor, s: Tensor, dw_weight: Tensor, dw_bias: Tensor, dilation: int, alpha2: Tensor,
+                  pw_weight: Tensor, pw_bias: Tensor, *, pair_alpha: Tensor | None = None,
+                  alpha_out: Tensor | None = None, out: Tensor | None = None,
+                  channels_last: bool = False) -> Tensor | tuple[Tensor, Tensor]:
+    """The unit in one kernel (see the module docstring); x and s: [B, C, T] fp16 contiguous, s = the
+    unit's input snake of x. ``pair_alpha``: return (y, snake(y, pair_alpha)) (the next unit's input
+    pair); ``alpha_out``: return snake(y, alpha_out) alone; neither: y. ``out``: y's destination
+    ([B, C, T] contiguous; may be x), or with ``channels_last`` a [B, T, C]-contiguous one seen as
+    [B, C, T]. Call only where :func:`unit_applies`."""
+    B, C, T = x.shape
+    if s.shape != x.shape or not (x.is_contiguous() and s.is_contiguous()):
+        raise ValueError(f"x and s must be contiguous [B, C, T] of one shape, got {tuple(x.shape)}, {tuple(s.shape)}")
+    if dw_weight.shape != (C, 1, KERNEL_SIZE) or pw_weight.shape[:2] != (C, C):
+        raise ValueError(f"unit weights must be [{C}, 1, 7] and [{C}, {C}, 1], got "
+                         f"{tuple(dw_weight.shape)}, {tuple(pw_weight.shape)}")
+    if dw_bias is None or pw_bias is None:
+        raise ValueError("the one-kernel unit needs both convs' biases")
+    if pair_alpha is not None and alpha_out is not None:
+        raise ValueError("pair_alpha and alpha_out are exclusive")
+    if out is None:
+        out = (torch.empty((B, T, C), dtype=x.dtype, device=x.device).transpose(1, 2) if channels_last
+               else torch.empty_like(x))
+    snake_out = torch.empty_like(x) if pair_alpha is not None else out  # never s: other tiles read its halo
+    if x.numel():
+        c_p, bt, warps, warps_m = unit_tiling(C)
+        per_channel = lambda v: v.reshape(-1)  # noqa: E731
+        alpha = pair_alpha if pair_alpha is not None else alpha_out
+        _residual_unit_kernel[(-(-T // bt), B)](
+            x, s, pw_weight.reshape(C, C), dw_weight.reshape(C, KERNEL_SIZE), per_channel(dw_bias),
+            per_channel(alpha2), per_channel(pw_bias), per_channel(alpha if alpha is not None else alpha2),
+            out, snake_out, T, C, out.stride(0), out.stride(1), out.stride(2),
+            C_P=c_p, DILATION=dilation, BT=bt, WARPS_M=warps_m, PAIR=pair_alpha is not None,
+            SNAKE_OUT=alpha_out is not None, CHANNELS_LAST=channels_last, num_warps=warps)
+    return (out, snake_out) if pair_alpha is not None else out
