@@ -73,34 +73,6 @@ def unit_kernels() -> None:
                   flush=True)
 
 
-def pass_variants() -> None:
-    """Part 4 (--variants): what each pass costs. The one kernel with its pair out (4 passes), with y
-    alone out (3), and reading x alone with the unit's input snake computed as chunks load (recomputed
-    on the halo chunks: 3 / 5 / 9 times at dilation 1 / 3 / 9), y alone (2) or the pair (3) out."""
-    gen = torch.Generator().manual_seed(0)
-    for B, C, T in [(1, 64, 1439744), (32, 64, 8192), (1, 128, 719872), (1, 96, 1440000)]:
-        for dil in (1, 3, 9):
-            x = (torch.randn(B, C, T, generator=gen) * 0.5).half().cuda()
-            a1 = torch.rand(C, device="cuda") + 0.5
-            s = snake_reference(x.float(), a1).half()
-            dw_w = (torch.randn(C, 1, 7, generator=gen) * 0.3).half().cuda()
-            pw_w = (torch.randn(C, C, 1, generator=gen) / C**0.5).half().cuda()
-            b, a = (torch.randn(C, generator=gen) * 0.1).half().cuda(), torch.rand(C, device="cuda") + 0.5
-            out = torch.empty_like(x)
-            t = {
-                "two kernels, pair (6 passes)": graph_us(lambda: pointwise_conv_pair(
-                    depthwise_conv_snake(s, dw_w, b, dil, a), pw_w, b, residual=x, alpha=a, out=out)),
-                "one, pair (4)": graph_us(lambda: residual_unit(x, s, dw_w, b, dil, a, pw_w, b, pair_alpha=a, out=out)),
-                "one, y (3)": graph_us(lambda: residual_unit(x, s, dw_w, b, dil, a, pw_w, b, out=out)),
-                "one, snake in, y (2)": graph_us(lambda: residual_unit(x, None, dw_w, b, dil, a, pw_w, b, alpha1=a1, out=out)),
-                "one, snake in, pair (3)": graph_us(lambda: residual_unit(x, None, dw_w, b, dil, a, pw_w, b, alpha1=a1,
-                                                                           pair_alpha=a, out=out)),
-            }
-            base = t["two kernels, pair (6 passes)"]
-            print(f"  B={B} C={C} T={T} d={dil}: " + " | ".join(f"{k} {v:.1f} us {base / v:.2f}x" for k, v in t.items()),
-                  flush=True)
-
-
 def whole_decodes(name, rounds, gen) -> dict:
     codecs = {m: Mode(FastSNAC(synthetic_model(name), device="cuda"), flag) for m, flag in MODES.items()}
     work = {label: codes_for(codecs["two kernels"].codec, b, f, gen)
@@ -155,12 +127,9 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["snac_24khz", "snac_32khz", "snac_44khz"])
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--skip-units", action="store_true")
-    parser.add_argument("--variants", action="store_true", help="only part 4, the passes' costs")
     args = parser.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, float16, synthetic weights", flush=True)
-    if args.variants:
-        return pass_variants()
     if not args.skip_units:
         unit_kernels()
     for name in args.models:

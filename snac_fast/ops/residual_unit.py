@@ -109,17 +109,14 @@ if HAS_GLUON:
 
     @gluon.jit
     def _residual_unit_kernel(
-        x_ptr, s_ptr, w_ptr, dw_w_ptr, dw_b_ptr, alpha1_ptr, alpha2_ptr, pw_b_ptr, alpha_out_ptr, out_ptr,
-        snake_out_ptr, T, C, out_stride_b, out_stride_c, out_stride_t,
+        x_ptr, s_ptr, w_ptr, dw_w_ptr, dw_b_ptr, alpha2_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr,
+        T, C, out_stride_b, out_stride_c, out_stride_t,
         C_P: gl.constexpr, DILATION: gl.constexpr, BT: gl.constexpr, WARPS_M: gl.constexpr,
-        PAIR: gl.constexpr, SNAKE_OUT: gl.constexpr, CHANNELS_LAST: gl.constexpr, SNAKE_IN: gl.constexpr,
-        num_warps: gl.constexpr,
+        PAIR: gl.constexpr, SNAKE_OUT: gl.constexpr, CHANNELS_LAST: gl.constexpr, num_warps: gl.constexpr,
     ):
         """One [C, BT] tile of batch row program_id(1). x, s: [B, C, T] contiguous; w: [C, C];
         dw_w: [C, 7]; per-channel vectors [C]. Writes out (strided) = y, or snake(y, alpha_out) if
-        SNAKE_OUT; PAIR also writes snake_out = snake(y, alpha_out) ([B, C, T] contiguous). SNAKE_IN:
-        s is x and the unit's input snake (alpha1) is applied to each loaded chunk (recomputed on the
-        halo chunks), so the layer before need not write it."""
+        SNAKE_OUT; PAIR also writes snake_out = snake(y, alpha_out) ([B, C, T] contiguous)."""
         b = gl.program_id(1)
         t0 = gl.program_id(0) * BT
         NR: gl.constexpr = BT // 8
@@ -135,16 +132,11 @@ if HAS_GLUON:
         row = (b * C + c).to(gl.int64) * T
         pos = t0 + r[:, None] * 8 + e[None, :]
         base = s_ptr + row[:, None, None]
-        if SNAKE_IN:
-            alpha1 = gl.load(alpha1_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
         lanes = ()
         for q in gl.static_range(-CH, 1 + CH):  # whole chunks are in [0, T) or out (zero padding)
             src = pos + q * 8
             m = c_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :]
-            chunk = gl.load(base + src[None, :, :], mask=m, other=0.0).to(gl.float32)
-            if SNAKE_IN:
-                chunk = _snake(chunk, alpha1)  # snake(0) = 0 keeps the padding
-            lanes = lanes + _lanes(chunk)
+            lanes = lanes + _lanes(gl.load(base + src[None, :, :], mask=m, other=0.0).to(gl.float32))
         acc3 = gl.zeros([C_P, NR, 8], gl.float32, L3)
         for k in gl.static_range(7):
             wk = gl.load(dw_w_ptr + c * 7 + k, mask=c_ok, other=0.0).to(gl.float32)
@@ -237,8 +229,7 @@ def unit_applies(x: Tensor, channels: int) -> bool:
 
 
 def residual_unit(x: Tensor, s: Tensor, dw_weight: Tensor, dw_bias: Tensor, dilation: int, alpha2: Tensor,
-                  pw_weight: Tensor, pw_bias: Tensor, *, alpha1: Tensor | None = None,
-                  pair_alpha: Tensor | None = None,
+                  pw_weight: Tensor, pw_bias: Tensor, *, pair_alpha: Tensor | None = None,
                   alpha_out: Tensor | None = None, out: Tensor | None = None,
                   channels_last: bool = False) -> Tensor | tuple[Tensor, Tensor]:
     """The unit in one kernel (see the module docstring); x and s: [B, C, T] fp16 contiguous, s = the
@@ -247,11 +238,6 @@ def residual_unit(x: Tensor, s: Tensor, dw_weight: Tensor, dw_bias: Tensor, dila
     ([B, C, T] contiguous; may be x), or with ``channels_last`` a [B, T, C]-contiguous one seen as
     [B, C, T]. Call only where :func:`unit_applies`."""
     B, C, T = x.shape
-    snake_in = s is None
-    if snake_in:  # the kernel applies the input snake itself
-        if alpha1 is None:
-            raise ValueError("without s the kernel needs alpha1, the unit's input snake")
-        s = x
     if s.shape != x.shape or not (x.is_contiguous() and s.is_contiguous()):
         raise ValueError(f"x and s must be contiguous [B, C, T] of one shape, got {tuple(x.shape)}, {tuple(s.shape)}")
     if dw_weight.shape != (C, 1, KERNEL_SIZE) or pw_weight.shape[:2] != (C, C):
@@ -271,9 +257,8 @@ def residual_unit(x: Tensor, s: Tensor, dw_weight: Tensor, dw_bias: Tensor, dila
         alpha = pair_alpha if pair_alpha is not None else alpha_out
         _residual_unit_kernel[(-(-T // bt), B)](
             x, s, pw_weight.reshape(C, C), dw_weight.reshape(C, KERNEL_SIZE), per_channel(dw_bias),
-            per_channel(alpha1 if alpha1 is not None else alpha2), per_channel(alpha2), per_channel(pw_bias),
-            per_channel(alpha if alpha is not None else alpha2),
+            per_channel(alpha2), per_channel(pw_bias), per_channel(alpha if alpha is not None else alpha2),
             out, snake_out, T, C, out.stride(0), out.stride(1), out.stride(2),
             C_P=c_p, DILATION=dilation, BT=bt, WARPS_M=warps_m, PAIR=pair_alpha is not None,
-            SNAKE_OUT=alpha_out is not None, CHANNELS_LAST=channels_last, SNAKE_IN=snake_in, num_warps=warps)
+            SNAKE_OUT=alpha_out is not None, CHANNELS_LAST=channels_last, num_warps=warps)
     return (out, snake_out) if pair_alpha is not None else out

@@ -19,7 +19,7 @@ def unit_inputs(B, C, T, gen, device="cpu", dtype=torch.float16):
     dw_w, dw_b = torch.randn(C, 1, 7, generator=gen) * 0.3, torch.randn(C, generator=gen) * 0.1
     pw_w, pw_b = torch.randn(C, C, 1, generator=gen) / C**0.5, torch.randn(C, generator=gen) * 0.1
     return (to(x), to(s), to(dw_w), to(dw_b), to(pw_w), to(pw_b),
-            a2.to(device), a_out.to(device), a1.to(device))
+            a2.to(device), a_out.to(device))
 
 
 @pytest.mark.parametrize("C", [1, 16, 48, 64, 96, 100, 128])
@@ -71,15 +71,13 @@ def test_unit_reference_is_the_upstream_unit():
 
 def test_residual_unit_checks_its_arguments():
     gen = torch.Generator().manual_seed(0)
-    x, s, dw_w, dw_b, pw_w, pw_b, a2, a_out, a1 = unit_inputs(1, 16, 24, gen)
+    x, s, dw_w, dw_b, pw_w, pw_b, a2, a_out = unit_inputs(1, 16, 24, gen)
     with pytest.raises(ValueError, match="contiguous"):
         ru.residual_unit(x, s[..., :20], dw_w, dw_b, 1, a2, pw_w, pw_b)
     with pytest.raises(ValueError, match="weights"):
         ru.residual_unit(x, s, dw_w[:, :, :5], dw_b, 1, a2, pw_w, pw_b)
     with pytest.raises(ValueError, match="biases"):
         ru.residual_unit(x, s, dw_w, None, 1, a2, pw_w, pw_b)
-    with pytest.raises(ValueError, match="alpha1"):
-        ru.residual_unit(x, None, dw_w, dw_b, 1, a2, pw_w, pw_b)
     with pytest.raises(ValueError, match="exclusive"):
         ru.residual_unit(x, s, dw_w, dw_b, 1, a2, pw_w, pw_b, pair_alpha=a_out, alpha_out=a_out)
 
@@ -99,7 +97,7 @@ def test_gpu_residual_unit_kernel(cuda, C, dilation):
         pytest.fail("the Gluon unit needs an sm_90 GPU and Triton with Gluon")
     for B, T in [(1, 20001), (3, 8), (2, 4099), (1, 8192)]:
         gen = torch.Generator().manual_seed(C * 7 + dilation + T)
-        x, s, dw_w, dw_b, pw_w, pw_b, a2, a_out, a1 = unit_inputs(B, C, T, gen, cuda)
+        x, s, dw_w, dw_b, pw_w, pw_b, a2, a_out = unit_inputs(B, C, T, gen, cuda)
         ref_y = ru.residual_unit_reference(d(x), d(s), d(dw_w), d(dw_b), dilation, d(a2), d(pw_w), d(pw_b))
         ref_s = snake_reference(ref_y, d(a_out))
         unit = (s, dw_w, dw_b, dilation, a2, pw_w, pw_b)
@@ -114,7 +112,6 @@ def test_gpu_residual_unit_kernel(cuda, C, dilation):
         assert cl.transpose(1, 2).is_contiguous()
         close(cl, ref_s, torch.float16)
         close(ru.residual_unit(x, *unit), ref_y, torch.float16)
-        close(ru.residual_unit(x, None, *unit[1:], alpha1=a1), ref_y, torch.float16)  # input snake in-kernel
 
 
 @pytest.mark.gpu
