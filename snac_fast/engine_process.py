@@ -247,8 +247,7 @@ class _EngineBatcher(_Batcher):
                 block, front_of = block.part(kept), front_of[kept]
             for start in range(0, len(block), self.max_batch):
                 chunk = _RowChunk(block, front_of, fronts, start, start + self.max_batch)
-                calls.append((chunk, lambda c=chunk: self.engine.step_rows(list(map(_SLOT, c.streams)), c.rows, c.frames,
-                                                                             pcm16=self._pcm16)))
+                calls.append((chunk, lambda c=chunk: self.engine.step_rows(list(map(_SLOT, c.streams)), c.rows, c.frames)))
         return calls + (super()._calls(single) if single else [])
 
     def _mark_done(self, requests: list, now: float) -> None:
@@ -361,7 +360,6 @@ def _serve_engine(address: str, settings: dict, report: Connection) -> None:
                                          local_files_only=settings.get("local_files_only", False),
                                          **settings.get("model_options", {}))
         engine = codec.shared_stream_engine(settings.get("lookahead"), max_streams=settings["max_streams"])
-        engine.int16_in_graphs = settings["output"] == "int16"  # the warm-up's graphs convert to PCM themselves
         if codec.device.type == "cuda":
             codec.warmup(streams=min(settings["max_batch"], settings["max_streams"]), lookahead=settings.get("lookahead"))
         batcher = _EngineBatcher(engine, max_batch=settings["max_batch"], output=settings["output"],

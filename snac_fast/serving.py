@@ -37,7 +37,6 @@ from snac_fast.ops._runtime import make_current
 from snac_fast.orpheus import TokenFramer, TokenLayout
 from snac_fast.streaming import CheckedCodes, StreamEngine, StreamSlot
 from snac_fast.streaming.engine import joined_audio
-from snac_fast.streaming.step_graph import int16_pcm
 
 OUTPUTS = ("tensor", "float32", "int16")
 
@@ -89,9 +88,6 @@ class _Batcher:
             layout.check_model(engine.config)
         self.engine, self.max_batch, self.max_wait = engine, max_batch, max_wait_ms / 1000.0
         self.layout, self.output, self.idle_timeout = layout, output, idle_timeout_s
-        self._pcm16 = output == "int16"
-        if self._pcm16:  # step graphs captured from now on convert in the graph (a warm-up before: see int16_in_graphs)
-            engine.int16_in_graphs = True
         self._streams: dict[int, _Stream] = {}
         self._ended: dict[int, str] = {}  # stream id -> why it ended (the most recent ones)
         self._next_id = 0
@@ -342,8 +338,7 @@ class _Batcher:
         return calls
 
     def _step(self, pushes: list[_Request]) -> tuple[Tensor, np.ndarray]:
-        return self.engine.step_rows([r.stream.slot for r in pushes], np.stack([r.row for r in pushes]), pushes[0].frames,
-                                     pcm16=self._pcm16)
+        return self.engine.step_rows([r.stream.slot for r in pushes], np.stack([r.row for r in pushes]), pushes[0].frames)
 
     def _finish(self, ends: list[_Request]) -> tuple[Tensor, np.ndarray]:
         pushes = {r.stream.slot: r.checked for r in ends if r.checked is not None}
@@ -389,14 +384,13 @@ class _Batcher:
     def _single(self, request: _Request) -> tuple[Tensor, np.ndarray]:
         if request.finish:
             return self._finish([request])
-        return self.engine.step_rows([request.stream.slot], request.row[None], request.frames, pcm16=self._pcm16)
+        return self.engine.step_rows([request.stream.slot], request.row[None], request.frames)
 
     def _to_host(self, audio: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
         """Convert on the device and start one copy into a free pinned buffer (the caller returns
         it to ``_free_pinned`` once the PCM is copied out)."""
         if self.output == "int16":
-            if audio.dtype != torch.int16:  # the engine's steps return int16 already (pcm16)
-                audio = int16_pcm(audio)
+            audio = (audio.float() * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)  # not in place: a float32 engine's own audio
         elif audio.dtype != torch.float32:
             audio = audio.float()
         if audio.device.type != "cuda":

@@ -179,9 +179,9 @@ def test_a_push_in_flight_is_not_idle():
     engine = engine64(NAME, streams=2, narrow=True)
     real_step = engine.step_rows
 
-    def slow_step(*args, **kwargs):
+    def slow_step(*args):
         time.sleep(0.5)
-        return real_step(*args, **kwargs)
+        return real_step(*args)
 
     engine.step_rows = slow_step
     codes = [random_codes(CONFIG, 5, seed=71 + i) for i in range(2)]
@@ -269,11 +269,11 @@ def test_failed_engine_call_fails_its_streams_and_the_engine_serves_on(monkeypat
     real_step = engine.step_rows
     failing = {"slot": None}
 
-    def step_rows(streams, rows, frames, **kwargs):
+    def step_rows(streams, rows, frames):
         if any(s is failing["slot"] for s in streams):
             failing["slot"] = None
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_step(streams, rows, frames, **kwargs)
+        return real_step(streams, rows, frames)
 
     monkeypatch.setattr(engine, "step_rows", step_rows)
     with StreamBatcher(engine, max_batch=1, output="float32") as batcher:

@@ -7,7 +7,6 @@ The fused kernels (Triton's interpreter) are checked end to end in float32 on fe
 
 import random
 
-import numpy as np
 import pytest
 import torch
 
@@ -390,23 +389,6 @@ def test_approximate_streams_batched_through_step_and_step_rows():
         torch.testing.assert_close(torch.cat(together[i]), torch.cat(alone[i]), rtol=0, atol=1e-12)
 
 
-def test_step_rows_as_int16_pcm():
-    """step_rows(pcm16=True) returns int16 PCM, round(clamp(audio * 32767)), of the same audio a twin
-    engine returns as floats; exact and approximate engines, a step within the prefill and after."""
-    name = "snac_24khz"
-    config, strides = {**published_config(name), **NARROW}, published_config(name)["vq_strides"]
-    for lookahead in (None, 1500):
-        floats, pcm = (engine64(name, streams=2, narrow=True, lookahead=lookahead) for _ in range(2))
-        codes = [random_codes(config, 4, seed=30 + i) for i in range(2)]
-        slots = {e: [e.open(i) for i in range(2)] for e in (floats, pcm)}
-        for f in range(4):
-            rows = torch.stack([torch.cat([lv[0] for lv in frames_of(c, strides, f, f + 1)]) for c in codes]).numpy()
-            a, offsets_a = floats.step_rows(slots[floats], rows, 1)
-            b, offsets_b = pcm.step_rows(slots[pcm], rows, 1, pcm16=True)
-            assert b.dtype == torch.int16 and (offsets_a == offsets_b).all()
-            assert torch.equal(b, (a.float() * 32767).round().clamp(-32768, 32767).to(torch.int16))
-
-
 def test_stream_input_errors():
     name = "snac_32khz"
     engine = engine64(name)
@@ -613,31 +595,6 @@ def test_gpu_steady_steps_check_ids_before_any_state_changes(cuda, no_tf32):
     expected = fast.decode(codes, seed=20)
     for b, got in enumerate(audio):
         assert snr_db(expected[b, 0], got) >= 100
-
-
-@pytest.mark.gpu
-def test_gpu_step_graphs_convert_to_int16_pcm(cuda):
-    """Step graphs captured with int16_in_graphs convert the step's audio in the graph: steady
-    steps of 3 streams (a graph of 4 rows) equal a twin engine's float16 audio converted on the host
-    side, sample for sample; the twin's graphs have no PCM output."""
-    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float16)
-    strides = fast.config["vq_strides"]
-    floats, pcm = fast.stream_engine(8), fast.stream_engine(8)
-    pcm.int16_in_graphs = True
-    frames = floats.prefill_frames + 6
-    codes = random_codes(fast.config, frames, batch=3, seed=17)
-    slots = {e: [e.open(seed=5, row=b) for b in range(3)] for e in (floats, pcm)}
-    steady = 0
-    for f in range(frames):
-        rows = np.stack([np.concatenate([c[b, f * strides[0] // s:(f + 1) * strides[0] // s].cpu().numpy()
-                                         for c, s in zip(codes, strides)]) for b in range(3)])
-        a, _ = floats.step_rows(slots[floats], rows, 1)
-        b, _ = pcm.step_rows(slots[pcm], rows, 1, pcm16=True)
-        assert b.dtype == torch.int16
-        assert torch.equal(b, (a.float() * 32767).round().clamp(-32768, 32767).to(torch.int16))
-        steady += a.numel() > 0
-    assert steady and pcm._graphs and all(g.pcm16 is not None for g in pcm._graphs.values())
-    assert all(g.pcm16 is None for g in floats._graphs.values())
 
 
 @pytest.mark.gpu

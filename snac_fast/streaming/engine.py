@@ -19,7 +19,7 @@ from snac_fast.ops.context import context_step
 from snac_fast.ops.noise import keyed_normal
 from snac_fast.streaming.geometry import Geometry, _align_contexts, build_stages
 from snac_fast.streaming.pending import CheckedCodes, _PendingCodes
-from snac_fast.streaming.step_graph import NoiseCall, StepGraph, int16_pcm
+from snac_fast.streaming.step_graph import NoiseCall, StepGraph
 
 PREFILL, STEP, FLUSH = "prefill", "step", "flush"
 TAIL = "tail"  # an approximate stream's flush, cut to the audio its emission needs
@@ -135,9 +135,6 @@ class StreamEngine:
             raise ValueError("cuda_graphs=True needs a CUDA device")
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
-        # step graphs captured while set also convert their audio to int16 PCM (for step_rows(pcm16=True)):
-        # a server's conversion then costs no host work per call (set before the warm-up captures them)
-        self.int16_in_graphs = False
         self._graphs: dict[tuple, StepGraph] = {}
         # after a warm-up: the step shapes (STEP, bucket, frames) warmed. A step of more frames than
         # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
@@ -399,27 +396,21 @@ class StreamEngine:
             audio = self._decode_pending(list(streams), [])
         return [audio[s] for s in streams]
 
-    def step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int,
-                  pcm16: bool = False) -> tuple[Tensor, np.ndarray]:
+    def step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int) -> tuple[Tensor, np.ndarray]:
         """The serving path's step, for codes checked already (:meth:`check_codes`, or a
         :class:`~snac_fast.orpheus.TokenFramer`): ``frames`` new frames for each of ``streams``
         (distinct, open), as level-major rows int64 [len(streams), frames * codes per frame] (level 0
         of every frame, then level 1, ...: :meth:`row_of`). Returns the batch's new audio in one
         buffer: (audio 1-D in the engine's dtype on its device, offsets int64 [len(streams) + 1]);
-        stream j's audio is ``audio[offsets[j]:offsets[j + 1]]``. ``pcm16``: the audio as int16 PCM
-        instead (:func:`int16_pcm`), converted inside the step's CUDA graph where it was captured
-        with :attr:`int16_in_graphs` set."""
+        stream j's audio is ``audio[offsets[j]:offsets[j + 1]]``."""
         if self.approximate_lookahead is not None:
             with self._lock:
                 audio, offsets = self._step_rows(streams, rows, frames)
                 exact = [audio[offsets[j]:offsets[j + 1]] for j in range(len(streams))]
-                audio, offsets = joined_audio(self._emit(list(streams), exact, set()))
-        else:
-            audio, offsets = self._step_rows(streams, rows, frames, pcm16)
-        return (int16_pcm(audio) if pcm16 and audio.dtype != torch.int16 else audio), offsets
+                return joined_audio(self._emit(list(streams), exact, set()))
+        return self._step_rows(streams, rows, frames)
 
-    def _step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int,
-                   pcm16: bool = False) -> tuple[Tensor, np.ndarray]:
+    def _step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int) -> tuple[Tensor, np.ndarray]:
         n = len(streams)
         levels, start = [], 0
         for r in self._ratios:
@@ -433,7 +424,7 @@ class StreamEngine:
             if len(set(slots.tolist())) != n:
                 raise ValueError("step_rows got the same stream twice")
             if started and self._in_steady_state(n, slots, frames):
-                audio = self._direct_step(slots, levels, frames, ids_checked=True, pcm16=pcm16)
+                audio = self._direct_step(slots, levels, frames, ids_checked=True)
                 return audio.reshape(-1), np.arange(n + 1, dtype=np.int64) * audio.shape[1]
             self._pending.put_rows(slots, levels, frames)
             pieces = self._decode_pending(list(streams), [])
@@ -532,14 +523,13 @@ class StreamEngine:
                 and self._runnable_frames(streams, frames) == frames
                 and (self._pending.frames_held == 0 or not (self._pending.tail[slots] != self._pending.head[slots]).any()))
 
-    def _direct_step(self, slots: np.ndarray, codes: list[np.ndarray], frames: int, ids_checked: bool = False,
-                     keys: np.ndarray | None = None, pcm16: bool = False) -> Tensor:
+    def _direct_step(self, slots: np.ndarray, codes: list[np.ndarray], frames: int,
+                     ids_checked: bool = False, keys: np.ndarray | None = None) -> list[Tensor]:
         """In the steady state, the codes (per level [len(slots), L_i], any integer dtype) go
         straight into one batched step, without the pending buffers; returns the audio [n, samples].
         With a captured graph the codes and keys are written into its pinned inputs and the ids
         checked there (one reduction), before any state changes. ``keys``: the batch's key rows
-        (:meth:`_write_keys` of ``slots``), all but the frames consumed, which change every step.
-        ``pcm16``: int16 PCM if the graph converts it (else the engine's dtype all the same)."""
+        (:meth:`_write_keys` of ``slots``), all but the frames consumed, which change every step."""
         n, bucket = len(slots), self._bucket(len(slots))
         graph = self._graphs.get((STEP, bucket, frames)) if self.cuda_graphs else None
         if graph is None:
@@ -562,9 +552,7 @@ class StreamEngine:
             self._check_ids([codes])  # names the level and the id
             raise ValueError(f"codes hold ids outside [0, {self.codebook_size})")
         with device_scope(self.device):
-            graph.launch()
-            out = graph.pcm16 if pcm16 and graph.pcm16 is not None else graph.output
-            audio = out[:n, 0].clone()  # the next replay overwrites the graph's output
+            audio = graph.launch()[:n, 0].clone()  # the next replay overwrites the graph's output
         self._consumed[slots] += frames  # after the launch: host work the GPU's step hides
         return audio
 

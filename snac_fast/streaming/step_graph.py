@@ -14,11 +14,6 @@ if TYPE_CHECKING:
     from snac_fast.streaming.engine import StreamEngine
 
 
-def int16_pcm(audio: Tensor) -> Tensor:
-    """Audio in [-1, 1] (any float dtype) -> int16 PCM, round(clamp(audio * 32767)), on its device."""
-    return (audio.float() * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)  # not in place: a float32 engine's own audio
-
-
 class NoiseCall(NamedTuple):
     """One NoiseBlock's noise in a step: block ``index``, positions ``frames consumed * per_frame +
     start + t`` for t < ``length``, in ``dtype``."""
@@ -32,7 +27,7 @@ class NoiseCall(NamedTuple):
 
 class StepGraph:
     """One captured step: static keys and codes in (one pinned host buffer, uploaded by the graph's
-    first node), static audio out (and its int16 PCM, ``pcm16``, where the engine asked for it). Call it with new inputs, or write them into :meth:`inputs` and
+    first node), static audio out. Call it with new inputs, or write them into :meth:`inputs` and
     :meth:`launch` it. ``compiled``: the step's kernels were compiled already (a warm-up's pass)."""
 
     def __init__(self, engine: StreamEngine, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
@@ -94,7 +89,6 @@ class StepGraph:
             self.output = engine._forward(kind, keys_view, codes_views, frames, noise_for)
             if not joined:
                 capture.wait_event(drawn)
-            self.pcm16 = int16_pcm(self.output) if engine.int16_in_graphs else None
         for t, s in zip(engine.state, saved):
             t.copy_(s)
 
