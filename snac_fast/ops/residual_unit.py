@@ -17,8 +17,8 @@ The kernel reads s at other tiles' positions (the conv's halo), so ``snake_out``
 
 The kernel takes up to 128 channels (padded to a power of two in registers, masked in memory); the
 decoder and encoder call it (:func:`unit_applies`) for fp16 on sm_90 at up to 64 channels, where it
-measured faster at every dilation (24 kHz block 4, the 24 kHz encoder's first block); everything
-else keeps the two kernels. ``SNAC_FAST_GLUON=0`` turns it off.
+measured faster at every dilation (the 24 kHz decoder's block 4, the encoders' 48- and 64-channel
+units); everything else keeps the two kernels. ``SNAC_FAST_GLUON=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import os
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET
+from snac_fast.ops._runtime import HAS_TRITON, gpu_limits
 from snac_fast.ops.depthwise import depthwise_conv_snake_reference
 from snac_fast.ops.pointwise import pointwise_conv_reference
 from snac_fast.ops.snake import snake_reference
@@ -222,10 +222,13 @@ def unit_tiling(channels: int) -> tuple[int, int, int, int]:
 
 def unit_applies(x: Tensor, channels: int) -> bool:
     """Whether :func:`residual_unit` runs the Gluon kernel for x ([B, C, T]); else callers keep
-    the two kernels."""
-    return (HAS_GLUON and not TRITON_INTERPRET and x.is_cuda and x.dtype == torch.float16
-            and channels <= APPLIES_UP_TO and os.environ.get("SNAC_FAST_GLUON", "1") != "0"
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+    the two kernels. Hopper only (wgmma: compute capability 9.x), as the launch rules see the device
+    (``SNAC_FAST_GPU_LIMITS`` and :func:`~snac_fast.ops._runtime.emulate_gpu` included)."""
+    if not (HAS_GLUON and x.is_cuda and x.dtype == torch.float16 and channels <= APPLIES_UP_TO
+            and os.environ.get("SNAC_FAST_GLUON", "1") != "0"):
+        return False
+    limits = gpu_limits(x.device)
+    return limits is not None and limits.capability[0] == 9
 
 
 def residual_unit(x: Tensor, s: Tensor, dw_weight: Tensor, dw_bias: Tensor, dilation: int, alpha2: Tensor,

@@ -51,6 +51,9 @@ def test_unit_applies_only_to_fp16_cuda_within_limits(monkeypatch):
         xc = x.cuda()
         assert ru.unit_applies(xc, 64) and ru.unit_applies(xc, 48)
         assert not ru.unit_applies(xc.float(), 64) and not ru.unit_applies(xc, 96)
+        from snac_fast.ops._runtime import GPUS, emulate_gpu
+        with emulate_gpu(GPUS["a100"]):  # the launch rules' view of the card decides
+            assert not ru.unit_applies(xc, 64)
         monkeypatch.setenv("SNAC_FAST_GLUON", "0")
         assert not ru.unit_applies(xc, 64)
 
