@@ -108,44 +108,13 @@ if HAS_GLUON:
         return gl.reshape(gl.join(even, odd), (R, N, 8))
 
     @gluon.jit
-    def _residual_unit_kernel(
-        x_ptr, s_ptr, w_ptr, dw_w_ptr, dw_b_ptr, alpha2_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr,
-        T, C, out_stride_b, out_stride_c, out_stride_t,
-        C_P: gl.constexpr, DILATION: gl.constexpr, BT: gl.constexpr, WARPS_M: gl.constexpr,
-        PAIR: gl.constexpr, SNAKE_OUT: gl.constexpr, CHANNELS_LAST: gl.constexpr, num_warps: gl.constexpr,
-    ):
-        """One [C, BT] tile of batch row program_id(1). x, s: [B, C, T] contiguous; w: [C, C];
-        dw_w: [C, 7]; per-channel vectors [C]. Writes out (strided) = y, or snake(y, alpha_out) if
-        SNAKE_OUT; PAIR also writes snake_out = snake(y, alpha_out) ([B, C, T] contiguous)."""
-        b = gl.program_id(1)
-        t0 = gl.program_id(0) * BT
-        NR: gl.constexpr = BT // 8
-        CH: gl.constexpr = (3 * DILATION + 7) // 8  # halo chunks on each side of a run
-
-        # depthwise conv + bias + snake: [C_P, NR, 8], each thread runs of 8 outputs
-        L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // NR, NR, 1], [num_warps, 1, 1], [2, 1, 0])
-        L2: gl.constexpr = gl.SliceLayout(0, L3)
-        c = gl.arange(0, C_P, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        r = gl.arange(0, NR, layout=gl.SliceLayout(1, L2))
-        e = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
-        c_ok = c < C
-        row = (b * C + c).to(gl.int64) * T
-        pos = t0 + r[:, None] * 8 + e[None, :]
-        base = s_ptr + row[:, None, None]
-        lanes = ()
-        for q in gl.static_range(-CH, 1 + CH):  # whole chunks are in [0, T) or out (zero padding)
-            src = pos + q * 8
-            m = c_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :]
-            lanes = lanes + _lanes(gl.load(base + src[None, :, :], mask=m, other=0.0).to(gl.float32))
-        acc3 = gl.zeros([C_P, NR, 8], gl.float32, L3)
-        for k in gl.static_range(7):
-            wk = gl.load(dw_w_ptr + c * 7 + k, mask=c_ok, other=0.0).to(gl.float32)
-            tap = gl.convert_layout(_window(lanes, (k - 3) * DILATION + 8 * CH), L3, assert_trivial=True)
-            acc3 += wk[:, None, None] * tap
-        acc3 += gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
-        alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
-        h = gl.reshape(_snake(acc3, alpha2).to(gl.float16), (C_P, BT))
-
+    def _unit_tail(h, x_ptr, w_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr, b, t0, T, C,
+                   out_stride_b, out_stride_c, out_stride_t, C_P: gl.constexpr, BT: gl.constexpr,
+                   WARPS_M: gl.constexpr, PAIR: gl.constexpr, SNAKE_OUT: gl.constexpr,
+                   CHANNELS_LAST: gl.constexpr):
+        """The unit after its depthwise conv: h [C_P, BT] fp16 (any layout) -> the 1x1 conv on the
+        tensor cores, bias, residual, snake and the stores (see the kernel)."""
+        num_warps: gl.constexpr = gl.num_warps()
         # 1x1 conv on the tensor cores: out^T [BT, C] = h^T [BT, C] @ W^T [C, C], both from shared memory
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         h_smem = gl.allocate_shared_memory(gl.float16, [C_P, BT], smem_l)
@@ -195,6 +164,48 @@ if HAS_GLUON:
         gl.store(dst, result, mask=mc)
         if PAIR:
             gl.store(snake_out_ptr + xo[None, :] + t[:, None], ys.to(gl.float16), mask=m2)
+
+    @gluon.jit
+    def _residual_unit_kernel(
+        x_ptr, s_ptr, w_ptr, dw_w_ptr, dw_b_ptr, alpha2_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr,
+        T, C, out_stride_b, out_stride_c, out_stride_t,
+        C_P: gl.constexpr, DILATION: gl.constexpr, BT: gl.constexpr, WARPS_M: gl.constexpr,
+        PAIR: gl.constexpr, SNAKE_OUT: gl.constexpr, CHANNELS_LAST: gl.constexpr, num_warps: gl.constexpr,
+    ):
+        """One [C, BT] tile of batch row program_id(1). x, s: [B, C, T] contiguous; w: [C, C];
+        dw_w: [C, 7]; per-channel vectors [C]. Writes out (strided) = y, or snake(y, alpha_out) if
+        SNAKE_OUT; PAIR also writes snake_out = snake(y, alpha_out) ([B, C, T] contiguous)."""
+        b = gl.program_id(1)
+        t0 = gl.program_id(0) * BT
+        NR: gl.constexpr = BT // 8
+        CH: gl.constexpr = (3 * DILATION + 7) // 8  # halo chunks on each side of a run
+
+        # depthwise conv + bias + snake: [C_P, NR, 8], each thread runs of 8 outputs
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [32 // NR, NR, 1], [num_warps, 1, 1], [2, 1, 0])
+        L2: gl.constexpr = gl.SliceLayout(0, L3)
+        c = gl.arange(0, C_P, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        r = gl.arange(0, NR, layout=gl.SliceLayout(1, L2))
+        e = gl.arange(0, 8, layout=gl.SliceLayout(0, L2))
+        c_ok = c < C
+        row = (b * C + c).to(gl.int64) * T
+        pos = t0 + r[:, None] * 8 + e[None, :]
+        base = s_ptr + row[:, None, None]
+        lanes = ()
+        for q in gl.static_range(-CH, 1 + CH):  # whole chunks are in [0, T) or out (zero padding)
+            src = pos + q * 8
+            m = c_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :]
+            lanes = lanes + _lanes(gl.load(base + src[None, :, :], mask=m, other=0.0).to(gl.float32))
+        acc3 = gl.zeros([C_P, NR, 8], gl.float32, L3)
+        for k in gl.static_range(7):
+            wk = gl.load(dw_w_ptr + c * 7 + k, mask=c_ok, other=0.0).to(gl.float32)
+            tap = gl.convert_layout(_window(lanes, (k - 3) * DILATION + 8 * CH), L3, assert_trivial=True)
+            acc3 += wk[:, None, None] * tap
+        acc3 += gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
+        alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
+        h = gl.reshape(_snake(acc3, alpha2).to(gl.float16), (C_P, BT))
+
+        _unit_tail(h, x_ptr, w_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr, b, t0, T, C,
+                   out_stride_b, out_stride_c, out_stride_t, C_P, BT, WARPS_M, PAIR, SNAKE_OUT, CHANNELS_LAST)
 
 
 def residual_unit_reference(x: Tensor, s: Tensor, dw_weight: Tensor, dw_bias: Tensor | None, dilation: int,
