@@ -172,7 +172,7 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
         unit's output overwrites it (no new activation buffers)."""
         from snac_fast.ops.depthwise import depthwise_conv_snake
         from snac_fast.ops.pointwise import pointwise_conv, pointwise_conv_pair
-        from snac_fast.ops.residual_unit import residual_unit, unit_applies
+        from snac_fast.ops.residual_unit import KERNEL_SIZE, residual_unit, unit_applies
 
         snake1, dw, snake2, pw = self.block
         if isinstance(x, tuple):
@@ -182,7 +182,7 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
         else:
             s = snake(x, snake1.alpha) if isinstance(snake1, _Absorbed) else snake1(x)
             out = snake_out = None
-        if (unit_applies(x, dw.in_channels) and dw.kernel_size[0] == 7 and not torch.compiler.is_compiling()
+        if (unit_applies(x, dw.in_channels) and dw.kernel_size[0] == KERNEL_SIZE and not torch.compiler.is_compiling()
                 and x.is_contiguous() and s.is_contiguous()):
             # one kernel; its output may go over x but never over s (other tiles read s's halo)
             unit = (x, s, dw.weight, dw.bias, dw.dilation[0], snake2.alpha, pw.weight, pw.bias)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,8 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_common
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_noise_fold import codes_for, graph_us, workloads  # noqa: E402
-from bench_common import interleaved_decodes, timed_call  # noqa: E402
+from ab_noise_fold import codes_for, graph_us, stream_steps, workloads  # noqa: E402
+from bench_common import interleaved_decodes  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.ops.depthwise import depthwise_conv_snake  # noqa: E402
@@ -93,35 +92,6 @@ def whole_decodes(name, rounds, gen) -> dict:
     return codecs
 
 
-def stream_steps(codecs, rounds, gen) -> None:
-    for S in (1, 64):
-        runs = {}
-        for mode, wrapped in codecs.items():
-            os.environ["SNAC_FAST_GLUON"] = wrapped.flag
-            codec = wrapped.codec
-            engine = codec.stream_engine(max_streams=64)
-            strides = codec.config["vq_strides"]
-            total = engine.prefill_frames + rounds * 5 + 20
-            codes = [c.cpu() for c in codes_for(codec, S, total, gen)]
-            slots = [engine.open(seed=i) for i in range(S)]
-            engine.step(slots, [c[:, :engine.prefill_frames * strides[0] // s] for c, s in zip(codes, strides)])
-            steps = iter([[c[:, f * strides[0] // s:(f + 1) * strides[0] // s] for c, s in zip(codes, strides)]
-                          for f in range(engine.prefill_frames, total)])
-            for _ in range(3):
-                engine.step(slots, next(steps))
-            runs[mode] = (engine, slots, steps, [], [])
-        for _ in range(rounds * 5):
-            for mode, (engine, slots, steps, call, replay) in runs.items():
-                call.append(timed_call(engine.step, slots, next(steps))[0])
-        for _ in range(rounds * 5):
-            for mode, (engine, slots, steps, call, replay) in runs.items():
-                graph = engine._graphs[("step", engine._bucket(S), 1)].graph
-                replay.append(timed_call(graph.replay)[1])
-        print(f"  stream step, {S} streams: " + " | ".join(
-            f"{mode} call {statistics.median(call):.3f} ms, replay {statistics.median(replay):.3f} ms"
-            for mode, (engine, slots, steps, call, replay) in runs.items()), flush=True)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["snac_24khz", "snac_32khz", "snac_44khz"])
@@ -135,7 +105,8 @@ def main() -> None:
     for name in args.models:
         codecs = whole_decodes(name, args.rounds, gen)
         if name == "snac_24khz":
-            stream_steps(codecs, args.rounds, gen)
+            stream_steps({m: wrapped.codec for m, wrapped in codecs.items()}, args.rounds, gen,
+                         setup=lambda mode: os.environ.__setitem__("SNAC_FAST_GLUON", MODES[mode]))
         del codecs
         torch.cuda.empty_cache()
 

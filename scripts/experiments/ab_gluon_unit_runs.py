@@ -18,16 +18,10 @@ from triton.experimental.gluon import language as gl
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_noise_fold import graph_us  # noqa: E402
 
-from snac_fast.ops.depthwise import depthwise_conv_snake  # noqa: E402
+from snac_fast.ops.common import _snake_broadcast  # noqa: E402
+from snac_fast.ops.depthwise import _lanes, _window, depthwise_conv_snake  # noqa: E402
 from snac_fast.ops.pointwise import pointwise_conv_pair  # noqa: E402
-from snac_fast.ops.residual_unit import (  # noqa: E402
-    _lanes,
-    _snake,
-    _unit_tail,
-    _window,
-    residual_unit,
-    residual_unit_reference,
-)
+from snac_fast.ops.residual_unit import _unit_tail, residual_unit, residual_unit_reference  # noqa: E402
 from snac_fast.ops.snake import snake_reference  # noqa: E402
 
 
@@ -60,7 +54,7 @@ def _unit_runs_kernel(
         m = c_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :]
         chunk = gl.load(base + src[None, :, :], mask=m, other=0.0).to(gl.float32)
         if SNAKE_IN:
-            chunk = _snake(chunk, alpha1)
+            chunk = _snake_broadcast(chunk, alpha1)
         lanes = lanes + _lanes(chunk)
     bias = gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
     alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
@@ -71,7 +65,7 @@ def _unit_runs_kernel(
             wk = gl.load(dw_w_ptr + c * 7 + k, mask=c_ok, other=0.0).to(gl.float32)
             tap = gl.convert_layout(_window(lanes, (k - 3) * DILATION + 8 * (CH + j)), L3, assert_trivial=True)
             acc3 += wk[:, None, None] * tap
-        hs = hs + (_snake(acc3 + bias, alpha2).to(gl.float16),)
+        hs = hs + (_snake_broadcast(acc3 + bias, alpha2).to(gl.float16),)
     if RUN == 1:
         h = gl.reshape(hs[0], (C_P, BT))
     elif RUN == 2:

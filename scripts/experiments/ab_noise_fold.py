@@ -137,12 +137,14 @@ def whole_decodes(name, old, rounds, gen) -> None:
     return codecs
 
 
-def stream_steps(codecs, rounds, gen) -> None:
-    """Part 3: steady one-frame steps of engines on the old and the folded codec."""
+def stream_steps(codecs, rounds, gen, setup=None) -> None:
+    """Part 3: steady one-frame steps of engines on each codec of ``codecs`` (mode -> codec; here
+    the old and the folded one). ``setup(mode)``: called before a mode's engine is made and stepped."""
     for S in (1, 64):
         runs = {}
-        for mode in ("old", "folded"):
-            codec = codecs[mode]
+        for mode, codec in codecs.items():
+            if setup is not None:
+                setup(mode)
             engine = codec.stream_engine(max_streams=64)
             strides = codec.config["vq_strides"]
             total = engine.prefill_frames + rounds * 5 + 20

@@ -56,56 +56,9 @@ if HAS_TRITON:
         pass
 
 if HAS_GLUON:
-    # the fast sine of ops/snake.py (same constants; see its docstring for the error bound)
-    _INV_PI = gl.constexpr(0.3183098861837907)
-    _PI_A = gl.constexpr(3.140625)
-    _PI_B = gl.constexpr(0.0009675025939941406)
-    _PI_C = gl.constexpr(1.5099580252808664e-07)
-    _S1 = gl.constexpr(-0.16666647791862488)
-    _S2 = gl.constexpr(0.008332899771630764)
-    _S3 = gl.constexpr(-0.00019800900190602988)
-    _S4 = gl.constexpr(2.590491931186989e-06)
-
-    @gluon.jit
-    def _snake(v, alpha):
-        y = alpha * v
-        k = gl.floor(y * _INV_PI + 0.5)
-        r = y - k * _PI_A
-        r = r - k * _PI_B
-        r = r - k * _PI_C
-        u = r * r
-        p = _S3 + u * _S4
-        p = _S2 + u * p
-        p = _S1 + u * p
-        s = r + (r * u) * p
-        return v + (1.0 / (alpha + 1e-9)) * (s * s)
-
-    @gluon.jit
-    def _lanes(v):
-        """v [R, N, 8] (the last axis inside one thread) -> its 8 slices [R, N]: register renaming."""
-        R: gl.constexpr = v.shape[0]
-        N: gl.constexpr = v.shape[1]
-        even, odd = gl.split(gl.reshape(v, (R, N, 4, 2)))
-        e04, e26 = gl.split(gl.reshape(even, (R, N, 2, 2)))
-        e15, e37 = gl.split(gl.reshape(odd, (R, N, 2, 2)))
-        e0, e4 = gl.split(e04)
-        e2, e6 = gl.split(e26)
-        e1, e5 = gl.split(e15)
-        e3, e7 = gl.split(e37)
-        return e0, e1, e2, e3, e4, e5, e6, e7
-
-    @gluon.jit
-    def _window(lanes, START: gl.constexpr):
-        """lanes[START : START + 8] stacked back into [R, N, 8]."""
-        R: gl.constexpr = lanes[0].shape[0]
-        N: gl.constexpr = lanes[0].shape[1]
-        e04 = gl.join(lanes[START], lanes[START + 4])
-        e26 = gl.join(lanes[START + 2], lanes[START + 6])
-        e15 = gl.join(lanes[START + 1], lanes[START + 5])
-        e37 = gl.join(lanes[START + 3], lanes[START + 7])
-        even = gl.reshape(gl.join(e04, e26), (R, N, 4))
-        odd = gl.reshape(gl.join(e15, e37), (R, N, 4))
-        return gl.reshape(gl.join(even, odd), (R, N, 8))
+    # the Triton helpers of ops/depthwise and ops/common run inside Gluon kernels as they are
+    from snac_fast.ops.common import _snake_broadcast
+    from snac_fast.ops.depthwise import _lanes, _window
 
     @gluon.jit
     def _unit_tail(h, x_ptr, w_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr, b, t0, T, C,
@@ -146,7 +99,7 @@ if HAS_GLUON:
         y += gl.load(x_ptr + xo[None, :] + t[:, None], mask=m2, other=0.0).to(gl.float32)
         if PAIR or SNAKE_OUT:
             alpha_out = gl.load(alpha_out_ptr + o, mask=o_ok, other=1.0).to(gl.float32)[None, :]
-            ys = _snake(y, alpha_out)
+            ys = _snake_broadcast(y, alpha_out)
         if SNAKE_OUT:
             result = ys.to(gl.float16)
         else:
@@ -202,7 +155,7 @@ if HAS_GLUON:
             acc3 += wk[:, None, None] * tap
         acc3 += gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
         alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
-        h = gl.reshape(_snake(acc3, alpha2).to(gl.float16), (C_P, BT))
+        h = gl.reshape(_snake_broadcast(acc3, alpha2).to(gl.float16), (C_P, BT))
 
         _unit_tail(h, x_ptr, w_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr, b, t0, T, C,
                    out_stride_b, out_stride_c, out_stride_t, C_P, BT, WARPS_M, PAIR, SNAKE_OUT, CHANNELS_LAST)
