@@ -83,6 +83,7 @@ def _launch_of(kernel, args: tuple, kwargs: dict) -> Launch:
 
     fn = kernel.fn
     fixed = set(kernel.kwargs.get("do_not_specialize") or ())  # as @triton.jit(do_not_specialize=...) asks
+    unaligned = fixed | set(kernel.kwargs.get("do_not_specialize_on_alignment") or ())
     params = inspect.signature(fn).parameters
     values = dict(zip(params, args))
     values.update({k: v for k, v in kwargs.items() if k in params})
@@ -92,7 +93,7 @@ def _launch_of(kernel, args: tuple, kwargs: dict) -> Launch:
         if _is_constexpr(param.annotation) or value is None:
             kind, key = "constexpr", value
         else:  # as the launch would specialize it: an int 1 becomes a constant, 16-byte multiples "D"
-            kind, key = native_specialize_impl(BaseBackend, value, False, name not in fixed, name not in fixed)
+            kind, key = native_specialize_impl(BaseBackend, value, False, name not in fixed, name not in unaligned)
         signature.append((name, kind))
         if kind == "constexpr":
             constexprs.append((name, key))
@@ -203,20 +204,26 @@ def _resource_usage(cubin: bytes) -> tuple[int, int]:
     return registers, spilled
 
 
-def _compile_one(item: tuple[dict, int, int]) -> dict:
-    """Compile one launch (a Launch as a dict) for sm_<arch> in this (non-interpreting) process."""
-    launch_dict, arch, shared_limit = item
+def compile_launch(launch: Launch, arch: int):
+    """``launch`` compiled for sm_<arch> (Triton's CompiledKernel: ``.asm``, ``.metadata``), in a
+    process without Triton's interpreter; no GPU needed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    launch = _launch_from(launch_dict)
     kernel = getattr(importlib.import_module(launch.module), launch.kernel)
     names = [name for name, _ in launch.signature]
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in launch.aligned}
     source = ASTSource(fn=kernel, signature=dict(launch.signature), constexprs=dict(launch.constexprs), attrs=attrs)
-    compiled = triton.compile(source, target=GPUTarget("cuda", arch, 32),
-                              options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+    return triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": launch.num_warps, "num_stages": launch.num_stages})
+
+
+def _compile_one(item: tuple[dict, int, int]) -> dict:
+    """Compile one launch (a Launch as a dict) for sm_<arch> in this (non-interpreting) process."""
+    launch_dict, arch, shared_limit = item
+    launch = _launch_from(launch_dict)
+    compiled = compile_launch(launch, arch)
     registers, spills = _resource_usage(compiled.asm["cubin"])
     return asdict(Fit(launch, arch, int(compiled.metadata.shared), registers, spills, shared_limit))
 

@@ -1,8 +1,8 @@
 """Cold start: compile every Triton kernel a server will launch before the first request.
 
-:func:`compile_kernels` runs the decodes of the given shapes once under
-:func:`snac_fast.compiling.compiling_concurrently`, so their kernel variants compile concurrently
-(on a thread pool) instead of one by one at their first launch; the compiled kernels land in
+:func:`compile_kernels` runs the decodes of the given shapes (and a stream engine's steps) once
+under :func:`snac_fast.compiling.compiling_concurrently`, so their kernel variants compile
+concurrently (on a thread pool) instead of one by one at their first launch; the compiled kernels land in
 Triton's persistent cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), which a container
 build can bake. :func:`warmup` then runs real decodes of those shapes (CUDA graph captures,
 cuDNN/cuBLAS start-up) and, if asked, every stream-engine step shape.
@@ -19,26 +19,38 @@ from snac_fast.compiling import compiling_concurrently
 from snac_fast.ops._runtime import device_scope
 
 
-def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | None = None) -> float:
+def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | None = None, engine=None,
+                    streams: int = 0) -> float:
     """Compile, concurrently, the Triton kernels that decodes of ``shapes`` ((batch, coarse frames)
-    pairs) launch on ``codec``'s GPU, without running them. Returns the seconds it took. A no-op
-    off CUDA."""
+    pairs) launch on ``codec``'s GPU, and with an ``engine`` those of its steps for batches of up to
+    ``streams`` streams (:meth:`~snac_fast.streaming.StreamEngine.compile_steps`), without running
+    them: one pass, so every variant joins one pool (compiled in two passes, the first one's last
+    compiles left most cores idle for ~2 s). Returns the seconds it took. A no-op off CUDA."""
     if codec.device.type != "cuda":
         return 0.0
     start = time.perf_counter()
     with torch.inference_mode(), device_scope(codec.device), compiling_concurrently(workers):
         for batch, frames in shapes:
             codec.model.decode(_zero_codes(codec, batch, frames))  # eager: kernels see the real shapes
+        if engine is not None:
+            engine.compile_steps(max_batch=streams)
     return time.perf_counter() - start
 
 
 def warmup(codec, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,), streams: int = 0,
            workers: int | None = None, lookahead: int | str | None = None) -> dict[str, float]:
-    """Get ``codec`` ready to serve: compile the kernels of every (batch, frames) decode concurrently,
-    then decode each shape once (CUDA graphs captured) and, with ``streams`` > 0, capture the steps of
-    the shared stream engine (:meth:`FastSNAC.shared_stream_engine`, grown to ``streams`` slots if
-    smaller; the one of ``lookahead``) for batches of up to that many streams. Returns seconds per phase."""
-    times = {"compile_s": compile_kernels(codec, [(b, f) for b in batch_sizes for f in frames], workers)}
+    """Get ``codec`` ready to serve: compile the kernels of every (batch, frames) decode and, with
+    ``streams`` > 0, of the steps of the shared stream engine (:meth:`FastSNAC.shared_stream_engine`,
+    grown to ``streams`` slots if smaller; the one of ``lookahead``) for batches of up to that many
+    streams, all concurrently; then decode each shape once (CUDA graphs captured) and capture the
+    engine's steps. Returns seconds per phase: ``compile_s``, ``decode_s``, ``stream_s``."""
+    engine = None
+    if streams:
+        engine = codec.shared_stream_engine(lookahead)
+        if engine.max_streams < streams:
+            engine = codec.shared_stream_engine(lookahead, max_streams=streams)
+    times = {"compile_s": compile_kernels(codec, [(b, f) for b in batch_sizes for f in frames], workers,
+                                          engine, streams)}
     start = time.perf_counter()
     for b in batch_sizes:
         for f in frames:
@@ -46,12 +58,9 @@ def warmup(codec, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,
     if codec.device.type == "cuda":
         torch.cuda.synchronize(codec.device)
     times["decode_s"] = time.perf_counter() - start
-    if streams:
+    if engine is not None:
         start = time.perf_counter()
-        engine = codec.shared_stream_engine(lookahead)
-        if engine.max_streams < streams:
-            engine = codec.shared_stream_engine(lookahead, max_streams=streams)
-        engine.warmup(max_batch=streams)
+        engine.warmup(max_batch=streams, compiled=True)
         times["stream_s"] = time.perf_counter() - start
     return times
 

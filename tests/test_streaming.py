@@ -620,6 +620,43 @@ def test_gpu_warmed_engine_captures_no_graph_while_serving(cuda, no_tf32):
 
 
 @pytest.mark.gpu
+def test_gpu_codec_warmup_compiles_in_one_pass_then_captures_every_step(cuda, no_tf32, monkeypatch):
+    """codec.warmup(streams=N): the kernels of the engine's steps compile in the same concurrent pass
+    (the same pool) as the decode shapes' (in two passes, the first one's last compiles left most
+    cores idle), then every step graph up to N streams is captured, so serving 3 streams captures
+    nothing more and still equals the decode."""
+    import snac_fast.compiling as compiling
+    from snac_fast.streaming import StreamEngine
+
+    pools, seen = [], []
+    unpatched_pool, unpatched_compile = compiling._CompileAndBuildLauncher.__init__, StreamEngine.compile_steps
+    monkeypatch.setattr(compiling._CompileAndBuildLauncher, "__init__",
+                        lambda self, *args, **kwargs: pools.append(self) or unpatched_pool(self, *args, **kwargs))
+    monkeypatch.setattr(StreamEngine, "compile_steps", lambda self, *args, **kwargs: seen.append(
+        (len(pools), getattr(compiling._this_thread, "compile_only", False))) or unpatched_compile(self, *args, **kwargs))
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
+    before = len(pools)
+    times = fast.warmup([1], [4], streams=4)
+    assert seen == [(before + 1, True)] and set(times) == {"compile_s", "decode_s", "stream_s"}
+    engine, strides = fast.shared_stream_engine(), fast.config["vq_strides"]
+    graphs = set(engine._graphs)
+    assert {(kind, rows) for kind, rows, _ in graphs} == {(kind, rows) for kind in ("prefill", "step", "flush")
+                                                          for rows in (1, 2, 4)}
+    frames = engine.prefill_frames + 4
+    codes = random_codes(fast.config, frames, batch=3, seed=17)
+    streams = [engine.open(seed=5, row=b) for b in range(3)]
+    pieces, f = [], 0
+    for k in [engine.prefill_frames, 1, 1, 1, 1]:
+        pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + k)))
+        f += k
+    ends = engine.advance(finish=streams)
+    assert set(engine._graphs) == graphs
+    expected = fast.decode(codes, seed=5)
+    for b, s in enumerate(streams):
+        assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
+
+
+@pytest.mark.gpu
 def test_gpu_back_to_back_steps_wait_for_their_uploads(cuda, no_tf32):
     """Steps queued behind a busy GPU: a call rewrites the step graph's pinned inputs only once the
     replay before it has uploaded them (the event that graph records), so each step decodes its own

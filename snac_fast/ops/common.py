@@ -87,12 +87,10 @@ def is_channels_last(x: Tensor) -> bool:
     return C > 1 and T > 1 and x.stride() == (C * T, 1, C)
 
 
-def _with_layout(x: Tensor) -> tuple[Tensor, int, int]:
-    """(x, channel stride, time stride) for a kernel that reads [B, C, T] either way: a
-    channels-last x as it is, anything else made contiguous."""
-    if not is_channels_last(x):
-        x = x.contiguous()
-    return x, x.stride(1), x.stride(2)
+def _with_layout(x: Tensor) -> Tensor:
+    """x for a kernel that reads [B, C, T] memory either way: a channels-last x as it is, anything
+    else made contiguous."""
+    return x if is_channels_last(x) else x.contiguous()
 
 
 def check_floating(x: object, what: str, dims: int = 3) -> None:

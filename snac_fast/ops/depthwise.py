@@ -129,7 +129,9 @@ if HAS_TRITON:
             acc += w[:, None] * v
         return acc
 
-    @triton.jit
+    # T's alignment is known from RUN (T % 8 == 0), not Triton's divisible-by-16 specialization: lengths
+    # that are multiples of 8 but not of 16 compiled a second variant of each launch (cold starts)
+    @triton.jit(do_not_specialize_on_alignment=["T"])
     def _depthwise_conv_snake_kernel(
         x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr,
         n_rows, C, T, n_t_blocks,
@@ -139,6 +141,8 @@ if HAS_TRITON:
         """RUN = 0: every tap a shifted tile load (any T); RUN = 1 or 2: runs of 8 or 16 outputs per
         thread from aligned chunks (T % 8 == 0, BLOCK_T a multiple of 8 * RUN)."""
         await_previous_kernel(PDL)
+        if RUN > 0:
+            T = T // 8 * 8  # the same value, known to the compiler as a multiple of 8 (multiple_of on an argument is not)
         pid = tl.program_id(0)
         row_block = pid // n_t_blocks
         t_block = pid - row_block * n_t_blocks

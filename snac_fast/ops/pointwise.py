@@ -61,20 +61,28 @@ if HAS_TRITON:
         _store_with_pair,
     )
 
-    @triton.jit
+    # T's alignment is a hint (ALIGNED: T % 8 == 0, 16-byte rows in half precision) rather than
+    # Triton's divisible-by-16 specialization: lengths that are multiples of 8 but not of 16 compiled
+    # a second variant of every launch (a cold start compiles each; docs/serving.md)
+    @triton.jit(do_not_specialize_on_alignment=["T"])
     def _pointwise_conv_kernel(
         w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, res_bias_ptr, alpha_out_ptr, out_ptr, pair_alpha_ptr, pair_out_ptr,
-        C_out, C_in, T, n_m_blocks, n_t_blocks, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
+        C_out, C_in, T, n_m_blocks, n_t_blocks,
         HAS_BIAS: tl.constexpr, HAS_RES: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_RES_BIAS: tl.constexpr,
-        SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, IEEE: tl.constexpr,
+        SNAKE_OUT: tl.constexpr, PAIR: tl.constexpr, H_CL: tl.constexpr, RES_CL: tl.constexpr, OUT_CL: tl.constexpr,
+        ALIGNED: tl.constexpr, IEEE: tl.constexpr,
         UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_BLOCKS: tl.constexpr, PDL: tl.constexpr,
         ROWS_FASTEST: tl.constexpr = False,
     ):
+        """[B, C, T] memory, or [B, T, C] where *_CL (strides (channel, time): (T, 1), or (1, C))."""
         await_previous_kernel(PDL)
+        if ALIGNED:
+            T = T // 8 * 8  # the same value, known to the compiler as a multiple of 8 (multiple_of on an argument is not)
         batch, offs_m, offs_n, offs_k, m_ok, n_ok = _gemm_tile(n_m_blocks, n_t_blocks, C_out, T, BLOCK_M, BLOCK_N, BLOCK_K,
                                                                ROWS_FASTEST)
-        # strides (channel, time): (T, 1) for [B, C, T] memory, (1, C) for [B, T, C] (a stride of 1 is
-        # a compile-time constant to Triton, so either layout gets contiguous vector loads)
+        h_stride_c, h_stride_t = _layout_strides(H_CL, C_in, T)
+        res_stride_c, res_stride_t = _layout_strides(RES_CL, C_out, T)
+        out_stride_c, out_stride_t = _layout_strides(OUT_CL, C_out, T)
         h_base = h_ptr + batch.to(tl.int64) * C_in * T
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for kb in range(K_BLOCKS):  # a layer's C_in is fixed: a compile-time trip count
@@ -101,7 +109,7 @@ if HAS_TRITON:
             acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
         _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
 
-    @triton.jit
+    @triton.jit(do_not_specialize_on_alignment=["T"])
     def _pointwise_conv_tma_kernel(
         w_desc, h_desc, bias_ptr, res_desc, scale_ptr, res_bias_ptr, alpha_out_ptr, out_desc, pair_alpha_ptr, pair_desc,
         C_out, T, n_m_blocks, n_t_blocks,
@@ -114,6 +122,7 @@ if HAS_TRITON:
         or [B, T, C] where *_CL: such tiles are transposed in shared memory). Out-of-range rows and
         columns load as zeros and are never stored, so no masks but on the per-channel vectors."""
         await_previous_kernel(PDL)
+        T = T // 8 * 8  # the same value (the descriptors' 16-byte rows need T % 8 == 0: _tma_tile), known as a multiple of 8
         batch, m_block, t_block = _program_tile(tl.program_id(0), n_m_blocks, n_t_blocks, ROWS_FASTEST)
         m0 = m_block * BLOCK_M
         n0 = t_block * BLOCK_N
@@ -150,6 +159,13 @@ if HAS_TRITON:
         if PAIR:
             pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32))
             _tma_store(pair_desc, pair, batch, m0, n0, OUT_CL, BLOCK_M, BLOCK_N)
+
+    @triton.jit
+    def _layout_strides(CL: tl.constexpr, C, T):
+        """(channel stride, time stride) of [B, C, T] memory, or of [B, T, C] memory where CL."""
+        if CL:
+            return 1, C
+        return T, 1
 
     @triton.jit
     def _tma_store(desc, tile, batch, m0, n0, CL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -260,15 +276,15 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
     C_out = weight.shape[0]
     if out.numel() == 0:
         return
-    h, h_stride_c, h_stride_t = _with_layout(h)
+    h = _with_layout(h)
     w = weight.reshape(C_out, C_in).contiguous()
-    residual, res_stride_c, res_stride_t = (None, 0, 0) if residual is None else _with_layout(residual)
+    residual = None if residual is None else _with_layout(residual)
+    h_cl, res_cl = is_channels_last(h), residual is not None and is_channels_last(residual)
     if config is None:
         config = _pw_config(B, C_out, C_in, T, h.device)
         if tma is None:
             tma_config = _tma_tile(h, w, config, residual, out, pair_out)
             tma, config = tma_config is not None, tma_config or config
-    out_stride_c, out_stride_t = (1, C_out) if out_channels_last else (T, 1)
     scale = None if scale is None else scale.contiguous()
 
     def launch(config):
@@ -282,23 +298,21 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
                      HAS_RES_BIAS=residual_bias is not None, SNAKE_OUT=alpha_out is not None, PAIR=pair_out is not None,
                      IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
-                     ROWS_FASTEST=order,
+                     ROWS_FASTEST=order, H_CL=h_cl, RES_CL=res_cl, OUT_CL=out_channels_last,
                      num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t))
         if tma:
             out_desc = _descriptor(out, block_m, block_n, out_channels_last, True)  # out is [B, T, C] when channels-last
-            h_cl, res_cl = is_channels_last(h), residual is not None and is_channels_last(residual)
             _pointwise_conv_tma_kernel[(B * n_m * n_t,)](
                 TensorDescriptor.from_tensor(w, [block_m, block_k]), _descriptor(h, block_k, block_n, h_cl), flat(bias),
                 out_desc if residual is None else _descriptor(residual, block_m, block_n, res_cl),
                 out if scale is None else scale, flat(residual_bias), flat(alpha_out), out_desc, flat(pair_alpha),
                 out_desc if pair_out is None else _descriptor(pair_out, block_m, block_n, out_channels_last, True),
-                C_out, T, n_m, n_t, H_CL=h_cl, RES_CL=res_cl, OUT_CL=out_channels_last, **flags)
+                C_out, T, n_m, n_t, **flags)
             return
         _pointwise_conv_kernel[(B * n_m * n_t,)](
             w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
             flat(residual_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
-            C_out, C_in, T, n_m, n_t, h_stride_c, h_stride_t, res_stride_c, res_stride_t, out_stride_c, out_stride_t,
-            **flags)
+            C_out, C_in, T, n_m, n_t, ALIGNED=T % 8 == 0, **flags)
     launch_fitting(("pointwise_conv_tma" if tma else "pointwise_conv", h.device, h.dtype), config, launch)
 
 
