@@ -173,3 +173,33 @@ def test_lengths_that_are_multiples_of_8_share_one_variant_with_the_same_vector_
     for kernel, hinted, specialized in map(json.loads, done.stdout.splitlines()):
         assert hinted == specialized, kernel
         assert any(".v4." in op or op.startswith("cp.async") for op in hinted), kernel  # vector access at all
+
+
+def test_stream_steps_of_up_to_8_rows_take_the_one_row_steps_tiles():
+    """Each tile a rule picks is a kernel variant a serving cold start compiles. Steps of 2, 4 and 8
+    rows choose the depthwise and 1x1-conv tiles of the 1-row step (the rules see a launch that many
+    times smaller), in every step kind; 16 rows choose their own again."""
+    import numpy as np
+
+    from snac_fast import FastSNAC
+    from snac_fast.streaming.engine import FLUSH, PREFILL, STEP
+    from snac_fast.synthetic import synthetic_model
+    from snac_fast.targets import record_launches
+
+    engine = FastSNAC(synthetic_model("snac_24khz"), device="cpu", dtype=torch.float16).stream_engine(max_streams=16)
+    tile_fields = ("K", "DILATION", "RUN", "ROWS", "BLOCK_T", "BLOCK_M", "BLOCK_N", "BLOCK_K", "PDL")
+
+    def tiles(kind: str, rows: int, frames: int) -> set:
+        def run():
+            keys = np.zeros((4, rows), np.int64)
+            keys[0] = engine.max_streams
+            codes = [] if kind == FLUSH else [torch.zeros((rows, frames * r), dtype=torch.int64) for r in engine._ratios]
+            engine._forward(kind, torch.from_numpy(keys), codes, frames)
+        return {(l.kernel, l.num_warps, tuple((k, v) for k, v in l.constexprs if k in tile_fields))
+                for l in record_launches(run, GPUS["h100"])
+                if l.kernel in ("_depthwise_conv_snake_kernel", "_pointwise_conv_kernel")}
+
+    for kind, frames in ((STEP, engine.frames_per_group), (PREFILL, engine.prefill_frames), (FLUSH, 0)):
+        one = tiles(kind, 1, frames)
+        assert all(tiles(kind, rows, frames) == one for rows in (2, 4, 8)), kind
+        assert tiles(kind, 16, frames) != one, kind

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import hashlib
 import json
@@ -237,11 +238,11 @@ def dependent_launch(device: torch.device, programs: int) -> bool:
     ``SNAC_FAST_PDL=0``, and a grid of at most a few programs per SM. A streaming decode is a
     chain of short single-wave kernels; PDL overlaps each one's launch with the end of the one
     before. Long grids lose by it: their next kernel's waiting programs take SM slots from the last
-    wave (both measured: docs/measurements.md)."""
+    wave (both measured: docs/measurements.md). The bound scales as :func:`wave_programs` does."""
     limits = gpu_limits(device)
     if limits is None or os.environ.get("SNAC_FAST_PDL", "1") == "0":
         return False
-    return programs <= 8 * _power_of_two_below(limits.sms) and limits.capability >= (9, 0)
+    return programs <= 8 * _power_of_two_below(limits.sms) * _rows_per_tile_choice.get() and limits.capability >= (9, 0)
 
 
 def has_tma(device: torch.device) -> bool:
@@ -310,11 +311,28 @@ def launch_flags(device: torch.device, programs: int) -> dict[str, bool]:
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
+_rows_per_tile_choice = contextvars.ContextVar("rows_per_tile_choice", default=1)
+
+
+@contextlib.contextmanager
+def tiles_as_for_fewer_rows(factor: int):
+    """Inside, the launch rules choose tiles (and dependent launch) as for a launch ``factor`` times
+    smaller: the programs a launch must fill the GPU with, and the bound on dependent launches, scale
+    by it. A stream engine's steps of 2-8 rows take the 1-row step's tiles this way, so warming them
+    compiles no kernel variants of their own (docs/serving.md, "Cold start of serving")."""
+    token = _rows_per_tile_choice.set(max(1, int(factor)))
+    try:
+        yield
+    finally:
+        _rows_per_tile_choice.reset(token)
+
+
 def wave_programs(device: torch.device) -> int:
     """How many programs a launch needs to occupy ``device``: its SM count rounded down to a power
-    of two (128 on H100/H200). 1 for Triton's interpreter, which pays per program: biggest tiles."""
+    of two (128 on H100/H200), times :func:`tiles_as_for_fewer_rows`' factor. 1 for Triton's
+    interpreter, which pays per program: biggest tiles."""
     limits = gpu_limits(device)
-    return 1 if limits is None else _power_of_two_below(limits.sms)
+    return 1 if limits is None else _power_of_two_below(limits.sms) * _rows_per_tile_choice.get()
 
 
 def _power_of_two_below(n: int) -> int:
