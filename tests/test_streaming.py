@@ -602,19 +602,24 @@ def test_gpu_warmed_engine_captures_no_graph_while_serving(cuda, no_tf32):
     """After warmup(), pushes of 1, 2 and 3 frames and a new batch size capture nothing: the audio
     still equals the decode."""
     fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
-    engine, strides = fast.stream_engine(8), fast.config["vq_strides"]
+    engine = fast.stream_engine(8)
     engine.warmup()
-    graphs = set(engine._graphs)
-    frames = engine.prefill_frames + 12
-    codes = random_codes(fast.config, frames, batch=3, seed=13)
-    streams = [engine.open(seed=4, row=b) for b in range(3)]
+    serve_three_streams_capturing_nothing(fast, engine, [engine.prefill_frames, 1, 2, 3, 1, 2, 3], seed=4, codes_seed=13)
+
+
+def serve_three_streams_capturing_nothing(fast, engine, pushes: list[int], seed: int, codes_seed: int) -> None:
+    """Three streams of a warmed engine pushed ``pushes`` frames at a time, then finished: no new
+    graph is captured and each stream's audio equals the decode's row (float32, >= 100 dB)."""
+    strides, graphs = fast.config["vq_strides"], set(engine._graphs)
+    codes = random_codes(fast.config, sum(pushes), batch=3, seed=codes_seed)
+    streams = [engine.open(seed=seed, row=b) for b in range(3)]
     pieces, f = [], 0
-    for k in [engine.prefill_frames, 1, 2, 3, 1, 2, 3]:
+    for k in pushes:
         pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + k)))
         f += k
     ends = engine.advance(finish=streams)
     assert set(engine._graphs) == graphs
-    expected = fast.decode(codes, seed=4)
+    expected = fast.decode(codes, seed=seed)
     for b, s in enumerate(streams):
         assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
 
@@ -638,22 +643,10 @@ def test_gpu_codec_warmup_compiles_in_one_pass_then_captures_every_step(cuda, no
     before = len(pools)
     times = fast.warmup([1], [4], streams=4)
     assert seen == [(before + 1, True)] and set(times) == {"compile_s", "decode_s", "stream_s"}
-    engine, strides = fast.shared_stream_engine(), fast.config["vq_strides"]
-    graphs = set(engine._graphs)
-    assert {(kind, rows) for kind, rows, _ in graphs} == {(kind, rows) for kind in ("prefill", "step", "flush")
-                                                          for rows in (1, 2, 4)}
-    frames = engine.prefill_frames + 4
-    codes = random_codes(fast.config, frames, batch=3, seed=17)
-    streams = [engine.open(seed=5, row=b) for b in range(3)]
-    pieces, f = [], 0
-    for k in [engine.prefill_frames, 1, 1, 1, 1]:
-        pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + k)))
-        f += k
-    ends = engine.advance(finish=streams)
-    assert set(engine._graphs) == graphs
-    expected = fast.decode(codes, seed=5)
-    for b, s in enumerate(streams):
-        assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
+    engine = fast.shared_stream_engine()
+    assert {(kind, rows) for kind, rows, _ in engine._graphs} == {(kind, rows) for kind in ("prefill", "step", "flush")
+                                                                  for rows in (1, 2, 4)}
+    serve_three_streams_capturing_nothing(fast, engine, [engine.prefill_frames, 1, 1, 1, 1], seed=5, codes_seed=17)
 
 
 @pytest.mark.gpu

@@ -179,8 +179,6 @@ def test_stream_steps_of_up_to_8_rows_take_the_one_row_steps_tiles():
     """Each tile a rule picks is a kernel variant a serving cold start compiles. Steps of 2, 4 and 8
     rows choose the depthwise and 1x1-conv tiles of the 1-row step (the rules see a launch that many
     times smaller), in every step kind; 16 rows choose their own again."""
-    import numpy as np
-
     from snac_fast import FastSNAC
     from snac_fast.streaming.engine import FLUSH, PREFILL, STEP
     from snac_fast.synthetic import synthetic_model
@@ -190,13 +188,9 @@ def test_stream_steps_of_up_to_8_rows_take_the_one_row_steps_tiles():
     tile_fields = ("K", "DILATION", "RUN", "ROWS", "BLOCK_T", "BLOCK_M", "BLOCK_N", "BLOCK_K", "PDL")
 
     def tiles(kind: str, rows: int, frames: int) -> set:
-        def run():
-            keys = np.zeros((4, rows), np.int64)
-            keys[0] = engine.max_streams
-            codes = [] if kind == FLUSH else [torch.zeros((rows, frames * r), dtype=torch.int64) for r in engine._ratios]
-            engine._forward(kind, torch.from_numpy(keys), codes, frames)
+        inputs = engine._warmup_inputs([(kind, rows, frames)])  # what warm-up launches for that step
         return {(l.kernel, l.num_warps, tuple((k, v) for k, v in l.constexprs if k in tile_fields))
-                for l in record_launches(run, GPUS["h100"])
+                for l in record_launches(lambda: engine._launch_shapes(inputs), GPUS["h100"])
                 if l.kernel in ("_depthwise_conv_snake_kernel", "_pointwise_conv_kernel")}
 
     for kind, frames in ((STEP, engine.frames_per_group), (PREFILL, engine.prefill_frames), (FLUSH, 0)):

@@ -238,11 +238,11 @@ def dependent_launch(device: torch.device, programs: int) -> bool:
     ``SNAC_FAST_PDL=0``, and a grid of at most a few programs per SM. A streaming decode is a
     chain of short single-wave kernels; PDL overlaps each one's launch with the end of the one
     before. Long grids lose by it: their next kernel's waiting programs take SM slots from the last
-    wave (both measured: docs/measurements.md). The bound scales as :func:`wave_programs` does."""
+    wave (both measured: docs/measurements.md). The bound is 8 waves (:func:`wave_programs`)."""
     limits = gpu_limits(device)
     if limits is None or os.environ.get("SNAC_FAST_PDL", "1") == "0":
         return False
-    return programs <= 8 * _power_of_two_below(limits.sms) * _rows_per_tile_choice.get() and limits.capability >= (9, 0)
+    return programs <= 8 * wave_programs(device) and limits.capability >= (9, 0)
 
 
 def has_tma(device: torch.device) -> bool:
