@@ -268,7 +268,7 @@ class FastSNAC:
 
     def encode(self, audio: Tensor, *, lengths: Sequence[int] | Tensor | None = None,
                chunk_seconds: float | None = 60.0, cuda_graphs: bool | None = None,
-               check_finite: bool = True) -> list[Tensor]:
+               check_finite: bool = True, graphs: GraphedEncode | None = None) -> list[Tensor]:
         """Audio [B, 1, T] (floating, at :attr:`sampling_rate`, any device) -> codes, one int64
         [B, L_i] per level, as upstream's ``encode`` (audio right-padded with zeros to a multiple of
         :func:`snac_fast.encoding.padding_unit`). Audio longer than ``chunk_seconds`` (plus two
@@ -283,7 +283,9 @@ class FastSNAC:
         lengths: each row's own length in samples, for a batch of clips of different lengths
         zero-padded to one: each row is then encoded exactly as the clip alone (its samples past its
         length ignored; codes past ``code_lengths`` of it are padding), see
-        :func:`snac_fast.encoding.rows_as_alone`. None: every row is T samples long."""
+        :func:`snac_fast.encoding.rows_as_alone`. None: every row is T samples long.
+        graphs: replay from this cache instead of the codec's own where ``cuda_graphs`` allows (the
+        corpus engine's: each shape captured on its second call, one memory pool for all)."""
         audio = validate_audio(audio, check_finite)
         row_lengths = None if lengths is None else validate_lengths(lengths, audio)
         if chunk_seconds is not None and not chunk_seconds > 0:
@@ -303,7 +305,7 @@ class FastSNAC:
                     padded_lengths = ends + -ends % unit
             if cuda_graphs is None:
                 cuda_graphs = audio.shape[0] * min(audio.shape[-1], chunk or audio.shape[-1]) <= self.encode_graph_samples
-            graphs = self.encode_graphs if cuda_graphs else None
+            graphs = (self.encode_graphs if graphs is None else graphs) if cuda_graphs else None
             return encode_padded(self.model, audio, unit, chunk, self.encoder_reach, graphs, padded_lengths)
 
     def _on_device(self, host: Tensor) -> Tensor:

@@ -20,6 +20,8 @@ different shapes.
 from __future__ import annotations
 
 import math
+import contextlib
+from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -152,16 +154,30 @@ class GraphedEncode(GraphCache):
     Input: audio [B, 1, T] in the model's dtype on its device, T a multiple of the padding unit;
     lengths: None or int64 [B] on the device (:func:`rows_as_alone`).
     Output: int64 codes [B, L_i] per level, fresh tensors (the graph's buffers are copied).
+
+    capture_at: a shape is captured on its ``capture_at``-th call, the calls before run eagerly
+    (1: at once, after ``warmup`` eager runs; 2: a shape that never comes back is never captured, and
+    the eager call before the capture stands in for the warm-up runs). shared_pool: every graph
+    allocates from one memory pool (the largest graph's activations instead of each graph's own);
+    safe because replays run one at a time in stream order and outputs are copied before the next.
     """
 
-    def __init__(self, model: nn.Module, device: torch.device, max_graphs: int = 8, warmup: int = 2) -> None:
+    def __init__(self, model: nn.Module, device: torch.device, max_graphs: int = 8, warmup: int = 2,
+                 capture_at: int = 1, shared_pool: bool = False) -> None:
         super().__init__(max_graphs)
+        if capture_at < 1:
+            raise ValueError("capture_at must be at least 1")
         self.model = model
         self.device = torch.device(device)
         self.warmup = warmup
+        self.capture_at = capture_at
+        self._calls: OrderedDict[tuple, int] = OrderedDict()  # eager calls per shape not captured yet (bounded)
+        self._pool = torch.cuda.graph_pool_handle() if shared_pool else None
 
     def __call__(self, audio: Tensor, lengths: Tensor | None = None) -> list[Tensor]:
         key = (tuple(audio.shape), audio.dtype, lengths is not None)
+        if key not in self and self._eager_call(key):
+            return encode_rows(self.model, audio, lengths)
         static_audio, static_lengths, codes, graph = self._captured(
             key, lambda: self._capture(audio, lengths), f"audio of shape {tuple(audio.shape)}")
         static_audio.copy_(audio)
@@ -169,6 +185,16 @@ class GraphedEncode(GraphCache):
             static_lengths.copy_(lengths)
         graph.replay()
         return [c.clone() for c in codes]
+
+    def _eager_call(self, key: tuple) -> bool:
+        """Whether this call of a shape not captured runs eagerly (see ``capture_at``)."""
+        calls = self._calls.pop(key, 0) + 1
+        if calls >= self.capture_at:
+            return False
+        self._calls[key] = calls
+        while len(self._calls) > 64 * self.max_graphs:  # a stream of one-off shapes
+            self._calls.popitem(last=False)
+        return True
 
     def _capture(self, audio: Tensor, lengths: Tensor | None):
         with device_scope(self.device):  # side streams and the graph on the model's device, whichever is current
@@ -178,19 +204,45 @@ class GraphedEncode(GraphCache):
         with torch.inference_mode(False):
             static_audio = audio.clone()
             static_lengths = None if lengths is None else lengths.clone()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.inference_mode(), torch.cuda.stream(stream):
-            with compiling_concurrently():  # shapes only: every kernel variant compiles at once
-                encode_rows(self.model, static_audio, static_lengths)
-            for _ in range(self.warmup):
-                encode_rows(self.model, static_audio, static_lengths)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.graph(graph, stream=torch.cuda.Stream(self.device)):
-            codes = encode_rows(self.model, static_audio, static_lengths)
-        torch.cuda.current_stream().synchronize()
+        if self.capture_at == 1:  # else this shape ran eagerly already: kernels compiled, lazy state made
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.inference_mode(), torch.cuda.stream(stream):
+                with compiling_concurrently():  # shapes only: every kernel variant compiles at once
+                    encode_rows(self.model, static_audio, static_lengths)
+                for _ in range(self.warmup):
+                    encode_rows(self.model, static_audio, static_lengths)
+            torch.cuda.current_stream().wait_stream(stream)
+        if self.capture_at == 1:
+            graph = torch.cuda.CUDAGraph()
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(self.device)):
+                codes = encode_rows(self.model, static_audio, static_lengths)
+            torch.cuda.current_stream().synchronize()
+            return static_audio, static_lengths, codes, graph
+        try:
+            graph, codes = self._capture_queued(static_audio, static_lengths)
+        except torch.OutOfMemoryError:
+            # a capture cannot free the allocator's cached blocks (eager encodes' of other shapes): free
+            # them (a device sync) and capture again
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+            graph, codes = self._capture_queued(static_audio, static_lengths)
         return static_audio, static_lengths, codes, graph
+
+    def _capture_queued(self, static_audio: Tensor, static_lengths: Tensor | None):
+        """A capture without torch.cuda.graph's device sync and cache flushes (pinned host memory
+        included): a corpus encode captures while earlier batches run and other threads copy codes."""
+        graph = torch.cuda.CUDAGraph()
+        with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(self.device)):
+            graph.capture_begin(*([] if self._pool is None else [self._pool]), capture_error_mode="thread_local")
+            try:
+                codes = encode_rows(self.model, static_audio, static_lengths)
+            except BaseException:
+                with contextlib.suppress(RuntimeError):  # the capture is invalid already
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        return graph, codes
 
 
 def encode_padded(model: nn.Module, audio: Tensor, unit: int, chunk_samples: int | None, reach: int,

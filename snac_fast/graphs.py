@@ -71,6 +71,9 @@ class GraphCache:
     def keys(self) -> list[tuple]:
         return list(self._cache)
 
+    def __contains__(self, key: tuple) -> bool:
+        return key in self._cache
+
     def clear(self) -> None:
         self._cache.clear()
 

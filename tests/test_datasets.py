@@ -99,12 +99,16 @@ def test_resume_after_a_crash_and_refuse_another_run(codec, corpus, tmp_path, mo
     monkeypatch.setattr(ds.encode, "launch_batches", crash_on_fourth)
     with pytest.raises(RuntimeError, match="power cut"):
         ds.encode_dataset(corpus, out, codec, files_per_shard=2, progress=False)
-    # the shards launched before the failure are written (the writer thread finishes them), not shard 3
-    assert sorted(p.name for p in out.glob("shard-*")) == [f"shard-0000{n}.parquet" for n in range(3)]
+    # the shards whose clips were all launched before the failure are written (the writer thread
+    # finishes them), complete; the others are not (their clips waited in batches not launched)
+    before = sorted(p.name for p in out.glob("shard-*"))
+    assert 1 <= len(before) < 4 and whole["shards"] == 4
+    whole_rows, out_rows = rows_of(tmp_path / "whole"), rows_of(out)
+    assert out_rows and all(whole_rows[name] == row for name, row in out_rows.items())
     calls.clear()
     resumed = ds.encode_dataset(corpus, out, codec, files_per_shard=2, progress=False)
-    assert resumed["shards_skipped"] == 3 and len(calls) == 1 == resumed["shards"] - 3
-    assert rows_of(out) == rows_of(tmp_path / "whole") and whole["shards"] == 4
+    assert resumed["shards_skipped"] == len(before) and 1 <= len(calls) <= resumed["shards"] - len(before)
+    assert rows_of(out) == whole_rows
     with pytest.raises(ValueError, match="different run.*files_per_shard"):
         ds.encode_dataset(corpus, out, codec, files_per_shard=3, progress=False)
 
@@ -248,6 +252,45 @@ def test_reader_tasks_spool_their_audio_or_send_it_inline(corpus, tmp_path):
             assert (audio is None and want.audio is None) or np.array_equal(audio, want.audio)
 
 
+def test_batches_across_shards_fill_wait_and_drain():
+    """BatchQueues: a length's clips leave as a batch once it is full (one shape per length), a
+    part-full queue leaves after its oldest clip's shard waited ``hold`` shards, drain empties the
+    rest; every readable clip in exactly one batch, rows zero-padded, unreadable clips never."""
+    config = published_config("snac_24khz")
+    codec = SimpleNamespace(config=config, dtype=torch.float32, device=torch.device("cpu"))
+    second = config["sampling_rate"]
+    rng = np.random.default_rng(1)
+
+    def shard(index, seconds):  # a clip per entry: its duration in seconds, None for an unreadable file
+        clips = [ds.Clip(ds.AudioInput(f"{index}-{k}"), None, None, None, "bad") if s is None else
+                 ds.Clip(ds.AudioInput(f"{index}-{k}"), rng.standard_normal(round(s * second)).astype(np.float32),
+                         s, second, None) for k, s in enumerate(seconds)]
+        return ds.batching.PendingShard.of(index, clips)
+
+    quantum = ds.padded_length(1, config, 1.0)  # 1.024 s: a second rounded to the padding unit
+    queues = ds.BatchQueues(codec, pad_seconds=1.0, batch_seconds=6.2, hold=2)  # 3 rows of 2 quanta, 2 of 3
+    shards = [shard(0, [1.5, 1.9, None, 2.5]), shard(1, [1.2]), shard(2, [0.4]), shard(3, [2.9, 2.1, 1.0])]
+    assert shards[0].pending == 3
+    left = [queues.add(shards[0]), queues.add(shards[1])]
+    assert left[0] == [] and [b.rows for b in left[1]] == [[(shards[0], 0), (shards[0], 1), (shards[1], 0)]]
+    [full] = left[1]
+    assert full.audio.shape == (3, 1, 2 * quantum) and len(queues) == 1
+    [late] = queues.add(shards[2])  # the 3 s queue's oldest clip (shard 0) has waited two shards
+    assert late.rows == [(shards[0], 3)] and late.audio.shape == (1, 1, 3 * quantum)
+    [full3] = queues.add(shards[3])  # 2.9 s and 2.1 s: a full 3 s batch; 1.0 s and 0.4 s wait
+    assert full3.rows == [(shards[3], 0), (shards[3], 1)]
+    rest = queues.drain()
+    assert [b.rows for b in rest] == [[(shards[2], 0), (shards[3], 2)]] and len(queues) == 0
+    batches = [full, late, full3, *rest]
+    rows = [row for b in batches for row in b.rows]
+    readable = [(s, i) for s in shards for i, c in enumerate(s.clips) if c.error is None]
+    assert sorted((s.index, i) for s, i in rows) == sorted((s.index, i) for s, i in readable)
+    for b in batches:
+        for r, ((s, i), n) in enumerate(zip(b.rows, b.lengths)):
+            assert n == s.clips[i].audio.size
+            assert np.array_equal(b.audio[r, 0, :n].numpy(), s.clips[i].audio) and not b.audio[r, 0, n:].any()
+
+
 def test_float16_batches_round_as_the_model_would():
     """Clips travel and batch in float16 for a float16 codec: numpy's rounding must be torch's."""
     rng = np.random.default_rng(0)
@@ -306,3 +349,31 @@ def test_gpu_engine_codes_equal_each_clips_own_encode(cuda, corpus, tmp_path):
             audio = torch.from_numpy(clip.audio).view(1, 1, -1).to(cuda, torch.float16)
             for level, want in enumerate(fast.encode(audio)):
                 assert row[f"codes_{level}"] == want[0].tolist(), (name, level)
+
+
+@pytest.mark.gpu
+def test_gpu_engine_replays_graphs_for_full_batches(cuda, tmp_path, monkeypatch):
+    """Batches of one length fill across shards and replay a CUDA graph from their second on (one
+    memory pool): the shards equal those of an engine that launches every batch eagerly."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    for k in range(18):  # six clips each of 1, 2 and 3 padded seconds (1.024 s quanta at 24 kHz)
+        seconds = (0.5 + 0.05 * k, 1.3 + 0.05 * k, 2.3 + 0.05 * k)[k % 3]
+        soundfile.write(folder / f"{k:02d}.wav", speech_like(seconds, 24000, k), 24000)
+    made = []
+
+    def spy(codec):
+        made.append(ds.batching.corpus_graphs(codec))
+        return made[-1]
+
+    monkeypatch.setattr(ds.encode, "corpus_graphs", spy)
+    run = dict(files_per_shard=3, batch_seconds=6.2, progress=False)  # 6, 3 and 2 rows a batch
+    graphed = FastSNAC(synthetic_model("snac_24khz"), device=cuda, dtype=torch.float16, source="synthetic:snac_24khz")
+    eager = FastSNAC(synthetic_model("snac_24khz"), device=cuda, dtype=torch.float16, source="synthetic:snac_24khz",
+                     cuda_graphs=False)
+    ds.encode_dataset(folder, tmp_path / "graphed", graphed, **run)
+    ds.encode_dataset(folder, tmp_path / "eager", eager, **run)
+    assert made[0] is not None and made[0].captures == 2 and made[1] is None  # the 2- and 3-quanta shapes
+    graphed_rows, eager_rows = rows_of(tmp_path / "graphed"), rows_of(tmp_path / "eager")
+    assert len(graphed_rows) == 18 and all(r["error"] is None for r in graphed_rows.values())
+    assert graphed_rows == eager_rows

@@ -33,6 +33,7 @@ batches and codes back), ``shards`` (Parquet shards and the run's record), ``enc
 """
 
 from snac_fast.datasets.batching import (
+    BatchQueues,
     batch_audio,
     code_lengths,
     finish_clips,
@@ -60,6 +61,7 @@ __all__ = [
     "code_lengths",
     "length_batches",
     "batch_audio",
+    "BatchQueues",
     "launch_batches",
     "launch_clips",
     "finish_clips",

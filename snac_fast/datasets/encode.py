@@ -13,13 +13,16 @@ import numpy as np
 
 from snac_fast.configs import DEFAULT_MODEL
 from snac_fast.datasets.batching import (
-    LaunchedShard,
-    _batch_dtype,
     Batch,
-    batch_audio,
+    BatchQueues,
+    Launched,
+    PendingShard,
+    _batch_dtype,
+    corpus_graphs,
     finish_clips,
     launch_batches,
     launch_clips,
+    launched_codes,
 )
 from snac_fast.datasets.inputs import Clip, list_inputs
 from snac_fast.datasets.readers import READ_AHEAD, _Readers
@@ -44,7 +47,9 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     errors, ``finished_at`` as ``time.time()``).
 
     engine "local": this process encodes with ``codec`` (a FastSNAC; default: ``model`` loaded by
-    ``FastSNAC.from_pretrained(model, device=, dtype=, **model_options)``). engine "ray" (needs
+    ``FastSNAC.from_pretrained(model, device=, dtype=, **model_options)``), batching clips of one
+    padded length across shards (a shard is written once all its clips are back, so shards may be
+    written out of order). engine "ray" (needs
     ``pip install 'snac-fast[ray]'``): Ray Data reads each shard's audio in CPU tasks and encodes
     it in actors (``actors_per_gpu`` per GPU of the cluster, each a process with its share of the GPU
     and two CPUs reserved: several interpreters launch one GPU's encodes, where one alone leaves it
@@ -117,11 +122,14 @@ def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_sec
 
 def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> list[dict]:
     """The local engine. This thread only launches encodes; one helper thread collects each
-    shard's audio from the reader processes (reading ``READ_AHEAD`` shards ahead) and builds its
-    pinned batches, another fetches the codes and writes the shard. With all of that in it, the
-    launching thread was the bottleneck (docs/measurements.md)."""
+    shard's audio from the reader processes (reading ``READ_AHEAD`` shards ahead) and queues its
+    clips for batches across shards (:class:`BatchQueues`: the batches of a length have one shape and
+    replay a CUDA graph), another fetches the codes and writes each shard once all its clips are
+    back. With all of that in it, the launching thread was the bottleneck (docs/datasets.md)."""
     done: list[dict] = []
-    pad, per_batch = settings["pad_seconds"], settings["batch_seconds"]
+    queues = BatchQueues(codec, settings["pad_seconds"], settings["batch_seconds"])
+    graphs = corpus_graphs(codec)
+    open_shards: list[PendingShard] = []  # the writer thread's: shards with codes still out
     with _Readers(loaders, codec.sampling_rate, _batch_dtype(codec)) as readers, \
             _progress(sum(len(shards[n]) for n in todo), progress) as bar, \
             ThreadPoolExecutor(1, "snac-fast-batches") as batcher, ThreadPoolExecutor(1, "snac-fast-writer") as writer:
@@ -131,17 +139,25 @@ def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> lis
             if k < len(todo):
                 reads[k] = readers.submit(shards[todo[k]])
 
-        def prepare(k: int) -> tuple[list[Clip], list[Batch]]:
-            clips = readers.collect(shards[todo[k]], reads.pop(k))
+        def prepare(k: int) -> tuple[PendingShard, list[Batch]]:
+            shard = PendingShard.of(todo[k], readers.collect(shards[todo[k]], reads.pop(k)))
             read(k + READ_AHEAD)  # the readers never wait for this thread
-            return clips, batch_audio(codec, clips, pad, per_batch)
+            batches = queues.add(shard)
+            return shard, batches + (queues.drain() if k == len(todo) - 1 else [])
 
-        def finish(n: int, clips: list[Clip], launched: LaunchedShard) -> dict:
-            return write_shard(codec, clips, finish_clips(codec, clips, launched), n, settings)
+        def finish(shard: PendingShard, launched: Launched) -> list[dict]:
+            open_shards.append(shard)  # before any of its codes: they come in this round or later
+            for (owner, i), codes in launched_codes(codec, launched):
+                owner.codes[i] = codes
+                owner.pending -= 1
+            complete = [s for s in open_shards if not s.pending]
+            open_shards[:] = [s for s in open_shards if s.pending]
+            return [write_shard(codec, s.clips, s.codes, s.index, settings) for s in complete]
 
         def written(future: Future) -> None:
-            done.append(future.result())
-            bar.update(len(shards[done[-1]["shard"]]))
+            for shard in future.result():
+                done.append(shard)
+                bar.update(len(shards[shard["shard"]]))
             hours = sum(d["audio_seconds"] for d in done) / 3600
             bar.set_postfix_str(f"{hours / (time.perf_counter() - start):.4f} h audio/s")
 
@@ -150,12 +166,12 @@ def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> lis
         if todo:
             prepared = batcher.submit(prepare, 0)
         writes: list[Future] = []
-        for k, n in enumerate(todo):
-            clips, batches = prepared.result()
+        for k in range(len(todo)):
+            shard, batches = prepared.result()
             if k + 1 < len(todo):
                 prepared = batcher.submit(prepare, k + 1)
-            writes.append(writer.submit(finish, n, clips, launch_batches(codec, batches)))
-            while len(writes) > 1 or (writes and writes[0].done()):  # at most two shards in flight
+            writes.append(writer.submit(finish, shard, launch_batches(codec, batches, graphs)))
+            while len(writes) > 1 or (writes and writes[0].done()):  # at most two rounds in flight
                 written(writes.pop(0))
         for future in writes:
             written(future)
