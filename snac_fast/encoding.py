@@ -147,6 +147,9 @@ def encode_rows(model: nn.Module, audio: Tensor, lengths: Tensor | None = None) 
         return model.encode(audio)
 
 
+_NO_GRAPH = object()  # a shape whose capture ran out of memory (capture_at > 1): it runs eagerly
+
+
 class GraphedEncode(GraphCache):
     """Replays :func:`encode_rows` from CUDA graphs keyed by the audio's shape and whether rows have
     lengths (a bounded LRU cache).
@@ -160,6 +163,8 @@ class GraphedEncode(GraphCache):
     the eager call before the capture stands in for the warm-up runs). shared_pool: every graph
     allocates from one memory pool (the largest graph's activations instead of each graph's own);
     safe because replays run one at a time in stream order and outputs are copied before the next.
+    With ``capture_at`` > 1 a capture that runs out of GPU memory, even after the allocator's cache
+    is freed, leaves its shape eager instead of failing the call.
     """
 
     def __init__(self, model: nn.Module, device: torch.device, max_graphs: int = 8, warmup: int = 2,
@@ -173,13 +178,18 @@ class GraphedEncode(GraphCache):
         self.capture_at = capture_at
         self._calls: OrderedDict[tuple, int] = OrderedDict()  # eager calls per shape not captured yet (bounded)
         self._pool = torch.cuda.graph_pool_handle() if shared_pool else None
+        # one capture stream for all: the allocator reuses a freed block only on the stream it was
+        # made on, so a new stream per capture would grow the shared pool by a graph's worth each time
+        self._capture_stream = torch.cuda.Stream(self.device) if shared_pool else None
 
     def __call__(self, audio: Tensor, lengths: Tensor | None = None) -> list[Tensor]:
         key = (tuple(audio.shape), audio.dtype, lengths is not None)
         if key not in self and self._eager_call(key):
             return encode_rows(self.model, audio, lengths)
-        static_audio, static_lengths, codes, graph = self._captured(
-            key, lambda: self._capture(audio, lengths), f"audio of shape {tuple(audio.shape)}")
+        captured = self._captured(key, lambda: self._capture(audio, lengths), f"audio of shape {tuple(audio.shape)}")
+        if captured is _NO_GRAPH:
+            return encode_rows(self.model, audio, lengths)
+        static_audio, static_lengths, codes, graph = captured
         static_audio.copy_(audio)
         if lengths is not None:
             static_lengths.copy_(lengths)
@@ -223,17 +233,22 @@ class GraphedEncode(GraphCache):
             graph, codes = self._capture_queued(static_audio, static_lengths)
         except torch.OutOfMemoryError:
             # a capture cannot free the allocator's cached blocks (eager encodes' of other shapes): free
-            # them (a device sync) and capture again
+            # them (a device sync) and capture again; failing that, this shape stays eager
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
-            graph, codes = self._capture_queued(static_audio, static_lengths)
+            try:
+                graph, codes = self._capture_queued(static_audio, static_lengths)
+            except torch.OutOfMemoryError:
+                torch.cuda.synchronize(self.device)
+                torch.cuda.empty_cache()
+                return _NO_GRAPH
         return static_audio, static_lengths, codes, graph
 
     def _capture_queued(self, static_audio: Tensor, static_lengths: Tensor | None):
         """A capture without torch.cuda.graph's device sync and cache flushes (pinned host memory
         included): a corpus encode captures while earlier batches run and other threads copy codes."""
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.stream(torch.cuda.Stream(self.device)):
+        with torch.inference_mode(), torch.cuda.stream(self._capture_stream or torch.cuda.Stream(self.device)):
             graph.capture_begin(*([] if self._pool is None else [self._pool]), capture_error_mode="thread_local")
             try:
                 codes = encode_rows(self.model, static_audio, static_lengths)

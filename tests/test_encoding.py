@@ -333,3 +333,27 @@ def test_gpu_nearest_codeword_slices(cuda):
         e = F.normalize(torch.randn(rows, 8, device=cuda, generator=gen))
         expected = nearest_codeword_reference(e.double(), table.double())
         assert (_nearest_codeword(e, table) == expected).float().mean().item() >= 0.999
+
+
+@pytest.mark.gpu
+def test_gpu_corpus_graphs_capture_on_second_call_and_share_one_pool(cuda):
+    """GraphedEncode(capture_at=2, shared_pool=True), the corpus engine's: a shape's first call runs
+    eagerly, its second is captured and replayed (the same codes); every graph allocates from one
+    pool, so graphs of smaller shapes after the largest add almost no memory."""
+    from snac_fast.encoding import GraphedEncode
+
+    fast = FastSNAC(synthetic_model("snac_24khz"), device=cuda, dtype=torch.float16)
+    graphs = GraphedEncode(fast.model, fast.device, max_graphs=8, capture_at=2, shared_pool=True)
+    unit = padding_unit(fast.config)
+    reserved = []
+    for k, (rows, units) in enumerate([(8, 96), (6, 64), (4, 80), (8, 40)]):  # the largest first
+        audio = (torch.randn(rows, 1, units * unit, device=cuda) * 0.1).half()
+        with torch.inference_mode():
+            eager = graphs(audio)
+            assert graphs.captures == k  # first call: eager
+            replayed = graphs(audio)
+        assert graphs.captures == k + 1 and all(torch.equal(a, b) for a, b in zip(eager, replayed))
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the eager calls' cached blocks; the graphs' pool stays
+        reserved.append(torch.cuda.memory_reserved(cuda))
+    assert reserved[-1] - reserved[0] < 0.25 * reserved[0], reserved
