@@ -16,7 +16,6 @@ import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before Triton is imported
 
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
@@ -41,12 +40,9 @@ def main() -> None:
     shapes = [(kind, b, k) for b in buckets
               for kind, k in [(PREFILL, engine.prefill_frames), (FLUSH, 0), (STEP, engine.frames_per_group)]]
 
-    def run() -> None:  # what engine.warmup's shapes-only pass launches
-        for kind, bucket, frames in shapes:
-            keys = np.zeros((4, bucket), np.int64)
-            keys[0] = engine.max_streams
-            codes = [] if kind == FLUSH else [torch.zeros((bucket, frames * r), dtype=torch.int64) for r in engine._ratios]
-            engine._forward(kind, torch.from_numpy(keys), codes, frames)
+    def run() -> None:  # what engine.warmup's shapes-only pass launches (its inputs, on the CPU)
+        for (kind, _, frames), (keys, codes) in engine._warmup_inputs(shapes).items():
+            engine._forward(kind, torch.from_numpy(keys), [torch.from_numpy(c) for c in codes], frames)
 
     launches = record_launches(run, GPUS[args.gpu])
     print(f"{args.model}, {args.streams} streams, {len(buckets)} buckets x 3 step kinds = {len(shapes)} graphs: "
