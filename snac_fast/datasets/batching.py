@@ -3,6 +3,7 @@ launched on the codec, and each clip's codes cut back out."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Iterator, NamedTuple, Sequence
@@ -85,7 +86,8 @@ def batch_audio(codec, clips: Sequence[Clip], pad_seconds: float, batch_seconds:
 @dataclass
 class PendingShard:
     """A shard being encoded across batches (:class:`BatchQueues`): its clips' codes fill in as
-    their batches finish; ``pending`` counts the readable clips still out."""
+    their batches finish; ``pending`` counts the readable clips still out. A batched clip's
+    samples are dropped from ``clips`` (the batch holds a copy)."""
 
     index: int
     clips: list[Clip]
@@ -94,7 +96,8 @@ class PendingShard:
 
     @classmethod
     def of(cls, index: int, clips: list[Clip]) -> "PendingShard":
-        return cls(index, clips, [None] * len(clips), sum(c.error is None for c in clips))
+        # a list of its own: batching lets go of each clip's samples in it, not in the caller's list
+        return cls(index, list(clips), [None] * len(clips), sum(c.error is None for c in clips))
 
 
 # a clip waits for its batch to fill while at most this many later shards are queued, then its
@@ -142,8 +145,11 @@ class BatchQueues:
 
     def _leave(self, length: int) -> Batch:
         queue = self._queues.pop(length)
-        return build_batch(self.codec, [(shard, i) for _, shard, i in queue],
-                           [shard.clips[i].audio for _, shard, i in queue], length)
+        batch = build_batch(self.codec, [(shard, i) for _, shard, i in queue],
+                            [shard.clips[i].audio for _, shard, i in queue], length)
+        for _, shard, i in queue:  # the batch holds the samples now: the reader's spool file can go
+            shard.clips[i] = dataclasses.replace(shard.clips[i], audio=None)
+        return batch
 
 
 def launch_batches(codec, batches: list[Batch], graphs: GraphedEncode | None = None) -> Launched:
