@@ -223,32 +223,29 @@ class GraphedEncode(GraphCache):
                 for _ in range(self.warmup):
                     encode_rows(self.model, static_audio, static_lengths)
             torch.cuda.current_stream().wait_stream(stream)
-        if self.capture_at == 1:
             graph = torch.cuda.CUDAGraph()
-            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(self.device)):
+            with torch.inference_mode(), torch.cuda.graph(graph, pool=self._pool, stream=self._stream_for_capture()):
                 codes = encode_rows(self.model, static_audio, static_lengths)
             torch.cuda.current_stream().synchronize()
             return static_audio, static_lengths, codes, graph
-        try:
-            graph, codes = self._capture_queued(static_audio, static_lengths)
-        except torch.OutOfMemoryError:
-            # a capture cannot free the allocator's cached blocks (eager encodes' of other shapes): free
-            # them (a device sync) and capture again; failing that, this shape stays eager
-            torch.cuda.synchronize(self.device)
-            torch.cuda.empty_cache()
+        for _ in range(2):  # the second time after freeing the cache; failing that, the shape stays eager
             try:
                 graph, codes = self._capture_queued(static_audio, static_lengths)
+                return static_audio, static_lengths, codes, graph
             except torch.OutOfMemoryError:
+                # a capture cannot free the allocator's cached blocks (eager encodes' of other shapes)
                 torch.cuda.synchronize(self.device)
                 torch.cuda.empty_cache()
-                return _NO_GRAPH
-        return static_audio, static_lengths, codes, graph
+        return _NO_GRAPH
+
+    def _stream_for_capture(self) -> torch.cuda.Stream:
+        return self._capture_stream or torch.cuda.Stream(self.device)
 
     def _capture_queued(self, static_audio: Tensor, static_lengths: Tensor | None):
         """A capture without torch.cuda.graph's device sync and cache flushes (pinned host memory
         included): a corpus encode captures while earlier batches run and other threads copy codes."""
         graph = torch.cuda.CUDAGraph()
-        with torch.inference_mode(), torch.cuda.stream(self._capture_stream or torch.cuda.Stream(self.device)):
+        with torch.inference_mode(), torch.cuda.stream(self._stream_for_capture()):
             graph.capture_begin(*([] if self._pool is None else [self._pool]), capture_error_mode="thread_local")
             try:
                 codes = encode_rows(self.model, static_audio, static_lengths)

@@ -39,9 +39,14 @@ def length_batches(clips: Sequence[Clip], config: dict, pad_seconds: float, batc
             by_length.setdefault(padded_length(clip.audio.size, config, pad_seconds), []).append(i)
     batches = []
     for length, indices in sorted(by_length.items()):
-        per_batch = max(1, int(batch_seconds * config["sampling_rate"] // length))
+        per_batch = rows_per_batch(length, config, batch_seconds)
         batches += [indices[k:k + per_batch] for k in range(0, len(indices), per_batch)]
     return batches
+
+
+def rows_per_batch(length: int, config: dict, batch_seconds: float) -> int:
+    """Clips of padded ``length`` samples in a batch of at most ``batch_seconds`` (at least one)."""
+    return max(1, int(batch_seconds * config["sampling_rate"] // length))
 
 
 class Batch(NamedTuple):
@@ -128,7 +133,7 @@ class BatchQueues:
                 length = padded_length(clip.audio.size, config, self.pad_seconds)
                 queue = self._queues.setdefault(length, [])
                 queue.append((serial, shard, i))
-                if len(queue) >= max(1, int(self.batch_seconds * config["sampling_rate"] // length)):
+                if len(queue) >= rows_per_batch(length, config, self.batch_seconds):
                     ready.append(self._leave(length))
         for length, queue in list(self._queues.items()):
             if queue[0][0] <= serial - self.hold:
