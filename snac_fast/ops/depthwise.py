@@ -82,12 +82,15 @@ if HAS_TRITON:
     @triton.jit
     def _depthwise_runs(x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr, rows, runs, n_rows, C, T,
                         K: tl.constexpr, DILATION: tl.constexpr, HAS_BIAS: tl.constexpr, SNAKE: tl.constexpr,
-                        MASKED: tl.constexpr, RUN: tl.constexpr):
+                        RUN: tl.constexpr):
         """A tile of rows [R] x runs [N] for T % 8 == 0: each thread computes runs of RUN aligned chunks
         of 8 outputs (``runs``: their first steps). A run's neighbourhood is loaded once, as whole
         aligned 16-byte chunks, and each tap's shift becomes a choice among registers made at compile
         time: per 8 outputs, (RUN + 2 * ceil(halo / 8)) / RUN vector loads (3 / 5 / 9 at dilation
-        1 / 3 / 9 for RUN = 1), where a shifted tile load costs 8 unaligned 2-byte loads per tap."""
+        1 / 3 / 9 for RUN = 1), where a shifted tile load costs 8 unaligned 2-byte loads per tap.
+        Every tile masks its chunks, interior ones too: a second, unmasked copy of this unrolled code
+        for interior tiles was a fifth of the kernel's compile time (a cold start compiles it ~50
+        times) and won at most 1% (docs/serving.md, "Cold start of serving")."""
         HALO: tl.constexpr = (K - 1) // 2 * DILATION
         CHUNKS: tl.constexpr = (HALO + 7) // 8  # on each side of a run
         row_ok = rows < n_rows
@@ -98,10 +101,8 @@ if HAS_TRITON:
         for q in tl.static_range(-CHUNKS, RUN + CHUNKS):
             src = pos + q * 8
             ptrs = x_ptr + row_base[:, None, None] + src[None, :, :]
-            if MASKED:  # zero padding outside [0, T): whole chunks are in or out
-                chunk = tl.load(ptrs, mask=row_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :], other=0.0)
-            else:
-                chunk = tl.load(ptrs)
+            # zero padding outside [0, T): whole chunks are in or out
+            chunk = tl.load(ptrs, mask=row_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :], other=0.0)
             lanes = lanes + _lanes(chunk.to(tl.float32))
         taps = ()
         for k in tl.static_range(K):
@@ -147,17 +148,13 @@ if HAS_TRITON:
         row_block = pid // n_t_blocks
         t_block = pid - row_block * n_t_blocks
         rows = row_block * ROWS + tl.arange(0, ROWS)
-        halo = (K - 1) // 2 * DILATION
-        interior = (t_block * BLOCK_T >= halo) & ((t_block + 1) * BLOCK_T + halo <= T) & ((row_block + 1) * ROWS <= n_rows)
         if RUN > 0:
             runs = t_block * BLOCK_T + tl.arange(0, BLOCK_T // (8 * RUN)) * (8 * RUN)
-            if interior:
-                _depthwise_runs(x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr, rows, runs, n_rows, C, T,
-                                K, DILATION, HAS_BIAS, SNAKE, False, RUN)
-            else:
-                _depthwise_runs(x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr, rows, runs, n_rows, C, T,
-                                K, DILATION, HAS_BIAS, SNAKE, True, RUN)
+            _depthwise_runs(x_ptr, w_ptr, bias_ptr, alpha_ptr, out_ptr, rows, runs, n_rows, C, T,
+                            K, DILATION, HAS_BIAS, SNAKE, RUN)
         else:
+            halo = (K - 1) // 2 * DILATION
+            interior = (t_block * BLOCK_T >= halo) & ((t_block + 1) * BLOCK_T + halo <= T) & ((row_block + 1) * ROWS <= n_rows)
             row_ok = rows < n_rows
             chan = rows % C
             row_base = rows.to(tl.int64) * T

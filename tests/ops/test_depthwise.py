@@ -33,8 +33,8 @@ def test_depthwise_conv_snake(dtype, dilation, C, aligned):
 @pytest.mark.parametrize("dilation", [1, 9])
 @pytest.mark.parametrize("ragged", [0, 5])
 def test_depthwise_interior_and_edge_tiles(dilation, ragged, poisoned_empty):
-    """Long enough for interior tiles (unmasked loads) between the two edge tiles (masked), the last
-    one ending at T or ragged."""
+    """Long enough for interior tiles between the two edge tiles, the last one ending at T or ragged
+    (the per-tap path skips the masks in interior tiles; the runs mask every tile)."""
     T = 3 * _dw_config(2, 10**9, 3 * dilation, torch.device("cpu"))[1] + ragged
     gen = torch.Generator().manual_seed(dilation)
     x = torch.randn(1, 2, T, generator=gen)
