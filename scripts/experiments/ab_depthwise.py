@@ -12,27 +12,18 @@ from __future__ import annotations
 
 import argparse
 import sys
-import types
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for bench_common
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from ab_noise_fold import codes_for, stream_steps, workloads  # noqa: E402
+from ab_noise_fold import codes_for, load_module, stream_steps, workloads  # noqa: E402
 from bench_common import interleaved_decodes  # noqa: E402
 
 import snac_fast.ops.depthwise as depthwise  # noqa: E402
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.synthetic import synthetic_model  # noqa: E402
-
-
-def load_module(path: str):
-    """The older depthwise module, its torch.library op renamed (one name registers once)."""
-    module = types.ModuleType("snac_fast.ops.depthwise_against")
-    module.__file__ = path
-    exec(compile(Path(path).read_text().replace('"snac_fast::', '"snac_fast_against::'), path, "exec"), module.__dict__)
-    return module
 
 
 class Mode:
@@ -51,7 +42,7 @@ def main() -> None:
     parser.add_argument("--against", required=True, help="an older snac_fast/ops/depthwise.py")
     parser.add_argument("--rounds", type=int, default=8)
     args = parser.parse_args()
-    kernels = {"old": load_module(args.against)._depthwise_conv_snake_triton, "new": depthwise._depthwise_conv_snake_triton}
+    kernels = {"old": load_module(args.against, "snac_fast.ops.depthwise_against")._depthwise_conv_snake_triton, "new": depthwise._depthwise_conv_snake_triton}
     gen = torch.Generator(device="cuda").manual_seed(0)
     print(torch.cuda.get_device_name(), flush=True)
     for name in ["snac_24khz", "snac_32khz"]:

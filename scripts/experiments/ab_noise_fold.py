@@ -35,9 +35,10 @@ from snac_fast.ops.common import is_channels_last  # noqa: E402
 from snac_fast.synthetic import synthetic_model  # noqa: E402
 
 
-def load_module(path: str):
-    """The older pointwise module, its torch.library op renamed (one name registers once)."""
-    module = types.ModuleType("snac_fast.ops.pointwise_against")
+def load_module(path: str, name: str = "snac_fast.ops.pointwise_against"):
+    """An older ops module (default: pointwise) loaded as ``name``, its torch.library ops renamed (one
+    name registers once)."""
+    module = types.ModuleType(name)
     module.__file__ = path
     source = Path(path).read_text().replace('"snac_fast::', '"snac_fast_against::')
     exec(compile(source, path, "exec"), module.__dict__)

@@ -1,6 +1,6 @@
 """What a serving cold start's compiles cost, measured on a CPU (no GPU): the kernel launches of a
 stream engine's warm-up (``engine.warmup(max_batch=N)``'s step shapes, recorded under Triton's
-interpreter with an H100's launch rules, as ``warmup_variants.py`` counts them) are each compiled
+interpreter with an H100's launch rules, by ``warmup_variants.py``) are each compiled
 for sm_90 (``snac_fast.targets.compile_launch``), and the CPU time of each compile (the compiler
 and its ptxas) is summed per kernel. A proxy for the GPU host's compile pass: its 16 workers spend
 about this many CPU-seconds (docs/serving.md, "Cold start of serving").
@@ -23,21 +23,13 @@ from concurrent.futures import ProcessPoolExecutor
 
 
 def record(streams: int) -> list[dict]:
-    """The warm-up's distinct launches (in a child with the interpreter on: it must be set before Triton loads)."""
-    code = ("import json, sys, torch\n"
+    """The warm-up's distinct launches (``warmup_variants.warmup_launches``, in a child: the
+    interpreter must be on before Triton loads, and off here for the compiles)."""
+    code = ("import json, sys\n"
             "from dataclasses import asdict\n"
-            "from snac_fast import FastSNAC\n"
-            "from snac_fast.ops._runtime import GPUS\n"
-            "from snac_fast.streaming.engine import FLUSH, PREFILL, STEP\n"
-            "from snac_fast.synthetic import synthetic_model\n"
-            "from snac_fast.targets import record_launches\n"
-            f"engine = FastSNAC(synthetic_model('snac_24khz'), device='cpu', dtype=torch.float16).stream_engine(max_streams={streams})\n"
-            f"buckets = sorted({{min(1 << i, {streams}) for i in range(({streams}).bit_length() + 1)}})\n"
-            "shapes = [(k, b, f) for b in buckets for k, f in [(PREFILL, engine.prefill_frames), (FLUSH, 0), (STEP, engine.frames_per_group)]]\n"
-            "def run():\n"
-            "    for (kind, _, frames), (keys, codes) in engine._warmup_inputs(shapes).items():\n"
-            "        engine._forward(kind, torch.from_numpy(keys), [torch.from_numpy(c) for c in codes], frames)\n"
-            "json.dump([asdict(l) for l in record_launches(run, GPUS['h100'])], sys.stdout)\n")
+            f"sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r})\n"
+            "from warmup_variants import warmup_launches\n"
+            f"json.dump([asdict(l) for l in warmup_launches('snac_24khz', {streams})[0]], sys.stdout)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                           env={**os.environ, "TRITON_INTERPRET": "1"})
     return json.loads(done.stdout)

@@ -25,18 +25,13 @@ from snac_fast.synthetic import synthetic_model  # noqa: E402
 from snac_fast.targets import record_launches  # noqa: E402
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="snac_24khz")
-    parser.add_argument("--streams", type=int, default=256)
-    parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
-    parser.add_argument("--buckets", default=None, help="batch buckets to warm, e.g. 1,16,64,256 (default: the engine's powers of two)")
-    args = parser.parse_args()
-    codec = FastSNAC(synthetic_model(args.model), device="cpu", dtype=torch.float16)
-    engine = codec.stream_engine(max_streams=args.streams)
-    buckets = sorted({min(1 << i, args.streams) for i in range(args.streams.bit_length() + 1)})
-    if args.buckets:
-        buckets = sorted(int(b) for b in args.buckets.split(","))
+def warmup_launches(model: str, streams: int, gpu: str = "h100", buckets: list[int] | None = None):
+    """(the distinct launches, the number of step graphs) of a ``streams``-stream engine's warm-up on
+    ``model`` with ``gpu``'s launch rules; ``buckets``: the batch buckets warmed (default: the
+    engine's powers of two). Needs ``TRITON_INTERPRET=1`` before Triton is imported."""
+    codec = FastSNAC(synthetic_model(model), device="cpu", dtype=torch.float16)
+    engine = codec.stream_engine(max_streams=streams)
+    buckets = sorted(buckets or {min(1 << i, streams) for i in range(streams.bit_length() + 1)})
     shapes = [(kind, b, k) for b in buckets
               for kind, k in [(PREFILL, engine.prefill_frames), (FLUSH, 0), (STEP, engine.frames_per_group)]]
 
@@ -44,8 +39,19 @@ def main() -> None:
         for (kind, _, frames), (keys, codes) in engine._warmup_inputs(shapes).items():
             engine._forward(kind, torch.from_numpy(keys), [torch.from_numpy(c) for c in codes], frames)
 
-    launches = record_launches(run, GPUS[args.gpu])
-    print(f"{args.model}, {args.streams} streams, {len(buckets)} buckets x 3 step kinds = {len(shapes)} graphs: "
+    return record_launches(run, GPUS[gpu]), len(shapes)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="snac_24khz")
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
+    parser.add_argument("--buckets", default=None, help="batch buckets to warm, e.g. 1,16,64,256 (default: the engine's powers of two)")
+    args = parser.parse_args()
+    buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
+    launches, graphs = warmup_launches(args.model, args.streams, args.gpu, buckets)
+    print(f"{args.model}, {args.streams} streams, {graphs // 3} buckets x 3 step kinds = {graphs} graphs: "
           f"{len(launches)} distinct launches")
     for kernel, n in collections.Counter(launch.kernel for launch in launches).most_common():
         print(f"  {n:4d} {kernel}")
