@@ -18,7 +18,6 @@ records the GPUs' busy fraction (nvidia-smi) and the host's busy cores.
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import statistics
 import sys
@@ -170,8 +169,7 @@ def own_encode_queued(codec, shards: list, batch_seconds: float) -> float:
     return time.perf_counter() - t0
 
 
-def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int], actors_per_gpu: list[int],
-                 actor_cpus: list[float], local_runs: int = 2) -> dict:
+def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int], local_runs: int = 2) -> dict:
     """Hours of audio per minute: the local dataset engine vs the codec's own encode of the same
     clips (resampled already) in the same shards and batches; then the Ray engine on 1..n GPUs."""
     codec = FastSNAC(synthetic_model(name), device=CUDA, dtype=torch.float16, source=f"synthetic:{name}")
@@ -225,24 +223,19 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
         result["ray"] = {}
         if ray_gpus:
             import ray
-
-            from snac_fast.datasets import ray_engine
-        for cpus, per_gpu, gpus in itertools.product(actor_cpus, actors_per_gpu, ray_gpus):
-            ray_engine.CPUS_PER_GPU_ACTOR = cpus
+        for k, gpus in enumerate(ray_gpus):
             ray.init(num_gpus=gpus, log_to_driver=False)  # encode_dataset joins it: the actors see `gpus` GPUs
-            label = f"{gpus}x{per_gpu}" + (f"c{cpus:g}" if len(actor_cpus) > 1 else "")
+            label = f"{gpus} GPU" + ("s" if gpus > 1 else "") + (f" ({ray_gpus[:k].count(gpus) + 1})" if gpus in ray_gpus[:k] else "")
             try:
                 with MachineLoad() as load:
-                    ray_run = datasets.encode_dataset(folder, Path(tmp) / f"ray{label}", engine="ray",
-                                                      model=f"synthetic:{name}", dtype="float16", loaders=1,
-                                                      actors_per_gpu=per_gpu, **run)
+                    ray_run = datasets.encode_dataset(folder, Path(tmp) / f"ray{k}", engine="ray",
+                                                      model=f"synthetic:{name}", dtype="float16", **run)
             finally:
                 ray.shutdown()
             wall = ray_run["wall_seconds"]
-            result["ray"][label] = {"gpus": gpus, "actors_per_gpu": per_gpu, "cpus_per_actor": cpus, "wall_s": wall,
-                                    "hours_per_minute": hours / wall * 60,
+            result["ray"][label] = {"gpus": gpus, "wall_s": wall, "hours_per_minute": hours / wall * 60,
                                     "steady_hours_per_minute": steady_rate(ray_run["per_shard"]),
-                                    "shards_equal_local": same_shards(Path(tmp) / f"ray{label}", Path(tmp) / "out0"),
+                                    "shards_equal_local": same_shards(Path(tmp) / f"ray{k}", Path(tmp) / "out0"),
                                     "load": load.summary()}
             print(f"ray {label}:", result["ray"][label], flush=True)
     return result
@@ -271,22 +264,14 @@ def main() -> None:
     ap.add_argument("--no-workloads", action="store_true", help="only the dataset throughput run")
     ap.add_argument("--files", type=int, default=2000, help="corpus files (2-12 s each)")
     ap.add_argument("--batch-seconds", type=float, default=300.0)
-    ap.add_argument("--ray-gpus", default="", help="also run the Ray engine on these GPU counts, e.g. 1,2")
-    ap.add_argument("--ray-actors-per-gpu", default="2", help="the Ray runs with these actors per GPU, e.g. 1,2")
-    ap.add_argument("--ray-actor-cpus", default=None,
-                    help="the Ray runs with these CPUs reserved per GPU actor, e.g. 0,2 (default: the engine's)")
+    ap.add_argument("--ray-gpus", default="", help="also run the Ray engine on these GPU counts, in order, e.g. 1,2")
     ap.add_argument("--local-runs", type=int, default=2, help="timed runs of the local engine, the faster kept")
     args = ap.parse_args()
     loads = [] if args.no_workloads else [(10.0, 1), (10.0, 32), (60.0, 1)]
     results = {f"{s:g} s B={b}": bench_workload(args.model, s, b, args.rounds) for s, b in loads}
     ray_gpus = [int(g) for g in args.ray_gpus.split(",") if g]
-    per_gpu = [int(a) for a in args.ray_actors_per_gpu.split(",")]
-    from snac_fast.datasets import ray_engine
-
-    actor_cpus = ([float(c) for c in args.ray_actor_cpus.split(",")] if args.ray_actor_cpus
-                  else [ray_engine.CPUS_PER_GPU_ACTOR])
-    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds, ray_gpus, per_gpu,
-                                                      actor_cpus, args.local_runs)
+    corpus = None if args.no_corpus else bench_corpus(args.model, args.files, args.batch_seconds, ray_gpus,
+                                                      args.local_runs)
     env = environment()
     rows = []
     for label, by_mode in results.items():
@@ -323,8 +308,7 @@ def main() -> None:
                 return f"{a / b:.2f}" if a and b else "-"
 
             def one_gpu(r):
-                return next((o["steady_hours_per_minute"] for o in corpus["ray"].values() if o["gpus"] == 1
-                             and o["actors_per_gpu"] == r["actors_per_gpu"] and o["cpus_per_actor"] == r["cpus_per_actor"]), None)
+                return next((o["steady_hours_per_minute"] for o in corpus["ray"].values() if o["gpus"] == 1), None)
 
             def busy(r):
                 used = sorted(r["load"]["gpu_busy"].items())[:r["gpus"]]
@@ -334,15 +318,15 @@ def main() -> None:
                    "finished; per GPU vs local: steady / GPUs / the local engine's steady rate; GPU busy: "
                    "nvidia-smi's utilization over the whole run, start-up included, per GPU; host cores: busy "
                    "cores over the whole run):\n\n" + markdown_table(
-                       ["GPUs", "actors per GPU", "CPUs per actor", "wall s", "h/min (wall)", "h/min (steady)",
-                        "steady vs 1 GPU", "per GPU vs local (steady)", "GPU busy", "host cores", "shards equal local"],
-                       [[r["gpus"], r["actors_per_gpu"], f"{r['cpus_per_actor']:g}", f"{r['wall_s']:.1f}",
+                       ["run", "wall s", "h/min (wall)", "h/min (steady)", "steady vs 1 GPU",
+                        "per GPU vs local (steady)", "GPU busy", "host cores", "shards equal local"],
+                       [[label, f"{r['wall_s']:.1f}",
                          f"{r['hours_per_minute']:.1f}",
                          f"{r['steady_hours_per_minute']:.1f}" if r["steady_hours_per_minute"] else "-",
                          ratio(r["steady_hours_per_minute"], one_gpu(r)),
                          ratio(r["steady_hours_per_minute"] and r["steady_hours_per_minute"] / r["gpus"], local),
                          busy(r), f"{r['load']['host_cores_busy']:.1f}" if r["load"]["host_cores_busy"] else "-",
-                         r["shards_equal_local"]] for r in corpus["ray"].values()]))
+                         r["shards_equal_local"]] for label, r in corpus["ray"].items()]))
     write_results(args.out.parent, args.out.name, {"environment": env, "model": args.model, "encode": results,
                                                    "corpus": corpus}, md)
     print(md)

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -206,20 +207,34 @@ def test_decode_names_outputs_after_their_sources_and_records_failed_rows(codec,
 
 
 def test_ray_engine_writes_the_same_shards(corpus, tmp_path, monkeypatch):
-    """Ray Data on a local CPU cluster: CPU tasks read, actors encode (two shards at a time, as GPU
-    actors do); the shards equal the local engine's."""
-    monkeypatch.setattr("snac_fast.datasets.ray_engine.CALLS_PER_CPU_ACTOR", 2)
+    """Ray Data on a local CPU cluster, two actors: each runs the local engine over its share of the
+    shards (dealt out round-robin), one call each (never both shares queued on the first actor
+    ready); the shards equal the local engine's."""
+    from snac_fast.datasets import ray_engine
+
+    calls = tmp_path / "calls"
+    calls.mkdir()
+
+    class Recorded(ray_engine._EncodeShare):  # defined here: Ray ships it to the actors by value
+        def __call__(self, row):
+            (calls / f"{os.getpid()}-{time.monotonic_ns()}").write_text(",".join(str(int(n)) for n in row["share"]))
+            return super().__call__(row)
+
+    monkeypatch.setattr(ray_engine, "_EncodeShare", Recorded)
+    monkeypatch.setattr(ray_engine, "_actor_resources", lambda nodes, on_gpus: (2, 1.0))  # two on CI's 2 CPUs
     model = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))
     common = dict(model=model, device="cpu", model_options={"accelerate_encoder": False, "fuse": False},
                   files_per_shard=3, pad_seconds=0.5)
     local = ds.encode_dataset(corpus, tmp_path / "local", progress=False, **common)
-    distributed = ds.encode_dataset(corpus, tmp_path / "ray", engine="ray", loaders=2, **common)
+    distributed = ds.encode_dataset(corpus, tmp_path / "ray", engine="ray", loaders=1, **common)
     def untimed(summary):  # per shard: everything but when it finished, in shard order
         shards = sorted(({k: v for k, v in d.items() if k != "finished_at"} for d in summary["per_shard"]),
                         key=lambda d: d["shard"])
         return {**{k: v for k, v in summary.items() if k not in ("wall_seconds", "per_shard")}, "per_shard": shards}
 
     assert untimed(distributed) == untimed(local) and len(local["per_shard"]) == 3
+    made = sorted((p.name.split("-")[0], p.read_text()) for p in calls.iterdir())
+    assert sorted(share for _, share in made) == ["0,2", "1"] and len({pid for pid, _ in made}) == 2
     assert sorted(p.name for p in (tmp_path / "ray").iterdir()) == sorted(p.name for p in (tmp_path / "local").iterdir())
     assert rows_of(tmp_path / "ray") == rows_of(tmp_path / "local")
     assert ds.encode_dataset(corpus, tmp_path / "ray", engine="ray", **common)["shards_skipped"] == 3  # resumable
@@ -227,12 +242,18 @@ def test_ray_engine_writes_the_same_shards(corpus, tmp_path, monkeypatch):
         ds.encode_dataset(corpus, tmp_path / "x", engine="ray", codec=object())
 
 
-def test_gpu_actors_reserve_cpus_but_at_most_half_the_cluster():
-    from snac_fast.datasets.ray_engine import CPUS_PER_GPU_ACTOR, _gpu_actor_cpus
+def test_ray_actors_one_per_gpu_each_with_its_nodes_share_of_cpus():
+    from snac_fast.datasets.ray_engine import _actor_resources
 
-    assert _gpu_actor_cpus(32, 6) == CPUS_PER_GPU_ACTOR == 2  # 2 GPUs of a 32-CPU host: 12 reserved, 20 read
-    assert _gpu_actor_cpus(8, 3) == pytest.approx(8 / 6)  # a small host: half its CPUs for the three actors
-    assert _gpu_actor_cpus(0, 3) == 0
+    def node(cpus, gpus=0, alive=True):
+        return {"Alive": alive, "Resources": {"CPU": cpus, **({"GPU": gpus} if gpus else {})}}
+
+    assert _actor_resources([node(32, 2)], True) == (2, 16)
+    # the head node without GPUs reads nothing; the GPU node with fewer CPUs per GPU sets the share
+    assert _actor_resources([node(4), node(64, 8), node(32, 2)], True) == (10, 8)
+    assert _actor_resources([node(32, 2), node(64, 4, alive=False)], True) == (2, 16)
+    assert _actor_resources([node(32, 2)], False) == (1, 32)  # device="cpu": one actor per node
+    assert _actor_resources([node(2), node(8)], True) == (2, 2)
 
 
 def test_reader_tasks_spool_their_audio_or_send_it_inline(corpus, tmp_path):

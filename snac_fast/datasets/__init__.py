@@ -46,7 +46,6 @@ from snac_fast.datasets.decode import decode_dataset
 from snac_fast.datasets.encode import (
     encode_back_to_back,
     encode_dataset,
-    encode_shard,
     write_shard,
 )
 from snac_fast.datasets.inputs import AudioInput, Clip, list_inputs, read_clip
@@ -69,7 +68,6 @@ __all__ = [
     "shard_name",
     "read_shards",
     "encode_dataset",
-    "encode_shard",
     "write_shard",
     "encode_back_to_back",
     "decode_dataset",

@@ -40,7 +40,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
                    engine: str = "local", address: str | None = None, model_options: dict | None = None,
                    files_per_shard: int = 256, batch_seconds: float = 300.0, pad_seconds: float = 1.0,
                    suffixes: Sequence[str] | None = None, loaders: int | None = None, progress: bool = True,
-                   device: str | None = None, dtype: str | None = None, actors_per_gpu: int = 3) -> dict:
+                   device: str | None = None, dtype: str | None = None) -> dict:
     """Encode every input of ``source`` (see :func:`list_inputs`) into Parquet shards in ``out``
     (see the module docstring). Returns a summary: files, shards written and skipped, seconds of
     audio, errors, wall seconds, and ``per_shard``: each shard written (index, audio seconds,
@@ -49,18 +49,18 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     engine "local": this process encodes with ``codec`` (a FastSNAC; default: ``model`` loaded by
     ``FastSNAC.from_pretrained(model, device=, dtype=, **model_options)``), batching clips of one
     padded length across shards (a shard is written once all its clips are back, so shards may be
-    written out of order). engine "ray" (needs
-    ``pip install 'snac-fast[ray]'``): Ray Data reads each shard's audio in CPU tasks and encodes
-    it in actors (``actors_per_gpu`` per GPU of the cluster, each a process with its share of the GPU
-    and two CPUs reserved: several interpreters launch one GPU's encodes, where one alone leaves it
-    waiting; else up to ``loaders`` CPU actors), each loading ``model`` itself; ``address`` joins a
+    written out of order). engine "ray" (needs ``pip install 'snac-fast[ray]'``): Ray Data places one
+    actor per GPU of the cluster (one per node on a cluster without GPUs), each loading ``model``
+    itself and running the local engine, with up to ``loaders`` reader processes of its own, over
+    its share of the shards (dealt out round-robin when the run starts); ``address`` joins a
     running cluster, else a local one is started. Both engines write the same shards."""
     if engine not in ("local", "ray"):
         raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
     _require_pyarrow()
+    loaders_per_ray_actor = loaders or 16  # and at most its CPUs: this machine's count is not the actors'
     loaders = loaders or min(16, os.cpu_count() or 1)
-    if files_per_shard < 1 or batch_seconds <= 0 or pad_seconds < 0 or loaders < 1 or actors_per_gpu < 1:
-        raise ValueError("files_per_shard, loaders and actors_per_gpu must be >= 1, batch_seconds > 0 and pad_seconds >= 0")
+    if files_per_shard < 1 or batch_seconds <= 0 or pad_seconds < 0 or loaders < 1:
+        raise ValueError("files_per_shard and loaders must be >= 1, batch_seconds > 0 and pad_seconds >= 0")
     inputs = list_inputs(source, suffixes)
     load = {"model": str(model or DEFAULT_MODEL), "device": device, "dtype": dtype, **(model_options or {})}
     if engine == "ray":
@@ -79,22 +79,15 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     start = time.perf_counter()
     settings = {"out": str(out), "pad_seconds": pad_seconds, "batch_seconds": batch_seconds}
     if engine == "ray":
-        from snac_fast.datasets.ray_engine import (
-            _encode_with_ray,  # its actors run encode_shard of this module
-        )
+        from snac_fast.datasets.ray_engine import _encode_with_ray  # its actors run _encode_here
 
-        done = _encode_with_ray(shards, todo, load, settings, address, loaders, actors_per_gpu)
+        done = _encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor)
     else:
-        done = _encode_here(shards, todo, codec, settings, loaders, progress, start)
+        with _Readers(loaders, codec.sampling_rate, _batch_dtype(codec)) as readers:
+            done = _encode_here(shards, todo, codec, settings, readers, progress, start)
     return {"files": len(inputs), "shards": len(shards), "shards_skipped": len(shards) - len(todo),
             "audio_seconds": sum(d["audio_seconds"] for d in done), "errors": sum(d["errors"] for d in done),
             "wall_seconds": time.perf_counter() - start, "per_shard": done}
-
-
-def encode_shard(codec, clips: Sequence[Clip], index: int, settings: dict) -> dict:
-    """Encode one shard's clips and write its file; returns what it held (audio seconds, errors)."""
-    launched = launch_clips(codec, clips, settings["pad_seconds"], settings["batch_seconds"])
-    return write_shard(codec, clips, finish_clips(codec, clips, launched), index, settings)
 
 
 def write_shard(codec, clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], index: int, settings: dict) -> dict:
@@ -120,9 +113,9 @@ def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_sec
         yield previous[0], previous[1], finish_clips(codec, previous[1], previous[2])
 
 
-def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> list[dict]:
-    """The local engine. This thread only launches encodes; one helper thread collects each
-    shard's audio from the reader processes (reading ``READ_AHEAD`` shards ahead) and queues its
+def _encode_here(shards, todo, codec, settings, readers: _Readers, progress, start) -> list[dict]:
+    """The local engine (the Ray engine's actors run it too). This thread only launches encodes; one
+    helper thread collects each shard's audio from ``readers`` (reading ``READ_AHEAD`` shards ahead) and queues its
     clips for batches across shards (:class:`BatchQueues`: the batches of a length have one shape and
     replay a CUDA graph), another fetches the codes and writes each shard once all its clips are
     back. With all of that in it, the launching thread was the bottleneck (docs/datasets.md)."""
@@ -130,8 +123,7 @@ def _encode_here(shards, todo, codec, settings, loaders, progress, start) -> lis
     queues = BatchQueues(codec, settings["pad_seconds"], settings["batch_seconds"])
     graphs = corpus_graphs(codec)
     open_shards: list[PendingShard] = []  # the writer thread's: shards with codes still out
-    with _Readers(loaders, codec.sampling_rate, _batch_dtype(codec)) as readers, \
-            _progress(sum(len(shards[n]) for n in todo), progress) as bar, \
+    with _progress(sum(len(shards[n]) for n in todo), progress) as bar, \
             ThreadPoolExecutor(1, "snac-fast-batches") as batcher, ThreadPoolExecutor(1, "snac-fast-writer") as writer:
         reads = {}
 
