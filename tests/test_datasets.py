@@ -206,6 +206,24 @@ def test_decode_names_outputs_after_their_sources_and_records_failed_rows(codec,
     assert soundfile.info(str(tmp_path / "out" / "good.wav")).frames == round(0.3 * 24000)
 
 
+def test_local_engine_reads_while_the_model_loads(corpus, tmp_path, monkeypatch):
+    """Given a model's name (as the CLI runs it), the reader processes are forked and the first
+    shards' reads submitted before the model loads; none of it when every shard is done."""
+    from snac_fast.datasets import encode, readers
+
+    events = []
+    submit, load = readers._Readers.submit, encode._load
+    monkeypatch.setattr(readers._Readers, "submit", lambda self, items: events.append("read") or submit(self, items))
+    monkeypatch.setattr(encode, "_load", lambda **options: events.append("load") or load(**options))
+    options = dict(model=str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), device="cpu",
+                   model_options={"accelerate_encoder": False, "fuse": False}, files_per_shard=3, loaders=1,
+                   progress=False)
+    summary = ds.encode_dataset(corpus, tmp_path / "out", **options)
+    assert events[:3] == ["read", "read", "load"] and summary["shards"] == len(summary["per_shard"]) == 3
+    events.clear()
+    assert ds.encode_dataset(corpus, tmp_path / "out", **options)["shards_skipped"] == 3 and events == []
+
+
 def test_ray_engine_writes_the_same_shards(corpus, tmp_path, monkeypatch):
     """Ray Data on a local CPU cluster, two actors: each runs the local engine over its share of the
     shards (dealt out round-robin), one call each (never both shares queued on the first actor

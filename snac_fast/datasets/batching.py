@@ -201,6 +201,15 @@ def _batch_dtype(codec) -> torch.dtype:
     return torch.float16 if codec.dtype == torch.float16 else torch.float32
 
 
+def _batch_dtype_of(load: dict, device: str | None = None) -> torch.dtype:
+    """:func:`_batch_dtype` of the codec ``runs._load(**load)`` will make, known before it loads;
+    ``device``: where it will load if ``load`` names no device (default: this machine's default)."""
+    from snac_fast.api import default_device, parse_dtype
+
+    where = torch.device(load.get("device") or device or default_device())
+    return torch.float16 if parse_dtype(load.get("dtype"), where) == torch.float16 else torch.float32
+
+
 def launched_codes(codec, launched: Launched) -> Iterator[tuple[object, list[np.ndarray]]]:
     """(row, codes) of every row of ``launched``'s batches: the codes cut to the clip's length,
     int16 arrays, one per level. Waits for the copies (once)."""

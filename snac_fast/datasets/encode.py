@@ -18,6 +18,7 @@ from snac_fast.datasets.batching import (
     Launched,
     PendingShard,
     _batch_dtype,
+    _batch_dtype_of,
     corpus_graphs,
     finish_clips,
     launch_batches,
@@ -34,6 +35,10 @@ from snac_fast.datasets.shards import (
     shard_name,
     shard_table,
 )
+from snac_fast.loading import resolve_checkpoint
+
+# the options of FastSNAC.from_pretrained that say where its checkpoint is
+_HUB_OPTIONS = ("revision", "cache_dir", "local_files_only", "token")
 
 
 def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
@@ -63,12 +68,15 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
         raise ValueError("files_per_shard and loaders must be >= 1, batch_seconds > 0 and pad_seconds >= 0")
     inputs = list_inputs(source, suffixes)
     load = {"model": str(model or DEFAULT_MODEL), "device": device, "dtype": dtype, **(model_options or {})}
+    checkpoint = None
     if engine == "ray":
         if codec is not None:
             raise ValueError("engine='ray' loads the model in its actors: pass model=, not a codec")
         name = load["model"]
+    elif codec is None:  # loaded below, once the readers are at work
+        checkpoint = resolve_checkpoint(load["model"], **{k: v for k, v in load.items() if k in _HUB_OPTIONS})
+        name = checkpoint.source
     else:
-        codec = codec if codec is not None else _load(**load)
         name = _model_name(codec)
     out = Path(out)
     ids = hashlib.sha256("\n".join(i.id for i in inputs).encode()).hexdigest()
@@ -79,12 +87,25 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     start = time.perf_counter()
     settings = {"out": str(out), "pad_seconds": pad_seconds, "batch_seconds": batch_seconds}
     if engine == "ray":
-        from snac_fast.datasets.ray_engine import _encode_with_ray  # its actors run _encode_here
+        from snac_fast.datasets.ray_engine import (
+            _encode_with_ray,  # its actors run _encode_here
+        )
 
         done = _encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor)
+    elif todo:
+        rate = codec.sampling_rate if codec is not None else int(checkpoint.config["sampling_rate"])
+        dtype = _batch_dtype(codec) if codec is not None else _batch_dtype_of(load)
+        with _Readers(loaders, rate, dtype) as readers:
+            # the model loads while the first shards are read (and after the forks: a process without
+            # a CUDA context forks several times faster)
+            reads = _start_reading(readers, shards, todo)
+            if codec is None:
+                codec = _load(**load)
+                if _batch_dtype(codec) != dtype:  # _batch_dtype_of must agree with what from_pretrained made
+                    raise RuntimeError(f"the readers made {dtype} samples, the codec batches {_batch_dtype(codec)}")
+            done = _encode_here(shards, todo, codec, settings, readers, progress, start, reads)
     else:
-        with _Readers(loaders, codec.sampling_rate, _batch_dtype(codec)) as readers:
-            done = _encode_here(shards, todo, codec, settings, readers, progress, start)
+        done = []
     return {"files": len(inputs), "shards": len(shards), "shards_skipped": len(shards) - len(todo),
             "audio_seconds": sum(d["audio_seconds"] for d in done), "errors": sum(d["errors"] for d in done),
             "wall_seconds": time.perf_counter() - start, "per_shard": done}
@@ -113,19 +134,26 @@ def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_sec
         yield previous[0], previous[1], finish_clips(codec, previous[1], previous[2])
 
 
-def _encode_here(shards, todo, codec, settings, readers: _Readers, progress, start) -> list[dict]:
+def _start_reading(readers: _Readers, shards, todo) -> dict[int, list[Future]]:
+    """The reads of the first ``READ_AHEAD`` shards to do, submitted (by position in ``todo``)."""
+    return {k: readers.submit(shards[todo[k]]) for k in range(min(READ_AHEAD, len(todo)))}
+
+
+def _encode_here(shards, todo, codec, settings, readers: _Readers, progress, start,
+                 reads: dict[int, list[Future]] | None = None) -> list[dict]:
     """The local engine (the Ray engine's actors run it too). This thread only launches encodes; one
     helper thread collects each shard's audio from ``readers`` (reading ``READ_AHEAD`` shards ahead) and queues its
     clips for batches across shards (:class:`BatchQueues`: the batches of a length have one shape and
     replay a CUDA graph), another fetches the codes and writes each shard once all its clips are
-    back. With all of that in it, the launching thread was the bottleneck (docs/datasets.md)."""
+    back. With all of that in it, the launching thread was the bottleneck (docs/datasets.md).
+    ``reads``: the first shards' reads if already submitted (:func:`_start_reading`)."""
     done: list[dict] = []
     queues = BatchQueues(codec, settings["pad_seconds"], settings["batch_seconds"])
     graphs = corpus_graphs(codec)
     open_shards: list[PendingShard] = []  # the writer thread's: shards with codes still out
     with _progress(sum(len(shards[n]) for n in todo), progress) as bar, \
             ThreadPoolExecutor(1, "snac-fast-batches") as batcher, ThreadPoolExecutor(1, "snac-fast-writer") as writer:
-        reads = {}
+        reads = reads if reads is not None else _start_reading(readers, shards, todo)
 
         def read(k: int) -> None:
             if k < len(todo):
@@ -153,8 +181,6 @@ def _encode_here(shards, todo, codec, settings, readers: _Readers, progress, sta
             hours = sum(d["audio_seconds"] for d in done) / 3600
             bar.set_postfix_str(f"{hours / (time.perf_counter() - start):.4f} h audio/s")
 
-        for k in range(READ_AHEAD):
-            read(k)
         if todo:
             prepared = batcher.submit(prepare, 0)
         writes: list[Future] = []

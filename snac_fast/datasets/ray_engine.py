@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 
+from snac_fast.datasets.batching import _batch_dtype_of
 from snac_fast.datasets.runs import _load
 
 
@@ -57,17 +58,6 @@ def _actor_resources(nodes: list[dict], on_gpus: bool) -> tuple[int, float]:
     return max(1, len(with_cpus)), min((r["CPU"] for r in with_cpus), default=1.0)
 
 
-def _batch_dtype_name(load: dict, gpus: bool) -> str:
-    """The dtype the actors' codecs build batches in (``batching._batch_dtype``), known before any
-    actor exists: float16 for a float16 codec, else float32."""
-    import torch
-
-    from snac_fast.api import parse_dtype
-
-    device = torch.device(load.get("device") or ("cuda" if gpus else "cpu"))
-    return "float16" if parse_dtype(load.get("dtype"), device) == torch.float16 else "float32"
-
-
 def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, loaders: int) -> list[dict]:
     """The shards ``todo`` of ``shards`` encoded on a Ray cluster (``address``, else a local one
     started here); each actor runs up to ``loaders`` reader processes. Returns what each shard
@@ -90,8 +80,9 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
         gpus = int(ray.cluster_resources().get("GPU", 0)) >= 1 and load.get("device") != "cpu"
         actors = min(actors, len(todo))
         shares = [todo[k::actors] for k in range(actors)]
-        settings_of_actor = {"shards": shards, "load": load, "settings": settings, "rate": rate,
-                             "dtype": _batch_dtype_name(load, gpus), "loaders": max(1, min(loaders, int(cpus)))}
+        dtype = str(_batch_dtype_of(load, "cuda" if gpus else "cpu")).replace("torch.", "")
+        settings_of_actor = {"shards": shards, "load": load, "settings": settings, "rate": rate, "dtype": dtype,
+                             "loaders": max(1, min(loaders, int(cpus)))}
         data = ray.data.from_items([{"share": share} for share in shares], override_num_blocks=actors)
         # one share per actor: by default Ray queues several blocks on the first actor ready
         data = data.flat_map(_EncodeShare, fn_constructor_kwargs=settings_of_actor,
