@@ -96,7 +96,7 @@ def keep_attention_float32(model: nn.Module, dtype: torch.dtype) -> list[str]:
     mix. This is how upstream baselines run in half (the fidelity check's plain upstream, the
     benchmarks' folded peer) and what ``accelerate(fuse=False)`` does; fused half models run
     :class:`~snac_fast.modules.HalfLocalMHA` instead (20-37% faster 32 kHz decodes and encodes,
-    `benchmarks/attention_ab_h100.md`).
+    `benchmarks/logs/attention_ab_h100.md`).
     """
     from snac.attention import LocalMHA
 

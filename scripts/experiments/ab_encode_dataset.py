@@ -3,7 +3,7 @@ against this one's, on one speech-like corpus, alternating fresh processes (each
 whole run first, then times a second one).
 
     git archive <commit> snac_fast | tar -x -C /tmp/base
-    python scripts/experiments/ab_encode_dataset.py /tmp/base --files 4000 --rounds 3 --out benchmarks/encode_corpus_ab_h100.json
+    python scripts/experiments/ab_encode_dataset.py /tmp/base --files 4000 --rounds 3 --out benchmarks/logs/encode_corpus_ab_h100.json
 
 ``--cli``: time instead the whole command a user runs, ``snac-fast encode-dataset CORPUS OUT --model
 synthetic:snac_24khz`` in a fresh process (interpreter, imports, model load and the run), after one
