@@ -274,6 +274,17 @@ def test_ray_actors_one_per_gpu_each_with_its_nodes_share_of_cpus():
     assert _actor_resources([node(2), node(8)], True) == (2, 2)
 
 
+def test_ray_progress_counts_the_inputs_of_shards_written(tmp_path):
+    from snac_fast.datasets.ray_engine import _files_written
+
+    shards = [["a"] * 3, ["b"] * 2, ["c"] * 4]
+    for name in (ds.shard_name(0), ds.shard_name(1), ds.shard_name(2) + ".partial"):
+        (tmp_path / name).write_bytes(b"")
+    assert _files_written(tmp_path, shards, [0, 2]) == 3  # shard 1 was done before the run; 2 is being written
+    (tmp_path / ds.shard_name(2)).write_bytes(b"")
+    assert _files_written(tmp_path, shards, [0, 2]) == 7
+
+
 def test_reader_tasks_spool_their_audio_or_send_it_inline(corpus, tmp_path):
     """A reader task writes its clips into one spool file (lengths alone come back); where the spool
     cannot take it, the arrays come back themselves. Both give the clips read_clip gives."""

@@ -27,7 +27,7 @@ from snac_fast.datasets.batching import (
 )
 from snac_fast.datasets.inputs import Clip, list_inputs
 from snac_fast.datasets.readers import READ_AHEAD, _Readers
-from snac_fast.datasets.runs import _load, _model_name, _progress
+from snac_fast.datasets.runs import _checkpoint, _load, _model_name, _progress
 from snac_fast.datasets.shards import (
     _check_run,
     _require_pyarrow,
@@ -35,10 +35,6 @@ from snac_fast.datasets.shards import (
     shard_name,
     shard_table,
 )
-from snac_fast.loading import resolve_checkpoint
-
-# the options of FastSNAC.from_pretrained that say where its checkpoint is
-_HUB_OPTIONS = ("revision", "cache_dir", "local_files_only", "token")
 
 
 def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
@@ -74,7 +70,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
             raise ValueError("engine='ray' loads the model in its actors: pass model=, not a codec")
         name = load["model"]
     elif codec is None:  # loaded below, once the readers are at work
-        checkpoint = resolve_checkpoint(load["model"], **{k: v for k, v in load.items() if k in _HUB_OPTIONS})
+        checkpoint = _checkpoint(load)
         name = checkpoint.source
     else:
         name = _model_name(codec)
@@ -91,7 +87,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
             _encode_with_ray,  # its actors run _encode_here
         )
 
-        done = _encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor)
+        done = _encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor, progress)
     elif todo:
         rate = codec.sampling_rate if codec is not None else int(checkpoint.config["sampling_rate"])
         dtype = _batch_dtype(codec) if codec is not None else _batch_dtype_of(load)

@@ -11,10 +11,16 @@ run starts, so a GPU that runs slower than the others finishes last.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import threading
 import time
+from pathlib import Path
+from typing import Iterator
 
 from snac_fast.datasets.batching import _batch_dtype_of
-from snac_fast.datasets.runs import _load
+from snac_fast.datasets.runs import _checkpoint, _load, _progress
+from snac_fast.datasets.shards import shard_name
 
 
 class _EncodeShare:
@@ -58,20 +64,46 @@ def _actor_resources(nodes: list[dict], on_gpus: bool) -> tuple[int, float]:
     return max(1, len(with_cpus)), min((r["CPU"] for r in with_cpus), default=1.0)
 
 
-def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, loaders: int) -> list[dict]:
+def _files_written(out: Path, shards: list, todo: list[int]) -> int:
+    """The inputs of the shards ``todo`` whose files are in ``out`` (written whole: renamed when done)."""
+    names = {entry.name for entry in os.scandir(out)}
+    return sum(len(shards[n]) for n in todo if shard_name(n) in names)
+
+
+@contextlib.contextmanager
+def _watching(out: Path, shards: list, todo: list[int], enabled: bool) -> Iterator[None]:
+    """A progress bar over the inputs of ``todo``, moved by the shard files the actors write into
+    ``out`` (an actor returns only when its whole share is done)."""
+    with _progress(sum(len(shards[n]) for n in todo), enabled) as bar:
+        stop = threading.Event()
+
+        def watch() -> None:
+            while not stop.wait(1.0):
+                bar.update(_files_written(out, shards, todo) - bar.n)
+
+        watcher = threading.Thread(target=watch, name="snac-fast-ray-progress", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            watcher.join()
+            bar.update(_files_written(out, shards, todo) - bar.n)
+
+
+def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, loaders: int,
+                     progress: bool = False) -> list[dict]:
     """The shards ``todo`` of ``shards`` encoded on a Ray cluster (``address``, else a local one
     started here); each actor runs up to ``loaders`` reader processes. Returns what each shard
-    written held, as the local engine does."""
+    written held, as the local engine does; ``progress``: a bar over the files of the shards written."""
     try:
         import ray
         from ray.data import ActorPoolStrategy
     except ImportError as error:
         raise ImportError("engine='ray' needs Ray Data: pip install 'snac-fast[ray]'") from error
-    from snac_fast.loading import resolve_checkpoint
-
     if not todo:
         return []
-    rate = resolve_checkpoint(load["model"]).config["sampling_rate"]
+    rate = int(_checkpoint(load).config["sampling_rate"])
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, log_to_driver=False)
@@ -88,7 +120,8 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
         data = data.flat_map(_EncodeShare, fn_constructor_kwargs=settings_of_actor,
                              compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
                              num_gpus=1 if gpus else 0, num_cpus=cpus)
-        return data.take_all()
+        with _watching(Path(settings["out"]), shards, todo, progress):
+            return data.take_all()
     finally:
         if started:
             ray.shutdown()

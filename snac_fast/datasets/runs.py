@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from snac_fast.configs import DEFAULT_MODEL
 
+# the options of FastSNAC.from_pretrained that say where its checkpoint is
+HUB_OPTIONS = ("revision", "cache_dir", "local_files_only", "token")
+
 
 def _model_name(codec) -> str:
     return codec.source or "in-memory model"
@@ -13,6 +16,14 @@ def _load(model: str | None, device: str | None = None, dtype: str | None = None
     from snac_fast.api import FastSNAC
 
     return FastSNAC.from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, **options)
+
+
+def _checkpoint(load: dict):
+    """The checkpoint ``_load(**load)`` will load (its config, its source's name), found without
+    building the model."""
+    from snac_fast.loading import resolve_checkpoint
+
+    return resolve_checkpoint(load["model"] or DEFAULT_MODEL, **{k: v for k, v in load.items() if k in HUB_OPTIONS})
 
 
 def _progress(total: int, enabled: bool):
