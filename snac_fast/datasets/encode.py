@@ -83,9 +83,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     start = time.perf_counter()
     settings = {"out": str(out), "pad_seconds": pad_seconds, "batch_seconds": batch_seconds}
     if engine == "ray":
-        from snac_fast.datasets.ray_engine import (
-            _encode_with_ray,  # its actors run _encode_here
-        )
+        from snac_fast.datasets.ray_engine import _encode_with_ray  # here: it imports this module
 
         done = _encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor, progress)
     elif todo:

@@ -18,7 +18,11 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from snac_fast.datasets.batching import _batch_dtype_of
+import torch
+
+from snac_fast.datasets.batching import _batch_dtype, _batch_dtype_of
+from snac_fast.datasets.encode import _encode_here
+from snac_fast.datasets.readers import _Readers
 from snac_fast.datasets.runs import _checkpoint, _load, _progress
 from snac_fast.datasets.shards import shard_name
 
@@ -29,11 +33,6 @@ class _EncodeShare:
     context forks several times faster."""
 
     def __init__(self, shards: list, load: dict, settings: dict, rate: int, dtype: str, loaders: int) -> None:
-        import torch
-
-        from snac_fast.datasets.batching import _batch_dtype
-        from snac_fast.datasets.readers import _Readers
-
         self.reader_args = (loaders, rate, getattr(torch, dtype))
         self.readers: _Readers | None = _Readers(*self.reader_args)
         self.codec, self.shards, self.settings = _load(**load), shards, settings
@@ -42,9 +41,6 @@ class _EncodeShare:
             raise RuntimeError(f"the readers made {dtype} samples, the codec batches {made}")
 
     def __call__(self, row: dict) -> list[dict]:
-        from snac_fast.datasets.encode import _encode_here
-        from snac_fast.datasets.readers import _Readers
-
         start = time.perf_counter()
         readers, self.readers = self.readers, None  # one share per actor; a second call forks its own
         with readers or _Readers(*self.reader_args) as readers:
