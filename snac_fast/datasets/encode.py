@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
+import torch
 
 from snac_fast.configs import DEFAULT_MODEL
 from snac_fast.datasets.batching import (
@@ -93,10 +94,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
             # the model loads while the first shards are read (and after the forks: a process without
             # a CUDA context forks several times faster)
             reads = _start_reading(readers, shards, todo)
-            if codec is None:
-                codec = _load(**load)
-                if _batch_dtype(codec) != dtype:  # _batch_dtype_of must agree with what from_pretrained made
-                    raise RuntimeError(f"the readers made {dtype} samples, the codec batches {_batch_dtype(codec)}")
+            codec = codec if codec is not None else _load_batching_in(load, dtype)
             done = _encode_here(shards, todo, codec, settings, readers, progress, start, reads)
     else:
         done = []
@@ -126,6 +124,15 @@ def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_sec
         previous = (index, clips, launched)
     if previous is not None:
         yield previous[0], previous[1], finish_clips(codec, previous[1], previous[2])
+
+
+def _load_batching_in(load: dict, dtype: torch.dtype):
+    """``_load(**load)``, checked to build its batches in ``dtype``, the dtype its readers were
+    started with (:func:`_batch_dtype_of` must agree with what ``from_pretrained`` made)."""
+    codec = _load(**load)
+    if _batch_dtype(codec) != dtype:  # the readers' samples would be converted again, or rounded differently
+        raise RuntimeError(f"the readers made {dtype} samples, the codec batches {_batch_dtype(codec)}")
+    return codec
 
 
 def _start_reading(readers: _Readers, shards, todo) -> dict[int, list[Future]]:

@@ -20,10 +20,10 @@ from typing import Iterator
 
 import torch
 
-from snac_fast.datasets.batching import _batch_dtype, _batch_dtype_of
-from snac_fast.datasets.encode import _encode_here
+from snac_fast.datasets.batching import _batch_dtype_of
+from snac_fast.datasets.encode import _encode_here, _load_batching_in
 from snac_fast.datasets.readers import _Readers
-from snac_fast.datasets.runs import _checkpoint, _load, _progress
+from snac_fast.datasets.runs import _checkpoint, _progress
 from snac_fast.datasets.shards import shard_name
 
 
@@ -32,13 +32,10 @@ class _EncodeShare:
     handed. Its reader processes are forked before the model loads: a process without a CUDA
     context forks several times faster."""
 
-    def __init__(self, shards: list, load: dict, settings: dict, rate: int, dtype: str, loaders: int) -> None:
-        self.reader_args = (loaders, rate, getattr(torch, dtype))
+    def __init__(self, shards: list, load: dict, settings: dict, rate: int, dtype: torch.dtype, loaders: int) -> None:
+        self.reader_args = (loaders, rate, dtype)
         self.readers: _Readers | None = _Readers(*self.reader_args)
-        self.codec, self.shards, self.settings = _load(**load), shards, settings
-        made = str(_batch_dtype(self.codec)).replace("torch.", "")
-        if made != dtype:  # the readers' samples would be converted again, or rounded differently
-            raise RuntimeError(f"the readers made {dtype} samples, the codec batches {made}")
+        self.codec, self.shards, self.settings = _load_batching_in(load, dtype), shards, settings
 
     def __call__(self, row: dict) -> list[dict]:
         start = time.perf_counter()
@@ -108,8 +105,8 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
         gpus = int(ray.cluster_resources().get("GPU", 0)) >= 1 and load.get("device") != "cpu"
         actors = min(actors, len(todo))
         shares = [todo[k::actors] for k in range(actors)]
-        dtype = str(_batch_dtype_of(load, "cuda" if gpus else "cpu")).replace("torch.", "")
-        settings_of_actor = {"shards": shards, "load": load, "settings": settings, "rate": rate, "dtype": dtype,
+        settings_of_actor = {"shards": shards, "load": load, "settings": settings, "rate": rate,
+                             "dtype": _batch_dtype_of(load, "cuda" if gpus else "cpu"),
                              "loaders": max(1, min(loaders, int(cpus)))}
         data = ray.data.from_items([{"share": share} for share in shares], override_num_blocks=actors)
         # one share per actor: by default Ray queues several blocks on the first actor ready
