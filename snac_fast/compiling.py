@@ -42,6 +42,8 @@ _unpatched_cache_manager: dict = {}
 # one fork at a time: filelock (imported by huggingface_hub and torch's Inductor) vetoes an os.fork
 # made while another thread of the process is inside one ("os.fork is unsafe while filelock is ...")
 _fork_lock = threading.Lock()
+_launchers_lock = threading.Lock()
+_launchers_built: set = set()  # launcher sources built (or being built) by this process
 
 
 class _CacheMiss(Exception):
@@ -122,7 +124,8 @@ def _async_compile_mode(pool) -> Iterator[None]:
 class _CompileAndBuildLauncher(ThreadPoolExecutor):
     """A thread pool whose compile jobs also build their kernel's C launcher (cached in Triton's
     cache; the first launch loads it): built one by one, a 24 kHz decode's 13 launchers took seconds
-    of its cold start. With :data:`COMPILE_IN_FORKS` the compilation runs in a child."""
+    of its cold start. With :data:`COMPILE_IN_FORKS` the compilation runs in a child and the
+    launcher is built here, once per launcher source (kernels of one signature share it)."""
 
     def submit(self, fn, /, *args, **kwargs):
         job = _compiled_in_child if COMPILE_IN_FORKS else _compiled_with_launcher
@@ -134,15 +137,32 @@ def _compiled_with_launcher(compile_fn, *args, **kwargs):
 
     kernel = compile_fn(*args, **kwargs)
     launcher = getattr(driver.active, "launcher_cls", None)
-    if launcher is not None:
+    if launcher is not None and _first_with_launcher_of(kernel):
         launcher(kernel.src, kernel.metadata)
     return kernel
 
 
+def _first_with_launcher_of(kernel) -> bool:
+    """Whether ``kernel`` is the first of this process whose C launcher is built here. A launcher's
+    source depends only on the kernel's argument types (and TMA descriptors): a 256-stream warm-up's
+    161 kernels share 19. Built in every compile job, concurrent jobs of one signature all missed
+    the cache and ran gcc: 31-33 builds (H100, 2026-11-27; 21 since). A kernel skipped here loads
+    its launcher from the cache at its first launch (or builds it then, should this build fail)."""
+    signature = getattr(kernel.src, "signature", None)
+    if not isinstance(signature, dict):
+        return True
+    key = (tuple(signature.values()), repr(getattr(kernel.metadata, "tensordesc_meta", None)))
+    with _launchers_lock:
+        if key in _launchers_built:
+            return False
+        _launchers_built.add(key)
+        return True
+
+
 def _compiled_in_child(compile_fn, *args, **kwargs):
     """A kernel already in Triton's cache loads here. Else a forked child compiles it, writes the
-    kernel and its launcher to the cache and exits without cleanup, and this thread loads both
-    from there. Should the child fail or hang, this process compiles the kernel itself and reports
+    kernel to the cache and exits without cleanup, and this thread loads it from there and builds
+    its launcher. Should the child fail or hang, this process compiles the kernel itself and reports
     any error as Triton would."""
     _this_thread.probe = True
     try:
@@ -162,7 +182,7 @@ def _compiled_in_child(compile_fn, *args, **kwargs):
         gc.disable()
         status = 1
         try:
-            _compiled_with_launcher(compile_fn, *args, **kwargs)
+            compile_fn(*args, **kwargs)  # the launcher is built by the parent, once per source
             status = 0
         except BaseException:  # the parent recompiles and raises the error where it can be seen
             pass

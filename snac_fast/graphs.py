@@ -161,8 +161,22 @@ class GraphedDecode(GraphCache):
         with device_scope(self.device):  # side streams and the graph on the model's device, whichever is current
             return self._capture_here(codes, noise_kind)
 
-    def _capture_here(self, codes: list[Tensor], noise_kind: str) -> _Captured:
-        quantizer = self.model.quantizer
+    def compile_kernels(self, codes: list[Tensor], noise_kind: str = KEYED) -> None:
+        """Inside :func:`~snac_fast.compiling.compiling_concurrently`: launch (compile only) the
+        kernels that capturing a graph for these codes and noise kind launches, with the same
+        static inputs, id flag and noise (a decode of separate code tensors without them launched
+        other variants: aligned pointers, no flag, no keyed noise). Nothing is captured or cached."""
+        with device_scope(self.device):
+            flat, static_codes, bad_ids, keys = self._static_inputs(codes, noise_kind)
+
+            def record(index: int, x: Tensor) -> Tensor:
+                return torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
+
+            self._shapes_only_pass(static_codes, bad_ids, keyed_noise(self.model, *keys) if noise_kind == KEYED
+                                   else patched_noise(self.model, record))
+
+    def _static_inputs(self, codes: list[Tensor], noise_kind: str):
+        """(flat codes buffer, its per-level views, the mapped id flag, the keyed noise's keys or None)."""
         dtype = functools.reduce(torch.promote_types, [c.dtype for c in codes])
         with torch.inference_mode(False):  # buffers the calls write, in or out of inference mode
             flat = torch.cat([c.reshape(-1).to(self.device, dtype) for c in codes])
@@ -171,11 +185,26 @@ class GraphedDecode(GraphCache):
             keys = torch.zeros((3, codes[0].shape[0]), dtype=torch.int64, device=self.device) if noise_kind == KEYED else None
             if keys is not None:
                 keys[1] = torch.arange(codes[0].shape[0], device=self.device)
-        seeds = keys[0] if keys is not None else None
         static_codes, offset = [], 0
         for c in codes:
             static_codes.append(flat[offset:offset + c.numel()].view(c.shape))
             offset += c.numel()
+        return flat, static_codes, bad_ids, keys
+
+    def _shapes_only_pass(self, static_codes: list[Tensor], bad_ids: Tensor, noise) -> None:
+        """A decode whose kernels compile (concurrently) instead of running, under ``noise``."""
+        quantizer = self.model.quantizer
+        try:
+            quantizer.bad_ids = bad_ids
+            with torch.inference_mode(), compiling_concurrently(), noise:
+                self.model.decode(static_codes)
+        finally:
+            quantizer.bad_ids = None
+
+    def _capture_here(self, codes: list[Tensor], noise_kind: str) -> _Captured:
+        quantizer = self.model.quantizer
+        flat, static_codes, bad_ids, keys = self._static_inputs(codes, noise_kind)
+        seeds = keys[0] if keys is not None else None
         shapes: list[tuple[int, int, int]] = []
         dtypes: list[torch.dtype] = []
         views: list[Tensor] = []
@@ -196,14 +225,14 @@ class GraphedDecode(GraphCache):
             return keyed_noise(self.model, *keys) if noise_kind == KEYED else patched_noise(self.model, replay_buffers)
 
         noise = None
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # a shapes-only pass: kernels compile concurrently instead of one by one
+            self._shapes_only_pass(static_codes, bad_ids,
+                                   patched_noise(self.model, record) if noise_kind != KEYED else noise_feed())
         try:
             quantizer.bad_ids = bad_ids
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.inference_mode(), torch.cuda.stream(stream):  # compile kernels, settle allocations
-                # a shapes-only pass: kernels compile concurrently instead of one by one at first launch
-                with compiling_concurrently(), patched_noise(self.model, record) if noise_kind != KEYED else noise_feed():
-                    self.model.decode(static_codes)
+            with torch.inference_mode(), torch.cuda.stream(stream):  # settle allocations
                 if noise_kind != KEYED:
                     with torch.inference_mode(False):
                         noise = torch.randn(sum(b * t for b, _, t in shapes), device=self.device, dtype=dtypes[0])

@@ -191,6 +191,37 @@ def test_concurrent_compile_jobs_fork_one_at_a_time(monkeypatch, tmp_path):
     assert compiling._compiled_in_child(compile_kernel, tmp_path / "vetoed") == str(os.getpid())
 
 
+def test_compile_jobs_build_each_launcher_source_once(monkeypatch):
+    """A C launcher (a gcc run) is built for the first kernel of each argument signature only, however
+    many compile jobs of that signature finish at once; the kernels of a new signature get theirs."""
+    from types import SimpleNamespace
+
+    from triton.runtime.driver import driver
+
+    import snac_fast.compiling as compiling
+
+    built, guard = [], threading.Lock()
+
+    class Launcher:  # Triton's CudaLauncher: builds (or loads) the launcher of a kernel's signature
+        def __init__(self, src, metadata):
+            time.sleep(0.01)  # a build slow enough for the other jobs to finish their kernels meanwhile
+            with guard:
+                built.append((tuple(src.signature.values()), metadata.tensordesc_meta))
+
+    def kernel(i):
+        signature = {"x": "*fp16", "n": "i32" if i % 3 else "constexpr"}
+        return SimpleNamespace(src=SimpleNamespace(signature=signature), metadata=SimpleNamespace(tensordesc_meta=i % 2 or None))
+
+    monkeypatch.setattr(driver, "_active", SimpleNamespace(launcher_cls=Launcher))
+    monkeypatch.setattr(compiling, "_launchers_built", set())
+    kernels = [kernel(i) for i in range(24)]
+    with ThreadPoolExecutor(8) as pool:
+        compiled = list(pool.map(lambda k: compiling._compiled_with_launcher(lambda: k), kernels))
+    assert compiled == kernels
+    expected = {(tuple(k.src.signature.values()), k.metadata.tensordesc_meta) for k in kernels}
+    assert sorted(built, key=repr) == sorted(expected, key=repr)  # each once: 4 of 24
+
+
 def test_probing_cache_lookup_raises_on_a_miss_only_where_asked(monkeypatch):
     import snac_fast.compiling as compiling
 

@@ -6,6 +6,8 @@ The fused kernels (Triton's interpreter) are checked end to end in float32 on fe
 """
 
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -647,6 +649,33 @@ def test_gpu_codec_warmup_compiles_in_one_pass_then_captures_every_step(cuda, no
     assert {(kind, rows) for kind, rows, _ in engine._graphs} == {(kind, rows) for kind in ("prefill", "step", "flush")
                                                                   for rows in (1, 2, 4)}
     serve_three_streams_capturing_nothing(fast, engine, [engine.prefill_frames, 1, 1, 1, 1], seed=5, codes_seed=17)
+
+
+@pytest.mark.gpu
+def test_gpu_codec_warmup_pass_compiles_every_variant_its_captures_launch(cuda):
+    """After warmup's compile pass, the decode and step captures launch no kernel variant that the
+    pass did not compile: a miss is compiled (or loaded) one by one then, on a server's cold start.
+    Run in a fresh process (this one's kernels are already loaded, which would hide a miss); any
+    Triton compile after the pass reaches the post-compile hook, whose calls are counted."""
+    script = (
+        "import torch, triton\n"
+        "import snac_fast.warmup as warmup\n"
+        "from snac_fast import FastSNAC\n"
+        f"fast = FastSNAC.from_pretrained('synthetic:snac_24khz', device='{cuda}')\n"
+        "late, compile_kernels = [], warmup.compile_kernels\n"
+        "def hook(*, fn, compile, **kw):\n"
+        "    late.append((fn.name, compile['constants']))\n"
+        "def counted(*a, **k):\n"
+        "    try:\n"
+        "        return compile_kernels(*a, **k)\n"
+        "    finally:\n"
+        "        triton.knobs.runtime.jit_post_compile_hook = hook\n"
+        "warmup.compile_kernels = counted\n"
+        "fast.warmup([1, 3], [4], streams=8)\n"
+        "print('late', late)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "late []"
 
 
 @pytest.mark.gpu

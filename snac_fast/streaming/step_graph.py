@@ -34,15 +34,19 @@ class StepGraph:
                  compiled: bool = False) -> None:
         device = engine.device
         sizes = [keys.size] + [c.size for c in codes]
+        # each view starts 16-byte aligned, as separate tensors do: Triton specializes aligned pointers,
+        # so a misaligned level compiled a kernel variant of its own here, after the warm-up's pass
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + -(-size // 2) * 2)
         with torch.inference_mode(False):
-            self.host = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=True)
+            self.host = torch.zeros(starts[-1], dtype=torch.int64, pin_memory=True)  # padding stays 0: a valid id
             self.static = torch.empty_like(self.host, device=device)
-        self.host_views, self.static_views, offset = [], [], 0
-        for size, array in zip(sizes, [keys, *codes]):
-            self.host_views.append(self.host.numpy()[offset:offset + size].reshape(array.shape))
-            self.static_views.append(self.static[offset:offset + size].view(array.shape))
-            offset += size
-        self.unsigned_codes = self.host.numpy()[keys.size:].view(np.uint64)  # every level's codes, flat
+        self.host_views, self.static_views = [], []
+        for start, size, array in zip(starts, sizes, [keys, *codes]):
+            self.host_views.append(self.host.numpy()[start:start + size].reshape(array.shape))
+            self.static_views.append(self.static[start:start + size].view(array.shape))
+        self.unsigned_codes = self.host.numpy()[starts[1]:].view(np.uint64)  # every level's codes (and padding), flat
         # recorded by each replay right after its upload: the pinned inputs are free again from then on
         self.copied = torch.cuda.Event(external=True)
         self._fill(keys, codes)
