@@ -61,10 +61,10 @@ class StepGraph:
             if not compiled:  # a shapes-only pass: the kernels compile concurrently
                 with compiling_concurrently():
                     engine._forward(kind, keys_view, codes_views, frames)
-            for _ in range(2):
-                noise_calls.clear()
-                engine._forward(kind, keys_view, codes_views, frames,
-                                lambda call: noise_calls.append(call) or engine.draw_noise(keys_view, call))
+            # one eager step loads its kernels and records its noise calls (the pass ran its torch ops
+            # already); a second one before each capture cost a 256-stream warm-up ~0.3 s
+            engine._forward(kind, keys_view, codes_views, frames,
+                            lambda call: noise_calls.append(call) or engine.draw_noise(keys_view, call))
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         capture, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
