@@ -167,7 +167,7 @@ class GraphedDecode(GraphCache):
         static inputs, id flag and noise (a decode of separate code tensors without them launched
         other variants: aligned pointers, no flag, no keyed noise). Nothing is captured or cached."""
         with device_scope(self.device):
-            flat, static_codes, bad_ids, keys = self._static_inputs(codes, noise_kind)
+            _, static_codes, bad_ids, keys = self._static_inputs(codes, noise_kind)
 
             def record(index: int, x: Tensor) -> Tensor:
                 return torch.randn((x.shape[0], 1, x.shape[2]), device=x.device, dtype=x.dtype)
