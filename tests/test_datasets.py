@@ -239,7 +239,7 @@ def test_ray_engine_writes_the_same_shards(corpus, tmp_path, monkeypatch):
             return super().__call__(row)
 
     monkeypatch.setattr(ray_engine, "_EncodeShare", Recorded)
-    monkeypatch.setattr(ray_engine, "_actor_resources", lambda nodes, on_gpus: (2, 1.0))  # two on CI's 2 CPUs
+    monkeypatch.setattr(ray_engine, "_actor_resources", lambda nodes, on_gpus: (2, 1.0, 0))  # two on CI's 2 CPUs
     model = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))
     common = dict(model=model, device="cpu", model_options={"accelerate_encoder": False, "fuse": False},
                   files_per_shard=3, pad_seconds=0.5)
@@ -266,12 +266,12 @@ def test_ray_actors_one_per_gpu_each_with_its_nodes_share_of_cpus():
     def node(cpus, gpus=0, alive=True):
         return {"Alive": alive, "Resources": {"CPU": cpus, **({"GPU": gpus} if gpus else {})}}
 
-    assert _actor_resources([node(32, 2)], True) == (2, 16)
+    assert _actor_resources([node(32, 2)], True) == (2, 16, 1)
     # the head node without GPUs reads nothing; the GPU node with fewer CPUs per GPU sets the share
-    assert _actor_resources([node(4), node(64, 8), node(32, 2)], True) == (10, 8)
-    assert _actor_resources([node(32, 2), node(64, 4, alive=False)], True) == (2, 16)
-    assert _actor_resources([node(32, 2)], False) == (1, 32)  # device="cpu": one actor per node
-    assert _actor_resources([node(2), node(8)], True) == (2, 2)
+    assert _actor_resources([node(4), node(64, 8), node(32, 2)], True) == (10, 8, 1)
+    assert _actor_resources([node(32, 2), node(64, 4, alive=False)], True) == (2, 16, 1)
+    assert _actor_resources([node(32, 2)], False) == (1, 32, 0)  # device="cpu": one actor per node
+    assert _actor_resources([node(2), node(8)], True) == (2, 2, 0)
 
 
 def test_ray_progress_counts_the_inputs_of_shards_written(tmp_path):

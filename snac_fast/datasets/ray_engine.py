@@ -16,7 +16,7 @@ import os
 import threading
 import time
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 
@@ -45,16 +45,23 @@ class _EncodeShare:
                                 False, start)
 
 
-def _actor_resources(nodes: list[dict], on_gpus: bool) -> tuple[int, float]:
-    """(actors, CPUs each) for the cluster's ``nodes`` (``ray.nodes()``): one actor per GPU, each
-    with the CPUs of its node's share (the least of any GPU node, so that every actor can be
-    placed); without GPUs (or ``on_gpus`` False), one actor per node with the CPUs of the smallest."""
+class ActorPlan(NamedTuple):
+    actors: int
+    cpus: float  # each actor's
+    gpus: int  # each actor's: 1, or 0 on a cluster without GPUs (or a run on the CPU)
+
+
+def _actor_resources(nodes: list[dict], on_gpus: bool) -> ActorPlan:
+    """The actors for the cluster's ``nodes`` (``ray.nodes()``): one per GPU, each with the CPUs of
+    its node's share (the least of any GPU node, so that every actor can be placed); without GPUs
+    (or ``on_gpus`` False), one per node with the CPUs of the smallest."""
     alive = [n["Resources"] for n in nodes if n.get("Alive", True)]
     with_gpus = [r for r in alive if on_gpus and r.get("GPU", 0) >= 1]
     if with_gpus:
-        return sum(int(r["GPU"]) for r in with_gpus), min(r.get("CPU", 0) / int(r["GPU"]) for r in with_gpus)
+        return ActorPlan(sum(int(r["GPU"]) for r in with_gpus),
+                         min(r.get("CPU", 0) / int(r["GPU"]) for r in with_gpus), 1)
     with_cpus = [r for r in alive if r.get("CPU", 0) >= 1]
-    return max(1, len(with_cpus)), min((r["CPU"] for r in with_cpus), default=1.0)
+    return ActorPlan(max(1, len(with_cpus)), min((r["CPU"] for r in with_cpus), default=1.0), 0)
 
 
 def _files_written(out: Path, shards: list, todo: list[int]) -> int:
@@ -101,8 +108,7 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
     if started:
         ray.init(address=address, log_to_driver=False)
     try:
-        actors, cpus = _actor_resources(ray.nodes(), load.get("device") != "cpu")
-        gpus = int(ray.cluster_resources().get("GPU", 0)) >= 1 and load.get("device") != "cpu"
+        actors, cpus, gpus = _actor_resources(ray.nodes(), load.get("device") != "cpu")
         actors = min(actors, len(todo))
         shares = [todo[k::actors] for k in range(actors)]
         settings_of_actor = {"shards": shards, "load": load, "settings": settings, "rate": rate,
@@ -112,7 +118,7 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
         # one share per actor: by default Ray queues several blocks on the first actor ready
         data = data.flat_map(_EncodeShare, fn_constructor_kwargs=settings_of_actor,
                              compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
-                             num_gpus=1 if gpus else 0, num_cpus=cpus)
+                             num_gpus=gpus, num_cpus=cpus)
         with _watching(Path(settings["out"]), shards, todo, progress):
             return data.take_all()
     finally:
