@@ -278,9 +278,8 @@ def cmd_decode(args: argparse.Namespace) -> None:
 
 def cmd_encode(args: argparse.Namespace) -> None:
     import soundfile
-    import torchaudio.functional as AF
 
-    from snac_fast.codes import read_mono, save_tokens
+    from snac_fast.codes import read_mono, resample_mono, save_tokens
 
     if not args.audio.is_file():
         raise UsageError(f"cannot read audio {args.audio}: no such file")
@@ -295,8 +294,7 @@ def cmd_encode(args: argparse.Namespace) -> None:
         stages.next()
         model = _load_model(args, None)
         stages.next()
-        if rate != model.sampling_rate:
-            mono = AF.resample(mono, orig_freq=rate, new_freq=model.sampling_rate)
+        mono = resample_mono(mono, rate, model.sampling_rate)
         codes = model.encode(mono.view(1, 1, -1), cuda_graphs=False)  # one encode: a capture would cost more
         stages.next()
         save_tokens(args.tokens, codes, model=model.source)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import math
 import operator
 import os
 from pathlib import Path
@@ -115,6 +117,38 @@ def read_mono(source) -> tuple[Tensor, int]:
     if not np.isfinite(np.sum(mono.numpy(), dtype=np.float64)):
         raise ValueError("holds non-finite samples")
     return mono, int(rate)
+
+
+# resample_mono's input lengths are rounded up to a multiple of this (zeros appended)
+RESAMPLE_BUCKET = 1 << 14
+
+
+@functools.lru_cache(maxsize=16)
+def _resampler(rate: int, new_rate: int):
+    """torchaudio's Resample (the functional resample's kernel, built once: ~0.25 ms of small torch
+    ops a call otherwise, under the GIL that a reader process's threads share)."""
+    import torchaudio.transforms
+
+    return torchaudio.transforms.Resample(rate, new_rate, dtype=torch.float32)
+
+
+def resample_mono(mono: Tensor, rate: int, new_rate: int) -> Tensor:
+    """``torchaudio.functional.resample`` of ``mono`` (float32 [..., T] -> [..., T']) from ``rate``
+    to ``new_rate``, the input zero-padded to a multiple of ``RESAMPLE_BUCKET`` samples and the
+    output cut to the length resample gives ``mono``. Resample pads with zeros itself, so these are
+    its samples up to float32 rounding (torch's CPU conv may sum in another order for another
+    length; within 1e-6 of the peak, tested): torch's CPU conv sets itself up for every new input
+    length (1-15 ms each), so a corpus of distinct lengths read 2-3x slower per file without the
+    buckets (docs/datasets.md)."""
+    if rate == new_rate:
+        return mono
+    samples = mono.shape[-1]
+    padded = torch.nn.functional.pad(mono, (0, -samples % RESAMPLE_BUCKET))
+    # resample's own output length for ``samples``, as it computes it (in float32: long inputs can
+    # come out one sample shorter than the exact ceiling)
+    gcd = math.gcd(rate, new_rate)
+    length = int(torch.ceil(torch.as_tensor(new_rate // gcd * samples / (rate // gcd))))
+    return _resampler(rate, new_rate)(padded)[..., :length]
 
 
 def save_tokens(path: str | os.PathLike, codes: list[Tensor], model: str | None = None) -> None:

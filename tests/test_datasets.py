@@ -355,11 +355,49 @@ def test_float16_batches_round_as_the_model_would():
     assert not batch[0, 0, x.size:].any()  # zero padding
 
 
+def _read_threads_niceness() -> list[int]:
+    threads = ds.readers._threads
+    return [threads.submit(os.nice, 0).result() for _ in range(threads._max_workers)]
+
+
 def test_readers_run_at_the_lowest_priority():
-    # the launching thread must not queue behind a reader for a CPU (see _start_reader)
+    # the launching thread must not queue behind a reader for a CPU (see _start_reader): neither the
+    # reader process nor its reading threads
+    lowest = min(19, os.nice(0) + 19)
     with ds.readers._Readers(1, 24000) as readers:
-        niceness = readers.pool.submit(os.nice, 0).result()
-    assert niceness == min(19, os.nice(0) + 19)
+        assert readers.threads == 1 and readers.pool.submit(os.nice, 0).result() == lowest
+    threads = ds.readers.THREADS_PER_READER
+    with ds.readers._Readers(2 * threads, 24000) as readers:
+        assert readers.processes == 2 and readers.threads == threads
+        assert readers.pool.submit(_read_threads_niceness).result() == [lowest] * threads
+
+
+@pytest.mark.parametrize("rate, new_rate", [(16000, 24000), (44100, 24000), (48000, 32000), (22050, 44100),
+                                            (8000, 24000), (96000, 44100), (24000, 24000)])
+def test_resample_mono_is_torchaudio_resample_of_the_padded_input(rate, new_rate):
+    """resample_mono pads its input with zeros to a bucket of lengths (torch's CPU conv sets up per
+    length), resamples with torchaudio and cuts the output to torchaudio's own length for the input
+    (its float32 length, one short of the exact ceiling at 1,000,098 samples from 44.1 to 24 kHz):
+    bit for bit torchaudio's resample of the padded input, and within float32 rounding of its
+    resample of the input itself (the conv may sum in another order for another length); 2-D too."""
+    import torchaudio.functional as AF
+
+    from snac_fast.codes import RESAMPLE_BUCKET, resample_mono
+
+    rng = torch.Generator().manual_seed(rate + new_rate)
+    lengths = [1, 2, 3, RESAMPLE_BUCKET - 1, RESAMPLE_BUCKET, RESAMPLE_BUCKET + 1, 1_000_098]
+    lengths += torch.randint(4, 200_000, (12,), generator=rng).tolist()
+    for n in lengths:
+        x = torch.randn(n, generator=rng)
+        alone = AF.resample(x, orig_freq=rate, new_freq=new_rate)
+        got = resample_mono(x, rate, new_rate)
+        padded = AF.resample(torch.nn.functional.pad(x, (0, -n % RESAMPLE_BUCKET)), orig_freq=rate, new_freq=new_rate)
+        assert got.shape == alone.shape and torch.equal(got, padded[:alone.numel()]), n
+        assert (got - alone).abs().max() <= 1e-6 * alone.abs().max(), n
+    x = torch.randn(2, 54_321, generator=rng)
+    alone = AF.resample(x, orig_freq=rate, new_freq=new_rate)
+    assert resample_mono(x, rate, new_rate).shape == alone.shape
+    torch.testing.assert_close(resample_mono(x, rate, new_rate), alone, rtol=0, atol=1e-6)
 
 
 def test_read_mono_mixes_down_and_refuses_non_finite_samples(tmp_path):

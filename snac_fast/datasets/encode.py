@@ -163,6 +163,8 @@ def _encode_here(shards, todo, codec, settings, readers: _Readers, progress, sta
         def prepare(k: int) -> tuple[PendingShard, list[Batch]]:
             shard = PendingShard.of(todo[k], readers.collect(shards[todo[k]], reads.pop(k)))
             read(k + READ_AHEAD)  # the readers never wait for this thread
+            if k == len(todo) - 1:
+                readers.release()
             batches = queues.add(shard)
             return shard, batches + (queues.drain() if k == len(todo) - 1 else [])
 

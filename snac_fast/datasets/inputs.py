@@ -12,7 +12,7 @@ from typing import Iterator, Sequence
 
 import numpy as np
 
-from snac_fast.codes import read_mono
+from snac_fast.codes import read_mono, resample_mono
 
 MANIFEST_SUFFIXES = (".parquet", ".jsonl")
 
@@ -100,13 +100,10 @@ def _manifest_inputs(source: Path) -> list[AudioInput]:
 
 def read_clip(item: AudioInput, rate: int) -> Clip:
     """Read one input as mono float32 at ``rate``; any failure becomes the clip's error."""
-    import torchaudio.functional as AF
-
     try:
         mono, source_rate = read_mono(item.path if item.data is None else io.BytesIO(item.data))
         duration = mono.numel() / source_rate
-        if source_rate != rate:
-            mono = AF.resample(mono, orig_freq=source_rate, new_freq=rate)
+        mono = resample_mono(mono, source_rate, rate)
         return Clip(item, mono.numpy(), duration, source_rate, None)
     except Exception as error:  # noqa: BLE001 - recorded in the row: a corpus run goes on
         return Clip(item, None, None, None, f"{type(error).__name__}: {error}")
