@@ -103,7 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "codes are each clip's own encode's either way")
     p.add_argument("--suffixes", help="comma-separated file suffixes to take from a folder (default: every file)")
     p.add_argument("--loaders", type=int,
-                   help="processes reading audio (default one per CPU up to 16; ray: per actor, at most its CPUs)")
+                   help="files read at a time, by reader processes of two threads (default one per CPU up to 16; "
+                        "ray: per actor, at most its CPUs)")
     p.add_argument("--engine", choices=["local", "ray"], default="local",
                    help="local: this process; ray: Ray Data, one actor per GPU, each the local engine over a share "
                         "of the shards (pip install 'snac-fast[ray]')")

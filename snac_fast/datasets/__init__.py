@@ -10,11 +10,11 @@ is skipped silently: an empty, corrupt or non-audio file is a row with its error
 - Inputs are sorted by id and cut into shards of ``files_per_shard``; a finished shard is written
   atomically and skipped when the run is repeated, so a crashed run resumes where it stopped
   (``out/_run.json`` records the run's inputs and settings; another run into ``out`` is refused).
-- Audio is read (soundfile), mixed down to mono and resampled to the model's rate in ``loaders``
-  worker processes (default: one per CPU, up to 16) at the lowest CPU priority, two shards ahead
-  of the GPU. Processes, not threads: reading threads keep this process's GIL busy, and the thread
-  that launches the encoder's kernels then waits for it at every launch (an encode ran 15-27x
-  slower beside 16 reading threads).
+- Audio is read (soundfile), mixed down to mono and resampled to the model's rate, ``loaders``
+  files at a time (default: one per CPU, up to 16), by worker processes of two reading threads each
+  at the lowest CPU priority, two shards ahead of the GPU. Not threads of this process: reading
+  threads keep its GIL busy, and the thread that launches the encoder's kernels then waits for it
+  at every launch (an encode ran 15-27x slower beside 16 reading threads).
   A reader process that dies (a crash in the audio library) costs only the file it was reading:
   that shard is read again one file at a time, and the culprit gets an error row.
 - Clips are batched by length: clips whose lengths round up to one multiple of ``pad_seconds``

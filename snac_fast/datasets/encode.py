@@ -53,7 +53,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     padded length across shards (a shard is written once all its clips are back, so shards may be
     written out of order). engine "ray" (needs ``pip install 'snac-fast[ray]'``): Ray Data places one
     actor per GPU of the cluster (one per node on a cluster without GPUs), each loading ``model``
-    itself and running the local engine, with up to ``loaders`` reader processes of its own, over
+    itself and running the local engine, reading up to ``loaders`` files at a time itself, over
     its share of the shards (dealt out round-robin when the run starts); ``address`` joins a
     running cluster, else a local one is started. Both engines write the same shards."""
     if engine not in ("local", "ray"):

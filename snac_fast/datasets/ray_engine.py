@@ -94,7 +94,7 @@ def _watching(out: Path, shards: list, todo: list[int], enabled: bool) -> Iterat
 def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, loaders: int,
                      progress: bool = False) -> list[dict]:
     """The shards ``todo`` of ``shards`` encoded on a Ray cluster (``address``, else a local one
-    started here); each actor runs up to ``loaders`` reader processes. Returns what each shard
+    started here); each actor reads up to ``loaders`` files at a time. Returns what each shard
     written held, as the local engine does; ``progress``: a bar over the files of the shards written."""
     try:
         import ray
