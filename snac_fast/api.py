@@ -100,7 +100,7 @@ class FastSNAC:
     @classmethod
     def from_pretrained(
         cls,
-        name_or_path: str | os.PathLike,
+        name_or_path: str | os.PathLike | Checkpoint,
         *,
         device: torch.device | str | None = None,
         dtype: torch.dtype | str | None = None,
@@ -117,9 +117,18 @@ class FastSNAC:
         config.json + pytorch_model.bin (or model.safetensors), or ``synthetic:snac_24khz`` (seeded,
         untrained weights built offline). Defaults: CUDA if available, float16 there, float32 on CPU;
         fused decoder kernels; CUDA graphs on CUDA (one per codes shape, at most ``max_graphs``).
-        Raises :class:`snac_fast.loading.CheckpointError` (a ValueError) saying what to do."""
-        checkpoint = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir,
-                                        local_files_only=local_files_only, token=token)
+        ``name_or_path`` may also be a :class:`snac_fast.loading.Checkpoint` that
+        :func:`snac_fast.loading.resolve_checkpoint` found (no second lookup; the hub options
+        then must stay unset). Raises :class:`snac_fast.loading.CheckpointError` (a ValueError)
+        saying what to do."""
+        if isinstance(name_or_path, Checkpoint):
+            if (revision, cache_dir, local_files_only, token) != (None, None, False, None):
+                raise ValueError("revision, cache_dir, local_files_only and token locate a checkpoint: "
+                                 "pass them to resolve_checkpoint, not with a resolved one")
+            checkpoint = name_or_path
+        else:
+            checkpoint = resolve_checkpoint(name_or_path, revision=revision, cache_dir=cache_dir,
+                                            local_files_only=local_files_only, token=token)
         if torch.cuda.is_available():  # CUDA and Triton warm up while the model is built on the CPU
             start_runtime_warmup(torch.device(device) if device is not None else default_device())
         with torch.inference_mode(False):  # servers build models inside inference_mode

@@ -208,20 +208,27 @@ def test_decode_names_outputs_after_their_sources_and_records_failed_rows(codec,
 
 def test_local_engine_reads_while_the_model_loads(corpus, tmp_path, monkeypatch):
     """Given a model's name (as the CLI runs it), the reader processes are forked and the first
-    shards' reads submitted before the model loads; none of it when every shard is done."""
+    shards' reads submitted before the model loads; none of it when every shard is done. The
+    checkpoint is looked up once (a hub lookup is a network round trip when online)."""
+    import snac_fast.api
+    import snac_fast.loading
     from snac_fast.datasets import encode, readers
 
     events = []
-    submit, load = readers._Readers.submit, encode._load
+    submit, load, resolve = readers._Readers.submit, encode._load, snac_fast.loading.resolve_checkpoint
     monkeypatch.setattr(readers._Readers, "submit", lambda self, items: events.append("read") or submit(self, items))
     monkeypatch.setattr(encode, "_load", lambda **options: events.append("load") or load(**options))
+    for module in (snac_fast.loading, snac_fast.api):
+        monkeypatch.setattr(module, "resolve_checkpoint", lambda *a, **k: events.append("resolve") or resolve(*a, **k))
     options = dict(model=str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), device="cpu",
                    model_options={"accelerate_encoder": False, "fuse": False}, files_per_shard=3, loaders=1,
                    progress=False)
     summary = ds.encode_dataset(corpus, tmp_path / "out", **options)
-    assert events[:3] == ["read", "read", "load"] and summary["shards"] == len(summary["per_shard"]) == 3
+    assert events[:4] == ["resolve", "read", "read", "load"] and summary["shards"] == len(summary["per_shard"]) == 3
+    assert events.count("resolve") == 1
     events.clear()
-    assert ds.encode_dataset(corpus, tmp_path / "out", **options)["shards_skipped"] == 3 and events == []
+    # done already: the lookup (for the run's record), no reading, no model
+    assert ds.encode_dataset(corpus, tmp_path / "out", **options)["shards_skipped"] == 3 and events == ["resolve"]
 
 
 def test_ray_engine_writes_the_same_shards(corpus, tmp_path, monkeypatch):

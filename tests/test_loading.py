@@ -215,6 +215,22 @@ def test_synthetic_checkpoint_builds_its_seeded_model_once():
         assert torch.equal(built.state_dict()[name], tensor), name
 
 
+def test_from_pretrained_takes_a_resolved_checkpoint():
+    """A Checkpoint that resolve_checkpoint found loads as its name would, without a second lookup;
+    options that locate a checkpoint are refused beside one."""
+    from snac_fast.loading import resolve_checkpoint
+
+    checkpoint = resolve_checkpoint("synthetic:snac_24khz")
+    by_checkpoint = FastSNAC.from_pretrained(checkpoint, device="cpu", fuse=False, accelerate_encoder=False)
+    by_name = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu", fuse=False, accelerate_encoder=False)
+    assert by_checkpoint.source == by_name.source == "synthetic:snac_24khz"
+    assert by_checkpoint.config == by_name.config
+    for (name, a), (_, b) in zip(by_checkpoint.model.state_dict().items(), by_name.model.state_dict().items()):
+        assert torch.equal(a, b), name
+    with pytest.raises(ValueError, match="resolve_checkpoint"):
+        FastSNAC.from_pretrained(checkpoint, device="cpu", revision="main")
+
+
 def _config_of(model, overrides):
     from snac_fast.configs import published_config
 

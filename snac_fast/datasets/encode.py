@@ -94,7 +94,8 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
             # the model loads while the first shards are read (and after the forks: a process without
             # a CUDA context forks several times faster)
             reads = _start_reading(readers, shards, todo)
-            codec = codec if codec is not None else _load_batching_in(load, dtype)
+            # the checkpoint found above: no second hub lookup
+            codec = codec if codec is not None else _load_batching_in({**load, "model": checkpoint}, dtype)
             done = _encode_here(shards, todo, codec, settings, readers, progress, start, reads)
     else:
         done = []

@@ -12,9 +12,14 @@ def _model_name(codec) -> str:
     return codec.source or "in-memory model"
 
 
-def _load(model: str | None, device: str | None = None, dtype: str | None = None, **options):
+def _load(model, device: str | None = None, dtype: str | None = None, **options):
+    """``FastSNAC.from_pretrained`` of ``model`` (a name, default the default model, or a
+    :class:`snac_fast.loading.Checkpoint` already found: the hub options are then left out)."""
     from snac_fast.api import FastSNAC
+    from snac_fast.loading import Checkpoint
 
+    if isinstance(model, Checkpoint):
+        options = {k: v for k, v in options.items() if k not in HUB_OPTIONS}
     return FastSNAC.from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, **options)
 
 
