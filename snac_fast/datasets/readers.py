@@ -85,7 +85,8 @@ class _Readers:
     dtype batches are built in (float16 for a float16 codec: half the bytes)."""
 
     def __init__(self, readers: int, rate: int, dtype: torch.dtype = torch.float32) -> None:
-        """dtype: the audio's on the way back (:func:`_batch_dtype`)."""
+        """readers: files read at a time, in ceil(readers / THREADS_PER_READER) processes of equal
+        threads (an odd count rounds up by one); dtype: the audio's on the way back (:func:`_batch_dtype`)."""
         self.processes = math.ceil(readers / THREADS_PER_READER)
         self.threads = math.ceil(readers / self.processes)
         self.rate = rate
