@@ -156,15 +156,9 @@ def own_encode_queued(codec, shards: list, batch_seconds: float) -> float:
     graphs = datasets.batching.corpus_graphs(codec)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    previous = None
-    for batches in rounds:
-        launched = datasets.launch_batches(codec, batches, graphs)
-        if previous is not None:
-            for _ in datasets.batching.launched_codes(codec, previous):
-                pass
-        previous = launched
-    for _ in datasets.batching.launched_codes(codec, previous):
-        pass
+    for _, launched in datasets.batching.launched_one_ahead(codec, enumerate(rounds), graphs):
+        for _ in datasets.batching.launched_codes(codec, launched):
+            pass
     torch.cuda.synchronize()
     return time.perf_counter() - t0
 

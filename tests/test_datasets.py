@@ -86,6 +86,26 @@ def test_codes_equal_encode_of_the_clip_and_ignore_batch_mates(codec, corpus, tm
     assert rate == 44100 and clip.audio.size == math.ceil(stereo.shape[0] * 24000 / 44100)  # mono, resampled
 
 
+def test_encode_back_to_back_queues_each_shard_before_fetching_the_one_before(codec, corpus, monkeypatch):
+    """encode_back_to_back (launched_one_ahead): shard k+1's batches are launched before shard k's
+    codes are fetched, shards come back in order, each readable clip's codes are its own encode's."""
+    clips = [ds.read_clip(item, 24000) for item in ds.list_inputs(corpus)]
+    shards = [(0, clips[:3]), (1, clips[3:5]), (2, clips[5:])]
+    events, launch = [], ds.batching.launch_batches
+    monkeypatch.setattr(ds.batching, "launch_batches", lambda *a, **k: events.append("launch") or launch(*a, **k))
+    done = []
+    for index, shard, codes in ds.encode_back_to_back(codec, shards, pad_seconds=0.5, batch_seconds=1e4):
+        events.append(f"fetched {index}")
+        done.append(index)
+        for clip, clip_codes in zip(shard, codes):
+            assert (clip_codes is None) == (clip.error is not None)
+            if clip_codes is not None:
+                want = codec.encode(torch.from_numpy(clip.audio).view(1, 1, -1))
+                assert [c.tolist() for c in clip_codes] == [w[0].tolist() for w in want], clip.input.id
+    assert done == [0, 1, 2]
+    assert events == ["launch", "launch", "fetched 0", "launch", "fetched 1", "fetched 2"]
+
+
 def test_resume_after_a_crash_and_refuse_another_run(codec, corpus, tmp_path, monkeypatch):
     out = tmp_path / "out"
     whole = ds.encode_dataset(corpus, tmp_path / "whole", codec, files_per_shard=2, progress=False)

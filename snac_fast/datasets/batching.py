@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple, Sequence
+from typing import Iterable, Iterator, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -188,6 +188,22 @@ def corpus_graphs(codec) -> GraphedEncode | None:
     torch.cuda.synchronize(codec.device)
     torch.cuda.empty_cache()
     return GraphedEncode(codec.model, codec.device, max_graphs=64, capture_at=2, shared_pool=True)
+
+
+def launched_one_ahead(codec, rounds: Iterable[tuple[object, list[Batch]]],
+                       graphs: GraphedEncode | None = None) -> Iterator[tuple[object, Launched]]:
+    """(key, launched) of each (key, batches) round of ``rounds``, in order, each yielded once the
+    next round is queued on the device (the last once the rounds end): fetching a round's codes
+    (:func:`launched_codes`), and whatever the caller does between rounds, overlaps the next round's
+    encode. ``graphs``: as :func:`launch_batches`."""
+    previous = None
+    for key, batches in rounds:
+        launched = launch_batches(codec, batches, graphs)
+        if previous is not None:
+            yield previous
+        previous = (key, launched)
+    if previous is not None:
+        yield previous
 
 
 def launch_clips(codec, clips: Sequence[Clip], pad_seconds: float, batch_seconds: float) -> Launched:

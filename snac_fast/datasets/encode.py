@@ -20,11 +20,12 @@ from snac_fast.datasets.batching import (
     PendingShard,
     _batch_dtype,
     _batch_dtype_of,
+    batch_audio,
     corpus_graphs,
     finish_clips,
     launch_batches,
-    launch_clips,
     launched_codes,
+    launched_one_ahead,
 )
 from snac_fast.datasets.inputs import Clip, list_inputs
 from snac_fast.datasets.readers import READ_AHEAD, _Readers
@@ -117,14 +118,9 @@ def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_sec
     """(index, clips, codes) of each (index, clips) shard, in order: each shard's batches are queued
     on the device before the previous shard's codes are fetched, so that host work between shards
     (reading, fetching, writing) overlaps the device's."""
-    previous = None
-    for index, clips in shards:
-        launched = launch_clips(codec, clips, pad_seconds, batch_seconds)
-        if previous is not None:
-            yield previous[0], previous[1], finish_clips(codec, previous[1], previous[2])
-        previous = (index, clips, launched)
-    if previous is not None:
-        yield previous[0], previous[1], finish_clips(codec, previous[1], previous[2])
+    rounds = (((index, clips), batch_audio(codec, clips, pad_seconds, batch_seconds)) for index, clips in shards)
+    for (index, clips), launched in launched_one_ahead(codec, rounds):
+        yield index, clips, finish_clips(codec, clips, launched)
 
 
 def _load_batching_in(load: dict, dtype: torch.dtype):
