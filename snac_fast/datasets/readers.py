@@ -25,7 +25,7 @@ from snac_fast.datasets.inputs import AudioInput, Clip, read_clip
 READ_AHEAD = 2
 
 # reads in flight per reader process (threads: soundfile, numpy and torch's convs release the GIL).
-# Fewer processes to fork: a fork from a process with a CUDA context took 13-21 ms, and the pool
+# Fewer processes to fork: a fork from a process with a CUDA context took 10-21 ms, and the pool
 # hands out no task until all are forked; the threads of a process also share its conv kernels'
 # one-time set-up per input length (docs/datasets.md)
 THREADS_PER_READER = 2
@@ -115,7 +115,7 @@ class _Readers:
 
     def submit(self, items: list[AudioInput]) -> list[Future]:
         # two tasks per process and shard (every task costs this process's threads some GIL time),
-        # at least a few files per thread
+        # at most 8 files per reading thread a task
         size = max(1, min(8 * self.threads, len(items) // (2 * self.processes)))
         try:
             return [self._submit(items[k:k + size]) for k in range(0, len(items), size)]
