@@ -119,8 +119,11 @@ def read_mono(source) -> tuple[Tensor, int]:
     return mono, int(rate)
 
 
-# resample_mono's input lengths are rounded up to a multiple of this (zeros appended)
+# resample_mono's input lengths are rounded up to a multiple of this (zeros appended), below
+# RESAMPLE_BUCKETS_UP_TO samples: past it the conv's set-up is a few percent of its run, and the
+# padded copy would be one more copy of a long input in memory
 RESAMPLE_BUCKET = 1 << 14
+RESAMPLE_BUCKETS_UP_TO = 1 << 22
 
 
 @functools.lru_cache(maxsize=16)
@@ -134,8 +137,8 @@ def _resampler(rate: int, new_rate: int):
 
 def resample_mono(mono: Tensor, rate: int, new_rate: int) -> Tensor:
     """``torchaudio.functional.resample`` of ``mono`` (float32 [..., T] -> [..., T']) from ``rate``
-    to ``new_rate``, the input zero-padded to a multiple of ``RESAMPLE_BUCKET`` samples and the
-    output cut to the length resample gives ``mono``. Resample pads with zeros itself, so these are
+    to ``new_rate``, the input (if shorter than ``RESAMPLE_BUCKETS_UP_TO`` samples) zero-padded to a
+    multiple of ``RESAMPLE_BUCKET`` samples and the output cut to the length resample gives ``mono``. Resample pads with zeros itself, so these are
     its samples up to float32 rounding (torch's CPU conv may sum in another order for another
     length; within 1e-6 of the peak, tested): torch's CPU conv sets itself up for every new input
     length (1-15 ms each), so a corpus of distinct lengths read 2-3x slower per file without the
@@ -143,6 +146,8 @@ def resample_mono(mono: Tensor, rate: int, new_rate: int) -> Tensor:
     if rate == new_rate:
         return mono
     samples = mono.shape[-1]
+    if samples >= RESAMPLE_BUCKETS_UP_TO:
+        return _resampler(rate, new_rate)(mono)
     padded = torch.nn.functional.pad(mono, (0, -samples % RESAMPLE_BUCKET))
     # resample's own output length for ``samples``, as it computes it (in float32: long inputs can
     # come out one sample shorter than the exact ceiling)
