@@ -197,3 +197,56 @@ def test_stream_steps_of_up_to_8_rows_take_the_one_row_steps_tiles():
         one = tiles(kind, 1, frames)
         assert all(tiles(kind, rows, frames) == one for rows in (2, 4, 8)), kind
         assert tiles(kind, 16, frames) != one, kind
+
+
+def test_a_recorded_launch_choice_is_reused_where_it_fits():
+    """launches_as_recorded: recording launches keep their own choices (the first of a key is
+    kept); the others take the recorded choice where it fits, else choose their own (as do the
+    interpreter's launches, which compile nothing)."""
+    from snac_fast.ops._runtime import launch_choice, launches_as_recorded
+
+    memo: dict = {}
+    assert launch_choice("layer", lambda: "own") == "own"  # outside any scope: nothing recorded
+    with emulate_gpu(GPUS["h100"]), launches_as_recorded(memo, record=True):
+        assert launch_choice("layer", lambda: "step") == "step"
+        assert launch_choice("layer", lambda: "step, again") == "step, again"
+    assert memo == {"layer": "step"}
+    with emulate_gpu(GPUS["h100"]), launches_as_recorded(memo, record=False):
+        assert launch_choice("layer", lambda: "prefill") == "step"
+        assert launch_choice("layer", lambda: "prefill", fits=lambda choice: False) == "prefill"
+        assert launch_choice("other layer", lambda: "prefill") == "prefill"
+    with launches_as_recorded(memo, record=False):  # the interpreter's launches choose their own
+        assert launch_choice("layer", lambda: "prefill") == "prefill"
+    assert memo == {"layer": "step"}
+
+
+def test_prefills_and_flushes_launch_their_buckets_step_tiles():
+    """Each tile a rule picks is a kernel variant a serving cold start compiles. A bucket's prefill
+    and flush take the depthwise and 1x1-conv tiles its one-frame step chose (their lengths differ,
+    so choices of their own were variants of their own), except where the step's tile needs an
+    alignment their length lacks; warm-up runs each bucket's step first."""
+    from snac_fast import FastSNAC
+    from snac_fast.streaming.engine import FLUSH, PREFILL, STEP
+    from snac_fast.synthetic import synthetic_model
+    from snac_fast.targets import record_launches
+
+    codec = FastSNAC(synthetic_model("snac_24khz"), device="cpu", dtype=torch.float16)
+    engine, fresh = codec.stream_engine(max_streams=16), codec.stream_engine(max_streams=16)
+    tile_fields = ("K", "DILATION", "RUN", "ROWS", "BLOCK_T", "BLOCK_M", "BLOCK_N", "BLOCK_K", "PDL", "ALIGNED")
+
+    def tiles(engine, kind: str, rows: int, frames: int) -> set:
+        inputs = engine._warmup_inputs([(kind, rows, frames)])
+        return {(l.kernel, l.num_warps, tuple((k, v) for k, v in l.constexprs if k in tile_fields))
+                for l in record_launches(lambda: engine._launch_shapes(inputs), GPUS["h100"])
+                if l.kernel in ("_depthwise_conv_snake_kernel", "_pointwise_conv_kernel")}
+
+    order = [shape[0] for shape in engine._warmup_shapes(16, ())]
+    assert order[:3] == [STEP, PREFILL, FLUSH] and len(order) == 15
+    for rows in (1, 16):
+        step = tiles(engine, STEP, rows, engine.frames_per_group)
+        others = tiles(engine, PREFILL, rows, engine.prefill_frames) | tiles(engine, FLUSH, rows, 0)
+        own = tiles(fresh, PREFILL, rows, fresh.prefill_frames) | tiles(fresh, FLUSH, rows, 0)  # no step recorded
+        assert len(own - step) >= 10, rows  # what the reuse saves
+        # left: a flush's first layers, whose length is no multiple of 8 (the step's tiles for them need one)
+        left = others - step
+        assert len(left) <= 2 and all(not dict(t[2]).get(k) for t in left for k in ("RUN", "ALIGNED")), (rows, left)

@@ -33,7 +33,7 @@ def warmup_launches(model: str, streams: int, gpu: str = "h100", buckets: list[i
     engine = codec.stream_engine(max_streams=streams)
     buckets = sorted(buckets or {min(1 << i, streams) for i in range(streams.bit_length() + 1)})
     shapes = [(kind, b, k) for b in buckets
-              for kind, k in [(PREFILL, engine.prefill_frames), (FLUSH, 0), (STEP, engine.frames_per_group)]]
+              for kind, k in [(STEP, engine.frames_per_group), (PREFILL, engine.prefill_frames), (FLUSH, 0)]]
 
     def run() -> None:  # what engine.warmup's shapes-only pass launches (its inputs, on the CPU)
         for (kind, _, frames), (keys, codes) in engine._warmup_inputs(shapes).items():

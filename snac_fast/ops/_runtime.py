@@ -305,9 +305,10 @@ def cuda_index(device: torch.device) -> int:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def launch_flags(device: torch.device, programs: int) -> dict[str, bool]:
-    """Keyword arguments for a forward kernel's launch: its PDL constexpr and Triton's launch_pdl."""
-    pdl = dependent_launch(device, programs)
+def launch_flags(device: torch.device, programs: int, pdl: bool | None = None) -> dict[str, bool]:
+    """Keyword arguments for a forward kernel's launch: its PDL constexpr and Triton's launch_pdl
+    (``pdl``: a choice made already, such as a recorded one)."""
+    pdl = dependent_launch(device, programs) if pdl is None else pdl
     return {"PDL": pdl, "launch_pdl": pdl}
 
 
@@ -325,6 +326,38 @@ def tiles_as_for_fewer_rows(factor: int):
         yield
     finally:
         _rows_per_tile_choice.reset(token)
+
+
+_recorded_launches = contextvars.ContextVar("recorded_launches", default=None)
+
+
+@contextlib.contextmanager
+def launches_as_recorded(memo: dict, record: bool):
+    """Inside, each launcher that asks :func:`launch_choice` takes the choice ``memo`` holds for its
+    key (its tiles, warps, dependent launch), and with ``record`` adds the choices it makes. A
+    stream engine records its one-frame step's launches per batch bucket and runs that bucket's
+    prefill and flush with them: their lengths differ from the step's, and choices of their own would
+    be kernel variants of their own, a third more compiles at a cold start (docs/serving.md,
+    "Cold start of serving")."""
+    token = _recorded_launches.set((memo, record))
+    try:
+        yield
+    finally:
+        _recorded_launches.reset(token)
+
+
+def launch_choice(key: tuple, choose: Callable[[], object], fits: Callable[[object], bool] = lambda choice: True):
+    """``choose()``, or inside :func:`launches_as_recorded` the choice recorded under ``key`` where
+    ``fits(choice)`` says it is valid for this launch (the key names a layer's launch: everything the
+    choice depends on but the length and alignment). Recording launches keep their own choices:
+    where two share a key, the first one's is recorded."""
+    scope = _recorded_launches.get()
+    if scope is None or interpreter_configs():  # the interpreter compiles nothing: its own big tiles
+        return choose()
+    memo, record = scope
+    if record:
+        return memo.setdefault(key, choose()) if key not in memo else choose()
+    return memo[key] if key in memo and fits(memo[key]) else choose()
 
 
 def wave_programs(device: torch.device) -> int:

@@ -27,8 +27,10 @@ from torch import Tensor
 from snac_fast.ops._runtime import (
     HAS_TRITON,
     TRITON_INTERPRET,
+    dependent_launch,
     first_filling,
     interpreter_configs,
+    launch_choice,
     launch_fitting,
     launch_flags,
     through_op,
@@ -251,9 +253,21 @@ def _conv_transpose_triton(x, packed, bias, stride, config=None):
     channels_last = is_channels_last(x)
     if not channels_last:
         x = x.contiguous()
-    fold = folds_batches(B, T_in)
+    pdl = None
+    if config is None:
+        def choose():
+            folded = folds_batches(B, T_in)
+            batches, cols = (1, B * T_in) if folded else (B, T_in)
+            chosen = _convt_config(C_out, phases, C_in, cols, batches, x.element_size(), x.device)
+            block_m = max(chosen[0], 16 // per_channel)
+            programs = batches * triton.cdiv(C_out, block_m) * triton.cdiv(cols, chosen[1])
+            return folded, chosen, dependent_launch(x.device, programs)
+
+        key = ("conv_transpose", x.device, x.dtype, B, C_in, C_out, stride, channels_last, bias is not None)
+        fold, config, pdl = launch_choice(key, choose)
+    else:
+        fold = folds_batches(B, T_in)
     grid_batches, n_cols = (1, B * T_in) if fold else (B, T_in)
-    config = config or _convt_config(C_out, phases, C_in, n_cols, grid_batches, x.element_size(), x.device)
 
     def launch(config):
         block_m, block_j, block_k, warps, stages = config
@@ -266,7 +280,7 @@ def _conv_transpose_triton(x, packed, bias, stride, config=None):
             CHANNELS_LAST=channels_last, HAS_BIAS=bias is not None,
             IEEE=x.dtype == torch.float32, UPCAST=TRITON_INTERPRET and x.dtype == torch.bfloat16,
             BLOCK_M=block_m, BLOCK_J=block_j, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
-            num_warps=warps, num_stages=stages, **launch_flags(x.device, grid_batches * n_m * n_j),
+            num_warps=warps, num_stages=stages, **launch_flags(x.device, grid_batches * n_m * n_j, pdl),
         )
     launch_fitting(("conv_transpose", x.device, x.dtype), config, launch)
     return out

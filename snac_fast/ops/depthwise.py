@@ -19,7 +19,9 @@ from torch import Tensor
 
 from snac_fast.ops._runtime import (
     HAS_TRITON,
+    dependent_launch,
     interpreter_configs,
+    launch_choice,
     launch_flags,
     through_op,
     wave_programs,
@@ -229,7 +231,14 @@ def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha, config=None):
         return out
     x = x.contiguous()
     K = weight.shape[-1]
-    rows, block_t, warps, run = config or _dw_config(B * C, T, (K - 1) // 2 * dilation, x.device)
+
+    def choose():
+        chosen = _dw_config(B * C, T, (K - 1) // 2 * dilation, x.device)
+        return chosen, dependent_launch(x.device, triton.cdiv(B * C, chosen[0]) * triton.cdiv(T, chosen[1]))
+
+    key = ("depthwise", x.device, B * C, K, dilation, bias is not None, alpha is not None)
+    runs_fit = lambda choice: choice[0][3] == 0 or T % 8 == 0  # noqa: E731 - aligned runs need T % 8 == 0
+    (rows, block_t, warps, run), pdl = (config, None) if config else launch_choice(key, choose, runs_fit)
     n_t_blocks = triton.cdiv(T, block_t)
     grid = (triton.cdiv(B * C, rows) * n_t_blocks,)
     w = weight.reshape(C, K)
@@ -238,7 +247,7 @@ def _depthwise_conv_snake_triton(x, weight, bias, dilation, alpha, config=None):
         x, w, flat(bias), flat(alpha), out,
         B * C, C, T, n_t_blocks,
         K=K, DILATION=dilation, HAS_BIAS=bias is not None, SNAKE=alpha is not None,
-        RUN=run, ROWS=rows, BLOCK_T=block_t, num_warps=warps, **launch_flags(x.device, grid[0]),
+        RUN=run, ROWS=rows, BLOCK_T=block_t, num_warps=warps, **launch_flags(x.device, grid[0], pdl),
     )
     return out
 

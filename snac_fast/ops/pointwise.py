@@ -28,9 +28,11 @@ from torch import Tensor
 from snac_fast.ops._runtime import (
     HAS_TRITON,
     TRITON_INTERPRET,
+    dependent_launch,
     first_filling,
     has_tma,
     interpreter_configs,
+    launch_choice,
     launch_fitting,
     launch_flags,
     through_op,
@@ -280,11 +282,25 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
     w = weight.reshape(C_out, C_in).contiguous()
     residual = None if residual is None else _with_layout(residual)
     h_cl, res_cl = is_channels_last(h), residual is not None and is_channels_last(residual)
+    pdl, aligned_t = None, T % 8 == 0
     if config is None:
-        config = _pw_config(B, C_out, C_in, T, h.device)
-        if tma is None:
-            tma_config = _tma_tile(h, w, config, residual, out, pair_out)
-            tma, config = tma_config is not None, tma_config or config
+        def choose():
+            chosen, use_tma = _pw_config(B, C_out, C_in, T, h.device), tma
+            if use_tma is None:
+                tma_config = _tma_tile(h, w, chosen, residual, out, pair_out)
+                use_tma, chosen = tma_config is not None, tma_config or chosen
+            programs = B * triton.cdiv(C_out, chosen[0]) * triton.cdiv(T, chosen[1])
+            return chosen, use_tma, dependent_launch(h.device, programs), aligned_t
+
+        def fits(choice) -> bool:  # TMA needs T % 8 == 0 and 16-byte bases, ALIGNED T % 8 == 0
+            _, use_tma, _, aligned = choice
+            bases = all(t is None or t.data_ptr() % 16 == 0 for t in (h, w, residual, out, pair_out))
+            return (not use_tma or (aligned_t and bases)) and (not aligned or aligned_t)
+
+        # the epilogue (bias, residual, snake, pair) does not enter the choice: a layer's launches
+        # in a flush may fold a residual bias that the step's do not
+        key = ("pointwise", h.device, h.dtype, B, C_out, C_in, tma, h_cl, res_cl, out_channels_last)
+        config, tma, pdl, aligned_t = launch_choice(key, choose, fits)
     scale = None if scale is None else scale.contiguous()
 
     def launch(config):
@@ -299,7 +315,7 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
                      IEEE=h.dtype == torch.float32, UPCAST=TRITON_INTERPRET and h.dtype == torch.bfloat16,
                      BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, K_BLOCKS=triton.cdiv(C_in, block_k),
                      ROWS_FASTEST=order, H_CL=h_cl, RES_CL=res_cl, OUT_CL=out_channels_last,
-                     num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t))
+                     num_warps=warps, num_stages=stages, **launch_flags(h.device, B * n_m * n_t, pdl))
         if tma:
             out_desc = _descriptor(out, block_m, block_n, out_channels_last, True)  # out is [B, T, C] when channels-last
             _pointwise_conv_tma_kernel[(B * n_m * n_t,)](
@@ -312,7 +328,7 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
         _pointwise_conv_kernel[(B * n_m * n_t,)](
             w, h, flat(bias), out if residual is None else residual, out if scale is None else scale,
             flat(residual_bias), flat(alpha_out), out, flat(pair_alpha), out if pair_out is None else pair_out,
-            C_out, C_in, T, n_m, n_t, ALIGNED=T % 8 == 0, **flags)
+            C_out, C_in, T, n_m, n_t, ALIGNED=aligned_t, **flags)
     launch_fitting(("pointwise_conv_tma" if tma else "pointwise_conv", h.device, h.dtype), config, launch)
 
 

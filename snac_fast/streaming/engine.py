@@ -14,7 +14,7 @@ from torch import Tensor, nn
 from snac_fast.compiling import compiling_concurrently
 from snac_fast.graphs import out_of_memory_explained
 from snac_fast.noise import check_seed, patched_noise
-from snac_fast.ops._runtime import device_scope, tiles_as_for_fewer_rows
+from snac_fast.ops._runtime import device_scope, launches_as_recorded, tiles_as_for_fewer_rows
 from snac_fast.ops.context import context_step
 from snac_fast.ops.noise import keyed_normal
 from snac_fast.streaming.geometry import Geometry, _align_contexts, build_stages
@@ -140,6 +140,9 @@ class StreamEngine:
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, StepGraph] = {}
+        # per batch bucket, the one-frame step's launch choices, which that bucket's prefills and
+        # flushes reuse (ops._runtime.launches_as_recorded): no kernel variants of their own to compile
+        self._launches: dict[int, dict] = {}
         # after a warm-up: the step shapes (STEP, bucket, frames) warmed. A step of more frames than
         # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
         # audio of a server's first streams for 85-250 ms (H200, docs/serving.md)
@@ -257,9 +260,10 @@ class StreamEngine:
     def _warmup_shapes(self, max_batch: int | None, frames: Sequence[int]) -> list[tuple[str, int, int]]:
         top = min(max_batch or self.max_streams, self.max_streams)
         buckets = sorted({self._bucket(min(1 << i, top)) for i in range(top.bit_length() + 1)})
-        steps = sorted({self.frames_per_group, *(self._step_frames(int(k)) for k in frames)} - {0})
+        more = sorted({self._step_frames(int(k)) for k in frames} - {0, self.frames_per_group})
+        # each bucket's one-frame step first: it records the launches the others reuse
         shapes = [(kind, b, k) for b in buckets for kind, k in
-                  [(PREFILL, self.prefill_frames), (FLUSH, 0)] + [(STEP, k) for k in steps]
+                  [(STEP, k) for k in [self.frames_per_group, *more]] + [(PREFILL, self.prefill_frames), (FLUSH, 0)]
                   + ([(TAIL, 0)] if self.approximate_lookahead is not None else [])]
         if len(shapes) > self.max_graphs:
             raise ValueError(f"warmup needs {len(shapes)} graphs but the engine keeps {self.max_graphs}: "
@@ -734,7 +738,9 @@ class StreamEngine:
         [4, B] (state slot, frames consumed, seed, row); codes: per level [B, L_i] (not for flush).
         noise_for: where NoiseBlocks get their noise (default: :meth:`draw_noise`)."""
         rows = keys.shape[1]
-        with tiles_as_for_fewer_rows(rows if rows <= ONE_ROW_TILES_UP_TO else 1):
+        recording = kind == STEP and frames == self.frames_per_group
+        with tiles_as_for_fewer_rows(rows if rows <= ONE_ROW_TILES_UP_TO else 1), \
+                launches_as_recorded(self._launches.setdefault(rows, {}), recording):
             return self._forward_rows(kind, keys, codes, frames, noise_for)
 
     def _forward_rows(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
