@@ -20,7 +20,7 @@ from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.ops.noise import keyed_normal, keyed_normal_reference
 from snac_fast.orpheus import ORPHEUS, TokenLayout
 from snac_fast.streaming import DecoderStream, StreamEngine
-from snac_fast.streaming.engine import FP16_LOOKAHEAD
+from snac_fast.streaming.engine import FP16_LOOKAHEAD, bucket_rows, warmup_buckets
 from snac_fast.synthetic import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
@@ -485,6 +485,20 @@ def test_stream_accepts_token_ids():
 
 
 # --- GPU --------------------------------------------------------------------------------------
+
+def test_batch_buckets_pad_past_32_rows_by_at_most_a_third_and_are_all_warmed():
+    """A batch of n streams runs the step graph of bucket_rows(n) rows: powers of two up to 32,
+    then 48, 64, 96, 128, 192, ... (a step's GPU time is about linear there: padding 65 streams to
+    128 rows took half the call). Every batch a warm-up's max_batch admits has its graph warmed."""
+    assert [bucket_rows(n) for n in (1, 3, 17, 33, 48, 49, 65, 97, 129, 193, 257, 385)] == \
+        [1, 4, 32, 48, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert all(n <= bucket_rows(n) and (n <= 32 or 3 * n > 2 * bucket_rows(n)) for n in range(1, 2049))
+    for top in range(1, 600):
+        assert {bucket_rows(n) for n in range(1, top + 1)} <= set(warmup_buckets(top)), top
+    engine = FastSNAC(synthetic_model("snac_24khz"), device="cpu").stream_engine(512)
+    rows = sorted({b for _, b, _ in engine._warmup_shapes(512, ())})
+    assert rows == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", MODELS)

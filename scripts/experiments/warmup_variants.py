@@ -20,7 +20,7 @@ import torch  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.ops._runtime import GPUS  # noqa: E402
-from snac_fast.streaming.engine import FLUSH, PREFILL, STEP  # noqa: E402
+from snac_fast.streaming.engine import FLUSH, PREFILL, STEP, warmup_buckets  # noqa: E402
 from snac_fast.synthetic import synthetic_model  # noqa: E402
 from snac_fast.targets import record_launches  # noqa: E402
 
@@ -28,10 +28,10 @@ from snac_fast.targets import record_launches  # noqa: E402
 def warmup_launches(model: str, streams: int, gpu: str = "h100", buckets: list[int] | None = None):
     """(the distinct launches, the number of step graphs) of a ``streams``-stream engine's warm-up on
     ``model`` with ``gpu``'s launch rules; ``buckets``: the batch buckets warmed (default: the
-    engine's powers of two). Needs ``TRITON_INTERPRET=1`` before Triton is imported."""
+    engine's). Needs ``TRITON_INTERPRET=1`` before Triton is imported."""
     codec = FastSNAC(synthetic_model(model), device="cpu", dtype=torch.float16)
     engine = codec.stream_engine(max_streams=streams)
-    buckets = sorted(buckets or {min(1 << i, streams) for i in range(streams.bit_length() + 1)})
+    buckets = sorted(buckets or warmup_buckets(streams))
     shapes = [(kind, b, k) for b in buckets
               for kind, k in [(STEP, engine.frames_per_group), (PREFILL, engine.prefill_frames), (FLUSH, 0)]]
 
@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--model", default="snac_24khz")
     parser.add_argument("--streams", type=int, default=256)
     parser.add_argument("--gpu", default="h100", choices=sorted(GPUS))
-    parser.add_argument("--buckets", default=None, help="batch buckets to warm, e.g. 1,16,64,256 (default: the engine's powers of two)")
+    parser.add_argument("--buckets", default=None, help="batch buckets to warm, e.g. 1,16,64,256 (default: the engine's)")
     args = parser.parse_args()
     buckets = [int(b) for b in args.buckets.split(",")] if args.buckets else None
     launches, graphs = warmup_launches(args.model, args.streams, args.gpu, buckets)

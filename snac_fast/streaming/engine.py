@@ -31,6 +31,20 @@ ONE_ROW_TILES_UP_TO = 8
 _INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
 
 
+def bucket_rows(n: int) -> int:
+    """Rows of the step graph that runs ``n`` streams: the next power of two up to 32, then the
+    next of 2^k and 1.5 * 2^k (48, 64, 96, 128, 192, ...). A step's GPU time grows about linearly
+    past ~64 rows, so a call of 65 streams padded to 128 rows spent half its time on padding."""
+    top = 1 << (n - 1).bit_length()
+    return top if top <= 32 or n > 3 * top // 4 else 3 * top // 4
+
+
+def warmup_buckets(max_batch: int) -> list[int]:
+    """The step-graph rows of every batch of 1 to ``max_batch`` streams (what a warm-up captures)."""
+    sizes = [1 << i for i in range(max_batch.bit_length() + 1)] + [3 << i for i in range(max_batch.bit_length())]
+    return sorted({bucket_rows(min(size, max_batch)) for size in sizes})
+
+
 # lookahead="fp16": per sampling rate, the least lookahead (samples) whose approximate stream is
 # closer to the whole float32 decode than an fp16 decode is (scripts/lookahead_curve.py, docs/streaming.md)
 FP16_LOOKAHEAD = {24000: 3456, 32000: 12032, 44100: 12032}
@@ -96,7 +110,7 @@ class StreamEngine:
 
     def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, lookahead: int | str | None = None, cuda_graphs: bool = False,
-                 max_frames_per_step: int = 8, max_graphs: int = 48, lock=None) -> None:
+                 max_frames_per_step: int = 8, max_graphs: int = 64, lock=None) -> None:
         if max_streams < 1:
             raise ValueError("max_streams must be at least 1")
         self.model, self.config = model, config
@@ -259,7 +273,7 @@ class StreamEngine:
 
     def _warmup_shapes(self, max_batch: int | None, frames: Sequence[int]) -> list[tuple[str, int, int]]:
         top = min(max_batch or self.max_streams, self.max_streams)
-        buckets = sorted({self._bucket(min(1 << i, top)) for i in range(top.bit_length() + 1)})
+        buckets = sorted({self._bucket(b) for b in warmup_buckets(top)})
         more = sorted({self._step_frames(int(k)) for k in frames} - {0, self.frames_per_group})
         # each bucket's one-frame step first: it records the launches the others reuse
         shapes = [(kind, b, k) for b in buckets for kind, k in
@@ -693,8 +707,8 @@ class StreamEngine:
     # -- one batched call ----------------------------------------------------------------------
 
     def _bucket(self, n: int) -> int:
-        """Rows of the batch that runs n streams: the next power of two (at most max_streams) under CUDA graphs."""
-        return min(1 << (n - 1).bit_length(), self.max_streams) if self.cuda_graphs else n
+        """Rows of the batch that runs n streams: :func:`bucket_rows` (at most max_streams) under CUDA graphs."""
+        return min(bucket_rows(n), self.max_streams) if self.cuda_graphs else n
 
     def _write_keys(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Fill a step's keys, int64 [4, bucket]: per row the state slot, frames consumed, seed and
