@@ -534,6 +534,29 @@ def test_gpu_streams_equal_decode(cuda, no_tf32, name, dtype):
     assert len(engine._graphs) >= 3
 
 
+@pytest.mark.gpu
+def test_gpu_batches_between_powers_of_two_run_their_bucket_graphs_exactly(cuda, no_tf32):
+    """Batches of 40 and 70 streams run the 48- and 96-row step graphs (and prefill and flush
+    graphs of those buckets, padded with the scratch slot); every stream equals its whole decode
+    in float32."""
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
+    engine = fast.stream_engine(96)
+    strides, n = fast.config["vq_strides"], engine.prefill_frames + 3 * engine.frames_per_group
+    for streams, bucket in ((40, 48), (70, 96)):
+        codes = [random_codes(fast.config, n, seed=100 + i) for i in range(streams)]
+        slots = [engine.open(seed=i) for i in range(streams)]
+        got = {slot: [] for slot in slots}
+        for start, stop in ((0, engine.prefill_frames), (engine.prefill_frames, n)):
+            for slot, audio in engine.advance({s: frames_of(c, strides, start, stop) for s, c in zip(slots, codes)}).items():
+                got[slot].append(audio)
+        for slot, audio in engine.advance(finish=slots).items():
+            got[slot].append(audio)
+        assert {key[1] for key in engine._graphs} >= {bucket}
+        for i in (0, streams // 2, streams - 1):
+            expected = fast.decode(codes[i], seed=i)[0, 0]
+            assert snr_db(expected, torch.cat(got[slots[i]])) >= 100, (streams, i)
+
+
 def steady_steps_with_bad_ids(engine, config, seed=20):
     """Three started streams stepped one frame at a time, alternately through step (int32 codes)
     and advance (per-stream pushes); before every good step, bad ids (too large, negative) in both
