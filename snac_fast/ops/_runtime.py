@@ -356,7 +356,9 @@ def launch_choice(key: tuple, choose: Callable[[], object], fits: Callable[[obje
         return choose()
     memo, record = scope
     if record:
-        return memo.setdefault(key, choose()) if key not in memo else choose()
+        choice = choose()
+        memo.setdefault(key, choice)
+        return choice
     return memo[key] if key in memo and fits(memo[key]) else choose()
 
 

@@ -244,6 +244,13 @@ def _pw_config(B: int, C_out: int, C_in: int, T: int, device: torch.device) -> t
     return block_m, block_n, block_k, 2 if block_m * block_n <= 512 else 4, 3
 
 
+def _tma_aligned(h: Tensor, w: Tensor, *tensors: Tensor | None) -> bool:
+    """Whether TMA can move this call's tiles: 16-byte rows (channels and time steps multiples of
+    8) and 16-byte bases."""
+    (_, C_in, T), C_out = h.shape, w.shape[0]
+    return not (C_out % 8 or C_in % 8 or T % 8 or any(t is not None and t.data_ptr() % 16 for t in (h, w, *tensors)))
+
+
 def _tma_tile(h: Tensor, w: Tensor, plain: tuple[int, ...],
               *tensors: Tensor | None) -> tuple[int, int, int, int, int] | None:
     """The TMA kernel's (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages) where it is faster, else None:
@@ -255,11 +262,10 @@ def _tma_tile(h: Tensor, w: Tensor, plain: tuple[int, ...],
     programs looping over tiles were slower (docs/measurements.md). Its K loop accumulates inside
     the MMA (``tl.dot(a, b, acc)``): ``acc + tl.dot(a, b)`` made the calls with [B, T, C] input
     slower than the plain kernel."""
-    B, C_in, T = h.shape
     C_out = w.shape[0]
     if not has_tma(h.device) or h.dtype not in (torch.float16, torch.bfloat16) or C_out < 256:
         return None
-    if C_out % 8 or C_in % 8 or T % 8 or any(t is not None and t.data_ptr() % 16 for t in (h, w, *tensors)):
+    if not _tma_aligned(h, w, *tensors):
         return None
     block_m, block_n, block_k = plain[:3]
     return (128, 128, block_k, 8, 3) if (block_m, block_n) == (64, 128) else None
@@ -292,10 +298,9 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
             programs = B * triton.cdiv(C_out, chosen[0]) * triton.cdiv(T, chosen[1])
             return chosen, use_tma, dependent_launch(h.device, programs), aligned_t
 
-        def fits(choice) -> bool:  # TMA needs T % 8 == 0 and 16-byte bases, ALIGNED T % 8 == 0
+        def fits(choice) -> bool:  # TMA and ALIGNED need T % 8 == 0 (TMA 16-byte bases too)
             _, use_tma, _, aligned = choice
-            bases = all(t is None or t.data_ptr() % 16 == 0 for t in (h, w, residual, out, pair_out))
-            return (not use_tma or (aligned_t and bases)) and (not aligned or aligned_t)
+            return (not use_tma or _tma_aligned(h, w, residual, out, pair_out)) and (not aligned or aligned_t)
 
         # the epilogue (bias, residual, snake, pair) does not enter the choice: a layer's launches
         # in a flush may fold a residual bias that the step's do not
