@@ -3,6 +3,7 @@ limits (capability, SM count, shared memory), a configuration a device refuses f
 smaller one, and every configuration the rules choose for the three models' workloads on an A100,
 RTX 3090, L4 and RTX 4090 compiles for that architecture within its shared memory (snac_fast.targets)."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -148,7 +149,6 @@ def test_lengths_that_are_multiples_of_8_share_one_variant_with_the_same_vector_
     variant of each); they are told T % 8 == 0 instead. So T = 1032 and 1040 launch one variant each,
     and its loads and stores, compiled for sm_90, are those Triton's divisible-by-16 T gave (a hint
     the compiler ignores, such as tl.multiple_of on an argument, left scalar stores: 20% slower)."""
-    import dataclasses
     import json
     import os
     import subprocess
@@ -173,6 +173,46 @@ def test_lengths_that_are_multiples_of_8_share_one_variant_with_the_same_vector_
     for kernel, hinted, specialized in map(json.loads, done.stdout.splitlines()):
         assert hinted == specialized, kernel
         assert any(".v4." in op or op.startswith("cp.async") for op in hinted), kernel  # vector access at all
+
+
+_SINE_IN_PTX = """
+import json, sys
+from snac_fast.targets import _launch_from, compile_launch
+
+for fields in json.load(sys.stdin):
+    launch = _launch_from(fields)
+    print(json.dumps([launch.kernel, "sin.approx.f32" in compile_launch(launch, 90).asm["ptx"]]))
+"""
+
+
+@pytest.mark.heavy
+def test_half_outputs_take_the_sfu_sine_and_float32_the_exact_one():
+    """A snake whose result is stored in fp16/bf16 takes its sine from the SFU (sin.approx.f32, ops/snake
+    ``_sin_sfu``: long fp16 decodes ~4% faster at an unchanged SNR); float32 keeps the exact reduction
+    and polynomial (float32 decodes >= 100 dB against upstream). The depthwise conv + snake and the 1x1
+    conv with its pair epilogue (the TMA kernel for 16-bit types on an H100), compiled for sm_90."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from snac_fast.ops.depthwise import depthwise_conv_snake
+    from snac_fast.ops.pointwise import pointwise_conv_pair
+    from snac_fast.targets import record_launches
+
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        def run():
+            x, v = torch.zeros(1, 64, 1024, dtype=dtype), torch.ones(64, dtype=dtype)
+            depthwise_conv_snake(x, torch.zeros(64, 1, 7, dtype=dtype), v, 3, v)
+            pointwise_conv_pair(x, torch.zeros(64, 64, 1, dtype=dtype), v, residual=x, alpha=v)
+
+        launches = record_launches(run, GPUS["h100"])
+        done = subprocess.run([sys.executable, "-c", _SINE_IN_PTX], input=json.dumps([dataclasses.asdict(l) for l in launches]),
+                              capture_output=True, text=True, env={**os.environ, "TRITON_INTERPRET": "0"}, timeout=600)
+        assert done.returncode == 0, done.stderr[-3000:]
+        sfu = dict(map(json.loads, done.stdout.splitlines()))
+        assert len(sfu) == 2 and "_depthwise_conv_snake_kernel" in sfu, sfu
+        assert all(v == (dtype != torch.float32) for v in sfu.values()), (dtype, sfu)
 
 
 def test_stream_steps_of_up_to_8_rows_take_the_one_row_steps_tiles():

@@ -16,9 +16,9 @@ The kernel reads s at other tiles' positions (the conv's halo), so ``snake_out``
 ``out`` may alias x (each program reads x only where it writes y).
 
 The kernel takes up to 128 channels (padded to a power of two in registers, masked in memory); the
-decoder and encoder call it (:func:`unit_applies`) for fp16 on sm_90 at up to 64 channels, where it
-measured faster at every dilation (the 24 kHz decoder's block 4, the encoders' 48- and 64-channel
-units); everything else keeps the two kernels. ``SNAC_FAST_GLUON=0`` turns it off.
+decoder and encoder call it (:func:`unit_applies`) for fp16 on sm_90 where it measured faster
+(:func:`unit_is_faster`: up to 64 channels at every dilation, 128 at dilations 1 and 3);
+everything else keeps the two kernels. ``SNAC_FAST_GLUON=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ from snac_fast.ops.pointwise import pointwise_conv_reference
 from snac_fast.ops.snake import snake_reference
 
 MAX_CHANNELS = 128  # h, W and the accumulator of a 64-step tile fit one SM's registers up to here
-# Where the decoder takes it: at 96 and 128 channels the kernel measured 0.84-1.09x the two kernels
-# (slower at dilations 3 and 9: 5 and 9 chunk loads a run), at 48-64 channels 1.00-1.36x (H100,
-# 2026-11-26, benchmarks/logs/gluon_unit_ab_h100.log)
+# Where the decoder takes it (H100, 2026-11-27, every snake from the SFU in both paths; docs/kernels.md):
+# at 48-64 channels 1.06-1.44x the two kernels at every dilation; at 128 channels 1.07-1.15x at
+# dilations 1 and 3 (pair out, as a block's first two units write), 0.88-0.96x at dilation 9 (9 chunk
+# loads a run). 96 channels fill three quarters of the 128-channel tile: 1.06-1.08x alone at dilations 1
+# and 3 but no gain in whole 32/44 kHz decodes, so they keep the two kernels.
 APPLIES_UP_TO = 64
+APPLIES_AT_LOW_DILATION = 128
 KERNEL_SIZE = 7
 
 HAS_GLUON = False
@@ -56,9 +59,42 @@ if HAS_TRITON:
         pass
 
 if HAS_GLUON:
-    # the Triton helpers of ops/depthwise and ops/common run inside Gluon kernels as they are
-    from snac_fast.ops.common import _snake_broadcast
+    # the Triton helpers of ops/depthwise run inside Gluon kernels as they are
     from snac_fast.ops.depthwise import _lanes, _window
+    from snac_fast.ops.snake import _EPS
+
+    @gluon.jit
+    def _snake_sfu(v, alpha):
+        """Snake of an fp32 tile (alpha broadcasting over it) with the sine from the SFU, as the
+        Triton kernels compute it for fp16 outputs (ops/snake ``_sin_sfu``)."""
+        s = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [alpha * v], dtype=gl.float32,
+                                      is_pure=True, pack=1)
+        return v + (1.0 / (alpha + _EPS)) * (s * s)
+
+    @gluon.jit
+    def _weights_to_shared(w_ptr, C, C_P: gl.constexpr, layout: gl.constexpr):
+        """W [C, C] (row-major fp16) zero-padded into a fresh [C_P, C_P] shared-memory tile."""
+        num_warps: gl.constexpr = gl.num_warps()
+        LW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        wo = gl.arange(0, C_P, layout=gl.SliceLayout(1, LW))
+        wi = gl.arange(0, C_P, layout=gl.SliceLayout(0, LW))
+        w = gl.load(w_ptr + wo[:, None] * C + wi[None, :], mask=(wo < C)[:, None] & (wi < C)[None, :], other=0.0)
+        w_smem = gl.allocate_shared_memory(gl.float16, [C_P, C_P], layout)
+        w_smem.store(w.to(gl.float16))
+        return w_smem
+
+    @gluon.jit
+    def _pointwise_mma(h_smem, w_smem, C_P: gl.constexpr, BT: gl.constexpr, WARPS_M: gl.constexpr):
+        """out^T [BT, C_P] fp32 = h^T @ W^T from shared memory (h [C_P, BT], W [C_P, C_P]) as one
+        warpgroup MMA, M = BT steps on WARPS_M warps, N split over the others. Stores to either
+        tile must be fenced (``fence_async_shared``) before."""
+        num_warps: gl.constexpr = gl.num_warps()
+        WARPS_N: gl.constexpr = num_warps // WARPS_M
+        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
+                                                        instr_shape=[16, C_P // WARPS_N, 16])
+        acc = gl.zeros([BT, C_P], gl.float32, mma_l)
+        acc = warpgroup_mma(h_smem.permute((1, 0)), w_smem.permute((1, 0)), acc, is_async=True)
+        return warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
 
     @gluon.jit
     def _unit_tail(h, x_ptr, w_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr, b, t0, T, C,
@@ -72,19 +108,9 @@ if HAS_GLUON:
         smem_l: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         h_smem = gl.allocate_shared_memory(gl.float16, [C_P, BT], smem_l)
         h_smem.store(h)
-        LW: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-        wo = gl.arange(0, C_P, layout=gl.SliceLayout(1, LW))
-        wi = gl.arange(0, C_P, layout=gl.SliceLayout(0, LW))
-        w = gl.load(w_ptr + wo[:, None] * C + wi[None, :], mask=(wo < C)[:, None] & (wi < C)[None, :], other=0.0)
-        w_smem = gl.allocate_shared_memory(gl.float16, [C_P, C_P], smem_l)
-        w_smem.store(w.to(gl.float16))
+        w_smem = _weights_to_shared(w_ptr, C, C_P, smem_l)
         fence_async_shared()
-        WARPS_N: gl.constexpr = num_warps // WARPS_M
-        mma_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[WARPS_M, WARPS_N],
-                                                        instr_shape=[16, C_P // WARPS_N, 16])
-        acc = gl.zeros([BT, C_P], gl.float32, mma_l)
-        acc = warpgroup_mma(h_smem.permute((1, 0)), w_smem.permute((1, 0)), acc, is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        acc = _pointwise_mma(h_smem, w_smem, C_P, BT, WARPS_M)
 
         # epilogue: bias, residual and snake in 16-byte runs along T (x is channels-first); a
         # channels-last output is converted to runs along C for its store
@@ -99,7 +125,7 @@ if HAS_GLUON:
         y += gl.load(x_ptr + xo[None, :] + t[:, None], mask=m2, other=0.0).to(gl.float32)
         if PAIR or SNAKE_OUT:
             alpha_out = gl.load(alpha_out_ptr + o, mask=o_ok, other=1.0).to(gl.float32)[None, :]
-            ys = _snake_broadcast(y, alpha_out)
+            ys = _snake_sfu(y, alpha_out)
         if SNAKE_OUT:
             result = ys.to(gl.float16)
         else:
@@ -155,7 +181,7 @@ if HAS_GLUON:
             acc3 += wk[:, None, None] * tap
         acc3 += gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
         alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
-        h = gl.reshape(_snake_broadcast(acc3, alpha2).to(gl.float16), (C_P, BT))
+        h = gl.reshape(_snake_sfu(acc3, alpha2).to(gl.float16), (C_P, BT))
 
         _unit_tail(h, x_ptr, w_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr, b, t0, T, C,
                    out_stride_b, out_stride_c, out_stride_t, C_P, BT, WARPS_M, PAIR, SNAKE_OUT, CHANNELS_LAST)
@@ -184,11 +210,18 @@ def unit_tiling(channels: int) -> tuple[int, int, int, int]:
     return c_p, 64, 8, 4
 
 
-def unit_applies(x: Tensor, channels: int) -> bool:
+def unit_is_faster(channels: int, dilation: int) -> bool:
+    """Whether the one kernel measured faster than the two for a unit of this width and dilation
+    (the constants above)."""
+    return channels <= APPLIES_UP_TO or (channels == APPLIES_AT_LOW_DILATION and dilation <= 3)
+
+
+def unit_applies(x: Tensor, channels: int, dilation: int) -> bool:
     """Whether :func:`residual_unit` runs the Gluon kernel for x ([B, C, T]); else callers keep
-    the two kernels. Hopper only (wgmma: compute capability 9.x), as the launch rules see the device
-    (``SNAC_FAST_GPU_LIMITS`` and :func:`~snac_fast.ops._runtime.emulate_gpu` included)."""
-    if not (HAS_GLUON and x.is_cuda and x.dtype == torch.float16 and channels <= APPLIES_UP_TO
+    the two kernels. Where :func:`unit_is_faster`, on Hopper only (wgmma: compute capability 9.x), as
+    the launch rules see the device (``SNAC_FAST_GPU_LIMITS`` and
+    :func:`~snac_fast.ops._runtime.emulate_gpu` included)."""
+    if not (HAS_GLUON and x.is_cuda and x.dtype == torch.float16 and unit_is_faster(channels, dilation)
             and os.environ.get("SNAC_FAST_GLUON", "1") != "0"):
         return False
     limits = gpu_limits(x.device)

@@ -42,20 +42,28 @@ def test_unit_tiling_refuses_what_does_not_fit(C):
         ru.unit_tiling(C)
 
 
+def test_unit_is_taken_where_it_measured_faster():
+    """Up to 64 channels at every dilation; 128 channels at dilations 1 and 3 only (at 9 the one
+    kernel measured 0.88-0.96x the two); 96 channels (a padded tile) and wider units never."""
+    assert all(ru.unit_is_faster(c, d) for c in (1, 48, 64) for d in (1, 3, 9))
+    assert ru.unit_is_faster(128, 1) and ru.unit_is_faster(128, 3) and not ru.unit_is_faster(128, 9)
+    assert not any(ru.unit_is_faster(c, d) for c in (65, 96, 127, 129, 256) for d in (1, 3, 9))
+
+
 def test_unit_applies_only_to_fp16_cuda_within_limits(monkeypatch):
-    """CPU tensors, float32 and units wider than 64 channels (where it measured slower) keep the two
-    kernels; so does SNAC_FAST_GLUON=0."""
+    """CPU tensors, float32 and units where it measured slower keep the two kernels; so does
+    SNAC_FAST_GLUON=0."""
     x = torch.zeros(1, 64, 8, dtype=torch.float16)
-    assert not ru.unit_applies(x, 64)  # CPU
+    assert not ru.unit_applies(x, 64, 1)  # CPU
     if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0) and ru.HAS_GLUON:
         xc = x.cuda()
-        assert ru.unit_applies(xc, 64) and ru.unit_applies(xc, 48)
-        assert not ru.unit_applies(xc.float(), 64) and not ru.unit_applies(xc, 96)
+        assert ru.unit_applies(xc, 64, 9) and ru.unit_applies(xc, 48, 3) and ru.unit_applies(xc, 128, 3)
+        assert not ru.unit_applies(xc.float(), 64, 1) and not ru.unit_applies(xc, 96, 9)
         from snac_fast.ops._runtime import GPUS, emulate_gpu
         with emulate_gpu(GPUS["a100"]):  # the launch rules' view of the card decides
-            assert not ru.unit_applies(xc, 64)
+            assert not ru.unit_applies(xc, 64, 1)
         monkeypatch.setenv("SNAC_FAST_GLUON", "0")
-        assert not ru.unit_applies(xc, 64)
+        assert not ru.unit_applies(xc, 64, 1)
 
 
 def test_unit_reference_is_the_upstream_unit():

@@ -287,6 +287,24 @@ def test_gpu_forward_backward_real_shapes(cuda, dtype, shape):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_half_snake_sfu_sine_within_its_error_bound(cuda, dtype):
+    """fp16/bf16 outputs take the sine from the SFU (sin.approx.f32, ops/snake ``_sin_sfu``): sin^2(ax)/a
+    then errs by about 2|x| 2^-21 plus alpha*x's own rounding, whatever alpha is. Checked where that is
+    hardest, |x| to 1000 (arguments to 2500) and alphas from 1e-4 to 2.5, against float64 and without
+    the float32 path's 2e-6/|alpha| allowance: within |x| 2^-18 plus the output's rounding."""
+    gen = torch.Generator().manual_seed(11)
+    wide = torch.rand(2, 64, 4097, generator=gen, dtype=torch.float64) * 2000 - 1000
+    x = torch.cat([wide, torch.randn(2, 64, 4097, generator=gen, dtype=torch.float64) * 4], dim=-1).to(dtype)
+    alpha = random_alpha(64, gen, lo=1e-4, hi=2.5)
+    y = snake(x.to(cuda), alpha.to(cuda)).double().cpu()
+    ref = snake_reference(x.double(), alpha.double())
+    tol = 2.0**-18 * x.double().abs() + 2 * UNIT_ROUNDOFF[dtype] * ref.abs() + subnormal_step(dtype)
+    err = (y - ref).abs()
+    assert (err <= tol).all(), f"max err {err.max().item():.3g}, worst ratio {(err / tol).max().item():.3g}"
+
+
+@pytest.mark.gpu
 def test_gpu_mixed_devices_rejected(cuda):
     with pytest.raises(ValueError, match="cuda"):
         snake(torch.randn(1, 2, 3, device=cuda), torch.ones(2))
