@@ -17,17 +17,17 @@ if HAS_TRITON:
     from snac_fast.ops.snake import _EPS, _snake_sine
 
     @triton.jit
-    def _snake_broadcast(v, alpha, LOW_PRECISION: tl.constexpr = False):
+    def _snake_broadcast(v, alpha, STORED: tl.constexpr = tl.float32):
         """Snake of an fp32 tile with fp32 alpha shaped to broadcast over it (one per row: [R, 1, ...]).
-        snake(0) = 0 keeps zero padding. LOW_PRECISION: the result is stored in fp16/bf16, so the
-        sine may come from the SFU (ops/snake ``_sin_sfu``)."""
-        s = _snake_sine(alpha * v, LOW_PRECISION)
+        snake(0) = 0 keeps zero padding. STORED: the dtype the result is stored in (fp16/bf16 take
+        the sine from the SFU: ops/snake ``_snake_sine``)."""
+        s = _snake_sine(alpha * v, STORED)
         return v + (1.0 / (alpha + _EPS)) * (s * s)
 
     @triton.jit
-    def _snake_rows(v, alpha, LOW_PRECISION: tl.constexpr = False):
-        """Snake of an fp32 tile [R, N] with one fp32 alpha per row."""
-        return _snake_broadcast(v, alpha[:, None], LOW_PRECISION)
+    def _snake_rows(v, alpha, STORED: tl.constexpr = tl.float32):
+        """Snake of an fp32 tile [R, N] with one fp32 alpha per row, stored as STORED."""
+        return _snake_broadcast(v, alpha[:, None], STORED)
 
     @triton.jit
     def _program_tile(pid, n_row_blocks, n_col_blocks, ROWS_FASTEST: tl.constexpr = False):
@@ -58,9 +58,8 @@ if HAS_TRITON:
         """Store the fp32 tile, and with PAIR beside it its snake (the next residual unit's input)."""
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         if PAIR:
-            LOW_PRECISION: tl.constexpr = pair_out_ptr.dtype.element_ty.primitive_bitwidth < 32
             pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
-                               LOW_PRECISION)
+                               pair_out_ptr.dtype.element_ty)
             tl.store(pair_out_ptr + out_offs, pair.to(pair_out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit

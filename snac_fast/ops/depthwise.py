@@ -78,9 +78,8 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows % C, mask=row_ok, other=0.0).to(tl.float32)
         if SNAKE:
-            LOW_PRECISION: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth < 32
             acc = _snake_broadcast(acc, tl.load(alpha_ptr + rows % C, mask=row_ok, other=1.0).to(tl.float32),
-                                   LOW_PRECISION)
+                                   out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows.to(tl.int64) * T + cols, acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols < T))
 
     @triton.jit

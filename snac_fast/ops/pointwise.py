@@ -108,9 +108,8 @@ if HAS_TRITON:
                 res += tl.load(res_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
             acc += res
         if SNAKE_OUT:
-            LOW_PRECISION: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth < 32
             acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
-                              LOW_PRECISION)
+                              out_ptr.dtype.element_ty)
         _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
 
     @triton.jit(do_not_specialize_on_alignment=["T"])
@@ -157,14 +156,13 @@ if HAS_TRITON:
             if HAS_RES_BIAS:
                 res += tl.load(res_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
             acc += res
-        LOW_PRECISION: tl.constexpr = out_desc.dtype.primitive_bitwidth < 32
         if SNAKE_OUT:
             acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
-                              LOW_PRECISION)
+                              out_desc.dtype)
         _tma_store(out_desc, acc, batch, m0, n0, OUT_CL, BLOCK_M, BLOCK_N)
         if PAIR:
             pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
-                               LOW_PRECISION)
+                               pair_desc.dtype)
             _tma_store(pair_desc, pair, batch, m0, n0, OUT_CL, BLOCK_M, BLOCK_N)
 
     @triton.jit

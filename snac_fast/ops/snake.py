@@ -80,10 +80,10 @@ if HAS_TRITON:
                                          pack=1)
 
     @triton.jit
-    def _snake_sine(y, LOW_PRECISION: tl.constexpr):
-        """sin(y) for a snake whose result is stored in fp16/bf16 (LOW_PRECISION: from the SFU) or
-        float32 (exact range reduction and polynomial: float32 decodes stay >= 100 dB)."""
-        if LOW_PRECISION and _SFU:
+    def _snake_sine(y, STORED: tl.constexpr):
+        """sin(y) for a snake whose result is stored as STORED (a dtype): from the SFU for fp16/bf16,
+        the exact range reduction and polynomial for float32 (float32 decodes stay >= 100 dB)."""
+        if STORED.primitive_bitwidth < 32 and _SFU:
             s = _sin_sfu(y)
         else:
             s = _sin_reduced(_reduce_by_pi(y))
@@ -126,8 +126,7 @@ if HAS_TRITON:
         x_row = batch.to(tl.int64) * stride_xb + chan.to(tl.int64) * stride_xc
         x = tl.load(x_ptr + x_row[:, None] + (cols * stride_xt)[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        LOW_PRECISION: tl.constexpr = out_ptr.dtype.element_ty.primitive_bitwidth < 32
-        s = _snake_sine(alpha[:, None] * x, LOW_PRECISION)
+        s = _snake_sine(alpha[:, None] * x, out_ptr.dtype.element_ty)
         y = x + inv_alpha[:, None] * (s * s)
         out_row = rows.to(tl.int64) * T
         tl.store(out_ptr + out_row[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
