@@ -1,6 +1,6 @@
 """A/B of a decoder block's three residual units in one persistent Gluon kernel (defined here; not
-in the product: it measured slower, docs/kernels.md) against the same units as three one-kernel units (ops/residual_unit.py, the
-product's path at <= 64 channels) and as six Triton kernels (depthwise + 1x1 pair). Float16,
+in the product: it measured slower, docs/kernels.md) against the same units as three one-kernel units
+(ops/residual_unit.py, the product's path at 64 channels) and as six Triton kernels (depthwise + 1x1 pair). Float16,
 seeded random weights, one process:
 
 1. fidelity: the block kernel and the chained units against the float64 chain
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # scripts/, for
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ab_noise_fold import graph_us  # noqa: E402
 
+from snac_fast.metrics import snr_db  # noqa: E402
 from snac_fast.ops.depthwise import depthwise_conv_snake  # noqa: E402
 from snac_fast.ops.pointwise import pointwise_conv, pointwise_conv_pair  # noqa: E402
 from snac_fast.ops.residual_unit import (  # noqa: E402
@@ -286,13 +287,11 @@ def profile_once(C: int, gen) -> None:
     units, alphas = make_block(C, gen)
     x = (torch.randn(1, C, 1439744, generator=gen) * 0.5).half().cuda()
     s = snake_reference(x.float(), (torch.rand(C, generator=gen) + 0.5).cuda()).half()
-    for _ in range(2):
-        y, ys = x.clone(), s.clone()
+    for profiled in (False, True):  # the first round compiles
         torch.cuda.synchronize()
-        if _:
+        if profiled:
             torch.cuda.profiler.start()
-        for k, unit in enumerate(units):
-            y, ys = residual_unit(y, ys, *unit, pair_alpha=alphas[k], out=y)
+        chained_units(x, s, units, alphas, pair=True)
         residual_block(x, s, units, alphas, pair=True)
         residual_block(x, s, units, alphas, pair=True, programs=132)
         torch.cuda.synchronize()
@@ -335,11 +334,6 @@ def chained_triton(x, s, units, alphas, pair: bool):
     return y, ys
 
 
-def snr(ref, out) -> float:
-    ref, out = ref.double(), out.double()
-    return (10 * torch.log10(ref.square().sum() / (ref - out).square().sum().clamp_min(1e-300))).item()
-
-
 def fidelity(C: int, gen) -> None:
     for B, T in [(1, 37), (2, 64), (1, 300), (3, 4999), (2, 8192), (1, 20011)]:
         units, alphas = make_block(C, gen)
@@ -350,9 +344,9 @@ def fidelity(C: int, gen) -> None:
         blk_only = residual_block(x, s, units, alphas, pair=False)
         un_y, un_s = chained_units(x, s, units, alphas, pair=True)
         finite = bool(torch.isfinite(blk_y).all() and torch.isfinite(blk_s).all())
-        print(f"  B={B} T={T}: block vs float64 y {snr(ref_y, blk_y):.1f} dB, snake {snr(ref_s, blk_s):.1f} dB, "
-              f"snake-only {snr(ref_s, blk_only):.1f} dB | units vs float64 y {snr(ref_y, un_y):.1f} dB, "
-              f"snake {snr(ref_s, un_s):.1f} dB | block vs units y {snr(un_y, blk_y):.1f} dB "
+        print(f"  B={B} T={T}: block vs float64 y {snr_db(ref_y, blk_y):.1f} dB, snake {snr_db(ref_s, blk_s):.1f} dB, "
+              f"snake-only {snr_db(ref_s, blk_only):.1f} dB | units vs float64 y {snr_db(ref_y, un_y):.1f} dB, "
+              f"snake {snr_db(ref_s, un_s):.1f} dB | block vs units y {snr_db(un_y, blk_y):.1f} dB "
               f"(equal {torch.equal(un_y, blk_y)}) | finite {finite}", flush=True)
 
 

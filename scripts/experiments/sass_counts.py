@@ -61,20 +61,6 @@ def opcodes(cubin: bytes) -> collections.Counter:
     return ops
 
 
-def use_polynomial_snake() -> None:
-    """The unit's snakes through ops/common's exact polynomial (what float32 outputs take)."""
-    from triton.experimental import gluon
-
-    from snac_fast.ops import residual_unit
-    from snac_fast.ops.common import _snake_broadcast
-
-    @gluon.jit
-    def _snake_polynomial(v, alpha):
-        return _snake_broadcast(v, alpha)
-
-    residual_unit._snake_sfu = _snake_polynomial
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--polynomial", action="store_true")
@@ -82,6 +68,8 @@ def main() -> None:
     parser.add_argument("--dilations", type=int, nargs="+", default=[1, 3, 9])
     args = parser.parse_args()
     if args.polynomial:
+        from ab_sfu_snake import use_polynomial_snake  # this script's folder is on the path
+
         use_polynomial_snake()
     for c_p in args.channels:
         for dilation in args.dilations:
