@@ -72,9 +72,9 @@ if HAS_GLUON:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared
 
+    from snac_fast.ops.common import _snake_broadcast
     from snac_fast.ops.depthwise import _lanes, _window
     from snac_fast.ops.residual_unit import _pointwise_mma, _weights_to_shared
-    from snac_fast.ops.residual_unit import _snake_sfu as _snake_broadcast
 
     @gluon.jit
     def _dw_snake(rows_ptr, row_stride, base, lo, hi, p, dw_w_ptr, dw_b_ptr, alpha2_ptr, C,
@@ -106,7 +106,7 @@ if HAS_GLUON:
             acc3 += wk[:, None, None] * tap
         acc3 += gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
         alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
-        return gl.reshape(_snake_broadcast(acc3, alpha2).to(gl.float16), (C_P, BT))
+        return gl.reshape(_snake_broadcast(acc3, alpha2, gl.float16).to(gl.float16), (C_P, BT))
 
     @gluon.jit
     def _pointwise_out(h, h_smem, w_smem, res_ptr, res_stride, res_base, res_lo, res_hi, pw_b_ptr, alpha_ptr,
@@ -133,7 +133,7 @@ if HAS_GLUON:
         y += gl.load(res_ptr + o.to(gl.int64)[None, :] * res_stride + (t - res_base)[:, None], mask=rm,
                      other=0.0, eviction_policy=RES_EVICT).to(gl.float32)
         alpha = gl.load(alpha_ptr + o, mask=o_ok, other=1.0).to(gl.float32)[None, :]
-        ys = _snake_broadcast(y, alpha)
+        ys = _snake_broadcast(y, alpha, gl.float16)
         om = ((t >= out_lo) & (t < out_hi))[:, None] & o_ok[None, :]
         offs = o.to(gl.int64)[None, :] * out_stride + (t - out_base)[:, None]
         if WRITE_Y:

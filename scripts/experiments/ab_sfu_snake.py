@@ -4,8 +4,8 @@ every fp16 decoder kernel at once (GPU). One mode per process; run the modes alt
 
     for m in poly sfu poly sfu; do python scripts/experiments/ab_sfu_snake.py $m; done
 
-``poly``, before anything compiles, turns the SFU off (ops/snake ``_SFU``) and gives the Gluon
-residual unit the polynomial snake; any other mode runs the product as it is (a label: compare two
+``poly``, before anything compiles, turns the SFU off (ops/snake ``_SFU``) in every kernel, the
+Gluon residual unit's included; any other mode runs the product as it is (a label: compare two
 trees by their PYTHONPATH). Prints one JSON line: GPU ms (median of ``calls``) of graphed fp16
 decodes of each workload of ``scripts/bench_decode.py``, and the fp16 decode's SNR against upstream
 float32 on a 5 s decode (``snac_fast.fidelity.compare``), with plain upstream fp16's.
@@ -26,18 +26,13 @@ import torch  # noqa: E402
 
 
 def use_polynomial_snake() -> None:
+    """Every kernel's snake, the Gluon unit's included, through the exact polynomial (ops/snake
+    ``_snake_sine`` reads ``_SFU`` when a kernel compiles)."""
     import triton.language as tl
-    from triton.experimental import gluon
 
-    from snac_fast.ops import residual_unit, snake
-    from snac_fast.ops.common import _snake_broadcast
-
-    @gluon.jit
-    def _snake_polynomial(v, alpha):
-        return _snake_broadcast(v, alpha)
+    from snac_fast.ops import snake
 
     snake._SFU = tl.constexpr(False)
-    residual_unit._snake_sfu = _snake_polynomial
 
 
 def main() -> None:

@@ -59,17 +59,9 @@ if HAS_TRITON:
         pass
 
 if HAS_GLUON:
-    # the Triton helpers of ops/depthwise run inside Gluon kernels as they are
+    # the Triton helpers of ops/depthwise and ops/common run inside Gluon kernels as they are
+    from snac_fast.ops.common import _snake_broadcast
     from snac_fast.ops.depthwise import _lanes, _window
-    from snac_fast.ops.snake import _EPS
-
-    @gluon.jit
-    def _snake_sfu(v, alpha):
-        """Snake of an fp32 tile (alpha broadcasting over it) with the sine from the SFU, as the
-        Triton kernels compute it for fp16 outputs (ops/snake ``_sin_sfu``)."""
-        s = gl.inline_asm_elementwise("sin.approx.f32 $0, $1;", "=r,r", [alpha * v], dtype=gl.float32,
-                                      is_pure=True, pack=1)
-        return v + (1.0 / (alpha + _EPS)) * (s * s)
 
     @gluon.jit
     def _weights_to_shared(w_ptr, C, C_P: gl.constexpr, layout: gl.constexpr):
@@ -125,7 +117,7 @@ if HAS_GLUON:
         y += gl.load(x_ptr + xo[None, :] + t[:, None], mask=m2, other=0.0).to(gl.float32)
         if PAIR or SNAKE_OUT:
             alpha_out = gl.load(alpha_out_ptr + o, mask=o_ok, other=1.0).to(gl.float32)[None, :]
-            ys = _snake_sfu(y, alpha_out)
+            ys = _snake_broadcast(y, alpha_out, gl.float16)
         if SNAKE_OUT:
             result = ys.to(gl.float16)
         else:
@@ -181,7 +173,7 @@ if HAS_GLUON:
             acc3 += wk[:, None, None] * tap
         acc3 += gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
         alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
-        h = gl.reshape(_snake_sfu(acc3, alpha2).to(gl.float16), (C_P, BT))
+        h = gl.reshape(_snake_broadcast(acc3, alpha2, gl.float16).to(gl.float16), (C_P, BT))
 
         _unit_tail(h, x_ptr, w_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr, b, t0, T, C,
                    out_stride_b, out_stride_c, out_stride_t, C_P, BT, WARPS_M, PAIR, SNAKE_OUT, CHANNELS_LAST)
