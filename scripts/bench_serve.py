@@ -304,6 +304,8 @@ def build(args, device):
 def worker_process(args, streams, pace, path, index, ready, go, out) -> None:
     visible = os.environ.get("CUDA_VISIBLE_DEVICES", ",".join(map(str, range(args.gpus)))).split(",")
     os.environ["CUDA_VISIBLE_DEVICES"] = visible[index % args.gpus]  # before CUDA starts in this process
+    if args.switch_interval is not None:  # a spawned process starts with the default
+        sys.setswitchinterval(args.switch_interval / 1e3)
     codec, engine, warm = build(args, torch.device("cuda"))
     pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
     ready.put(warm)
@@ -361,6 +363,8 @@ def main() -> None:
     parser.add_argument("--gc-freeze", action="store_true")
     parser.add_argument("--spin-gpu", type=float, default=0.0, metavar="S",
                         help="keep the GPU busy for S seconds right before each load (clocks up after an idle gap)")
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="MS",
+                        help="the interpreter's GIL switch interval in ms (sys.setswitchinterval; default: leave it, 5 ms)")
     parser.add_argument("--uvloop", action="store_true", help="run the event loop on uvloop (as uvicorn does when installed)")
     parser.add_argument("--sample", type=int, default=4, help="streams whose audio is checked against offline decodes")
     parser.add_argument("--cold-start", type=int, default=0, metavar="N",
@@ -369,6 +373,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default=None)
     args = parser.parse_args()
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval / 1e3)
     if args.scenarios:
         scenarios = [(int(x.split("@")[0]), float(x.split("@")[1])) for x in args.scenarios.split(",")]
     else:
@@ -467,7 +473,7 @@ def _markdown(r: dict) -> str:
     lines = [f"# Serving under load, {r['model']} ({env['device']}, {env['date']})\n",
              f"`python scripts/bench_serve.py {'--scenarios ' + a['scenarios'] if a['scenarios'] else '--streams %s --pace %s' % (a['streams'], a['pace'])} --paths {a['paths']} "
              f"--seconds {a['seconds']:g} --max-batch {a['max_batch']} --output {a['output']}"
-             f"{' --processes %d' % a['processes'] if a['processes'] > 1 else ''}{' --gpus %d' % a['gpus'] if a.get('gpus', 1) > 1 else ''}{' --gc-freeze' if a['gc_freeze'] else ''}{' --uvloop' if a['uvloop'] else ''}{' --spin-gpu %g' % a['spin_gpu'] if a['spin_gpu'] else ''}{' --cold-start %d' % a['cold_start'] if a['cold_start'] else ''}`. "
+             f"{' --processes %d' % a['processes'] if a['processes'] > 1 else ''}{' --gpus %d' % a['gpus'] if a.get('gpus', 1) > 1 else ''}{' --gc-freeze' if a['gc_freeze'] else ''}{' --uvloop' if a['uvloop'] else ''}{' --switch-interval %g' % a['switch_interval'] if a.get('switch_interval') is not None else ''}{' --spin-gpu %g' % a['spin_gpu'] if a['spin_gpu'] else ''}{' --cold-start %d' % a['cold_start'] if a['cold_start'] else ''}`. "
              f"Staggered streams, one frame per push, gc {'frozen after warm-up' if a['gc_freeze'] else 'on'}; "
              f"push-to-audio latency of the pushes that returned audio; late: over one frame ({r['frame_ms']:.1f} ms).\n"]
     if "warmup" in r:

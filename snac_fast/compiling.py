@@ -72,16 +72,17 @@ def _run_or_compile_only(self, *args, grid, warmup, **kwargs):
 
 
 @contextlib.contextmanager
-def compiling_concurrently(workers: int | None = None) -> Iterator[None]:
+def compiling_concurrently(workers: int | None = None) -> Iterator[list[str]]:
     """Inside: this thread's Triton launches compile (concurrently, on ``workers`` threads, default
     one per CPU up to 16) and return without running; all are compiled when the block exits.
     Torch ops still run, on whatever the skipped kernels left in memory: use it for a pass whose
     shapes, not values, matter. The launch patch is process-wide but acts on the entering thread
-    only: other threads (a server already decoding) launch as usual. A no-op without compiled
-    Triton."""
+    only: other threads (a server already decoding) launch as usual. Yields a list that holds, once
+    the block exits, the Triton cache files of every kernel the block compiled or loaded (empty
+    when nested in another such block, whose list gets them). A no-op without compiled Triton."""
     global _patch_users, _unpatched_run
     if not HAS_TRITON or TRITON_INTERPRET or getattr(_this_thread, "compile_only", False):
-        yield
+        yield []
         return
     from triton.compiler import compiler
     from triton.runtime.jit import JITFunction
@@ -94,7 +95,7 @@ def compiling_concurrently(workers: int | None = None) -> Iterator[None]:
     _this_thread.compile_only = True
     try:
         with _CompileAndBuildLauncher(workers or min(16, os.cpu_count() or 1)) as pool, _async_compile_mode(pool):
-            yield
+            yield pool.cached_files
     finally:
         _this_thread.compile_only = False
         with _patch_lock:
@@ -127,9 +128,18 @@ class _CompileAndBuildLauncher(ThreadPoolExecutor):
     of its cold start. With :data:`COMPILE_IN_FORKS` the compilation runs in a child and the
     launcher is built here, once per launcher source (kernels of one signature share it)."""
 
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.cached_files: list[str] = []  # every compiled kernel's files in Triton's cache
+
     def submit(self, fn, /, *args, **kwargs):
         job = _compiled_in_child if COMPILE_IN_FORKS else _compiled_with_launcher
-        return super().submit(job, fn, *args, **kwargs)
+        return super().submit(self._recorded, job, fn, *args, **kwargs)
+
+    def _recorded(self, job, *args, **kwargs):
+        kernel = job(*args, **kwargs)
+        self.cached_files.extend(getattr(kernel, "metadata_group", {}).values())
+        return kernel
 
 
 def _compiled_with_launcher(compile_fn, *args, **kwargs):

@@ -5,7 +5,8 @@ the phases; the jobs (count, ``job_cpu_s``: their seconds summed, fork to load; 
 distinct sources, seconds summed); the kernels compiled after the compile pass (``late``: a variant
 the pass missed, compiled one by one at capture); this process's minor page faults in the pass and
 after it; and the number of workers busy per half second. Run it twice with one
-``TRITON_CACHE_DIR``: empty, then warm. Compare two trees by their ``PYTHONPATH`` (docs/serving.md,
+``TRITON_CACHE_DIR``: empty, then warm (warm, the pass is skipped when its manifest finds every
+kernel cached: ``compile_s`` is then the check, and the kernels load during the captures). Compare two trees by their ``PYTHONPATH`` (docs/serving.md,
 "Cold start of serving"; ``benchmarks/logs/serve_cold_start_late_variants_h100.json``).
 
     TRITON_CACHE_DIR=$(mktemp -d) python scripts/experiments/warmup_jobs.py --streams 256
