@@ -7,10 +7,14 @@ process from one of the host or of the GPU:
 - a separate probe process without torch doing the same (a stall of the whole host, or of the
   virtual machine, shows there too);
 - every engine call's GPU span (CUDA events, the batcher's own) with its host time, and the host's
-  ``/proc/stat`` steal time and this process's context switches over the load.
+  ``/proc/stat`` steal time, its memory-compaction counters (``/proc/vmstat``) and this process's
+  context switches over the load.
 
 Prints, per stall of the slow pushes (a cluster of pushes over 20 ms), what each probe saw in the
-same window, and writes the raw records as JSON.
+same window (engine calls over 5 ms: seconds into the load, GPU ms, host ms to audio, rows, host ms
+of the launch's parts (the step graph's replay, its wait for its inputs' last upload, the whole
+``step_rows``, the PCM conversion and copy), of the whole launch, of the wait for the copy), and
+writes the raw records as JSON.
 
     python scripts/experiments/serve_stalls.py --scenario 64@2 --seconds 20 --out /tmp/stalls.json
 """
@@ -31,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_serve  # noqa: E402
 
 from snac_fast import serving  # noqa: E402
+from snac_fast.streaming.engine import StreamEngine  # noqa: E402
+from snac_fast.streaming.step_graph import StepGraph  # noqa: E402
 
 PROBE = """
 import sys, time
@@ -45,6 +51,65 @@ while last < end:
     last = now
 print(repr(late))
 """
+
+
+def bare_cuda_loop(seconds: float, copy: bool = False) -> dict:
+    """A loop of one tiny kernel and a synchronize, nothing of this package: whether the platform's
+    CUDA submissions stall by themselves (iterations over 5 ms, and when). ``copy``: each iteration
+    also copies 16 K int16 to pinned host memory and waits for that copy's event, as the batcher does."""
+    x = torch.zeros(16384, device="cuda", dtype=torch.int16)
+    host = torch.empty(16384, dtype=torch.int16, pin_memory=True)
+    done = torch.cuda.Event()
+    torch.cuda.synchronize()
+    slow, iterations, start = [], 0, time.perf_counter()
+    last = start
+    while last - start < seconds:
+        x.add_(1)
+        if copy:
+            host.copy_(x, non_blocking=True)
+            done.record()
+            done.synchronize()
+        else:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        if now - last > 0.005:
+            slow.append((round(last - start, 3), round((now - last) * 1e3, 1)))
+        last, iterations = now, iterations + 1
+    return {"seconds": seconds, "copy": copy, "iterations": iterations, "over_5ms": len(slow), "worst_ms": max((ms for _, ms in slow), default=0.0),
+            "slow_at_s": slow[:40]}
+
+
+def bare_graph_loop(seconds: float, kernels: int = 40) -> dict:
+    """A CUDA graph of ``kernels`` small kernels replayed and synchronized in a loop, nothing of this
+    package: whether graph replays stall by themselves on the platform."""
+    x = torch.zeros(64, 2048, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(kernels):
+            x.add_(1)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.add_(1)
+    torch.cuda.synchronize()
+    slow, iterations, start = [], 0, time.perf_counter()
+    last = start
+    while last - start < seconds:
+        graph.replay()
+        torch.cuda.synchronize()
+        now = time.perf_counter()
+        if now - last > 0.005:
+            slow.append((round(last - start, 3), round((now - last) * 1e3, 1)))
+        last, iterations = now, iterations + 1
+    return {"seconds": seconds, "kernels": kernels, "iterations": iterations, "over_5ms": len(slow),
+            "worst_ms": max((ms for _, ms in slow), default=0.0), "slow_at_s": slow[:40]}
+
+
+def _percentiles(values: list[float]) -> list[float]:
+    values = sorted(values)
+    return [round(values[len(values) // 2], 3), round(values[int(len(values) * 0.99)], 3), round(values[-1], 3)]
 
 
 def sleep_probe(stop: threading.Event, late: list) -> None:
@@ -64,6 +129,14 @@ def steal_ticks() -> tuple[int, int]:
     return fields[7], sum(fields)
 
 
+def vmstat() -> dict:
+    """The host's memory-compaction and huge-page counters (/proc/vmstat): a direct compaction
+    stalls the faulting thread for milliseconds."""
+    with open("/proc/vmstat") as f:
+        return {k: int(v) for k, v in (line.split() for line in f)
+                if k.startswith(("compact_stall", "compact_fail", "thp_fault", "pgmajfault", "allocstall"))}
+
+
 def context_switches() -> dict:
     with open("/proc/self/status") as f:
         return {k: int(v) for k, v in (line.split(":") for line in f if "ctxt_switches" in line)}
@@ -74,25 +147,64 @@ def main() -> None:
     parser.add_argument("--scenario", default="64@2")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument("--switch-interval", type=float, default=None, metavar="MS",
+                        help="the interpreter's GIL switch interval in ms (default: leave it, 5 ms)")
+    parser.add_argument("--bare-cuda-loop", type=float, default=0.0, metavar="S",
+                        help="first run a bare CUDA loop (one tiny kernel and a synchronize) for S seconds and print its stalls")
+    parser.add_argument("--bare-graph-loop", type=float, default=0.0, metavar="S",
+                        help="first replay a bare CUDA graph of 40 small kernels in a loop for S seconds and print its stalls")
+    parser.add_argument("--copy", action="store_true", help="the bare loop also copies to pinned memory")
+    parser.add_argument("--output", default="int16", choices=["tensor", "float32", "int16"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
     cli = parser.parse_args()
+    if cli.switch_interval is not None:
+        sys.setswitchinterval(cli.switch_interval / 1e3)
+    if cli.bare_cuda_loop:
+        print(json.dumps({"bare_cuda_loop": bare_cuda_loop(cli.bare_cuda_loop, cli.copy)}), flush=True)
+    if cli.bare_graph_loop:
+        print(json.dumps({"bare_graph_loop": bare_graph_loop(cli.bare_graph_loop)}), flush=True)
     streams, pace = int(cli.scenario.split("@")[0]), float(cli.scenario.split("@")[1])
     args = argparse.Namespace(model="snac_24khz", seconds=cli.seconds, max_batch=cli.max_batch, max_wait_ms=0.0,
-                              max_streams=streams, output="int16", gc_freeze=False, spin_gpu=0.0, uvloop=False)
+                              max_streams=streams, output=cli.output, gc_freeze=False, spin_gpu=0.0, uvloop=False)
     codec, engine, _ = bench_serve.build(args, torch.device(cli.device))
     pool = bench_serve.make_pool(codec.config, int(cli.seconds * pace * 12) + 8)
 
-    calls = []  # (host monotonic at launch, GPU ms of the call, host ms from launch to its audio on the host)
+    # per engine call: host monotonic at launch, GPU ms of the call (CUDA events), host ms from launch
+    # to its audio on the host, rows, and the host ms of its parts: the graph replay's launch, the
+    # whole launch (inputs, replay, PCM conversion, copy), the wait for the copy
+    calls = []
     real_launch = serving._Batcher._launch
+    parts = {"replay": 0.0, "inputs_wait": 0.0, "step_rows": 0.0, "to_host": 0.0}  # host ms of the call's parts
+
+    def timed(owner, name: str, part: str) -> None:
+        real = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                parts[part] += (time.perf_counter() - t) * 1e3
+        setattr(owner, name, wrapper)
+    timed(StepGraph, "launch", "replay")
+    timed(StepGraph, "inputs", "inputs_wait")
+    timed(StreamEngine, "step_rows", "step_rows")
+    timed(serving._Batcher, "_to_host", "to_host")
 
     def timed_launch(self, chunk, call):
+        for part in parts:
+            parts[part] = 0.0
         launched, gpu_before = time.monotonic(), self.gpu_seconds
         chunk, wait = real_launch(self, chunk, call)
+        launch_ms, replayed = (time.monotonic() - launched) * 1e3, dict(parts)
 
         def timed_wait():
+            t = time.monotonic()
             result = wait()
-            calls.append((launched, (self.gpu_seconds - gpu_before) * 1e3, (time.monotonic() - launched) * 1e3, len(chunk)))
+            now = time.monotonic()
+            calls.append((launched, (self.gpu_seconds - gpu_before) * 1e3, (now - launched) * 1e3, len(chunk),
+                          replayed, launch_ms, (now - t) * 1e3))
             return result
         return chunk, timed_wait
     serving._Batcher._launch = timed_launch
@@ -111,9 +223,9 @@ def main() -> None:
     in_process, stop = [], threading.Event()
     thread = threading.Thread(target=sleep_probe, args=(stop, in_process), daemon=True)
     thread.start()
-    steal0, switches0 = steal_ticks(), context_switches()
+    steal0, switches0, vm0 = steal_ticks(), context_switches(), vmstat()
     raw = bench_serve.run_scenario(codec, engine, args, streams, pace, "ids", pool, sample=set())
-    steal1, switches1 = steal_ticks(), context_switches()
+    steal1, switches1, vm1 = steal_ticks(), context_switches(), vmstat()
     stop.set()
     outside = eval(probe.communicate()[0])  # noqa: S307 - our own probe's repr of a list of tuples
 
@@ -133,22 +245,28 @@ def main() -> None:
         lo, hi = s["at"] - 0.05, s["last"] + s["worst_ms"] / 1e3
         s.update(at_s=round(s["at"] - scenario_start[0] - to_monotonic, 3), in_process_probe_ms=within(in_process, lo, hi),
                  probe_process_ms=within(outside, lo, hi),
-                 long_calls=[(round(t - scenario_start[0] - to_monotonic, 3), round(g, 2), round(h, 1), n) for t, g, h, n in calls
-                             if lo <= t <= hi and h > 5])
+                 long_calls=[(round(t - scenario_start[0] - to_monotonic, 3), round(g, 2), round(h, 1), n,
+                              {k: round(v, 2) for k, v in r.items()}, round(lm, 2), round(w, 2))
+                             for t, g, h, n, r, lm, w in calls if lo <= t <= hi and h > 5])
         del s["at"], s["last"]
         print(s)
-    gpu_ms = sorted(g for _, g, _, _ in calls)
+    gpu_ms = sorted(c[1] for c in calls)
     summary = {
-        "scenario": cli.scenario, "seconds": cli.seconds, "pushes_over_20ms": len(slow), "stalls": len(stalls),
+        "scenario": cli.scenario, "seconds": cli.seconds, "output": cli.output, "switch_interval_ms": sys.getswitchinterval() * 1e3, "pushes_over_20ms": len(slow), "stalls": len(stalls),
         "p99_ms": float(torch.tensor(raw["latencies"]).quantile(0.99)),
         "in_process_late_wakeups": len(in_process), "probe_process_late_wakeups": len(outside),
         "probe_process_worst_ms": max((ms for _, ms in outside), default=0.0),
         "in_process_worst_ms": max((ms for _, ms in in_process), default=0.0),
         "engine_calls": len(calls), "call_gpu_ms_p50_p99_max": [gpu_ms[len(gpu_ms) // 2], gpu_ms[int(len(gpu_ms) * 0.99)], gpu_ms[-1]],
-        "calls_over_5ms_host": sum(h > 5 for _, _, h, _ in calls),
+        "calls_over_5ms_host": sum(c[2] > 5 for c in calls),
+        **{f"{part}_ms_p50_p99_max": _percentiles([c[4][part] for c in calls]) for part in parts},
+        "call_launch_ms_p50_p99_max": _percentiles([c[5] for c in calls]),
         "steal_fraction": (steal1[0] - steal0[0]) / max(1, steal1[1] - steal0[1]),
         "context_switches": {k: switches1[k] - switches0[k] for k in switches1},
+        "vmstat": {k: vm1[k] - vm0.get(k, 0) for k in vm1},
         "device": torch.cuda.get_device_name() if cli.device == "cuda" else cli.device,
+        # the load's start on the wall clock, to line stalls up with outside logs (nvidia-smi)
+        "start_unix_s": time.time() - (time.perf_counter() - scenario_start[0]),
     }
     print(json.dumps(summary))
     if cli.out:
