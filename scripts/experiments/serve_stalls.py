@@ -53,10 +53,12 @@ print(repr(late))
 """
 
 
-def bare_cuda_loop(seconds: float, copy: bool = False) -> dict:
+def bare_cuda_loop(seconds: float, copy: bool = False, events: bool = False) -> dict:
     """A loop of one tiny kernel and a synchronize, nothing of this package: whether the platform's
     CUDA submissions stall by themselves (iterations over 5 ms, and when). ``copy``: each iteration
-    also copies 16 K int16 to pinned host memory and waits for that copy's event, as the batcher does."""
+    also copies 16 K int16 to pinned host memory and waits for that copy's event, as the batcher does;
+    ``events``: with two new timing events each iteration (its start, the copy's end), as the
+    batcher made them before it reused them."""
     x = torch.zeros(16384, device="cuda", dtype=torch.int16)
     host = torch.empty(16384, dtype=torch.int16, pin_memory=True)
     done = torch.cuda.Event()
@@ -64,18 +66,23 @@ def bare_cuda_loop(seconds: float, copy: bool = False) -> dict:
     slow, iterations, start = [], 0, time.perf_counter()
     last = start
     while last - start < seconds:
+        if events:
+            begun, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begun.record()
         x.add_(1)
         if copy:
             host.copy_(x, non_blocking=True)
             done.record()
             done.synchronize()
+            if events:
+                begun.elapsed_time(done)
         else:
             torch.cuda.synchronize()
         now = time.perf_counter()
         if now - last > 0.005:
             slow.append((round(last - start, 3), round((now - last) * 1e3, 1)))
         last, iterations = now, iterations + 1
-    return {"seconds": seconds, "copy": copy, "iterations": iterations, "over_5ms": len(slow), "worst_ms": max((ms for _, ms in slow), default=0.0),
+    return {"seconds": seconds, "copy": copy, "events": events, "iterations": iterations, "over_5ms": len(slow), "worst_ms": max((ms for _, ms in slow), default=0.0),
             "slow_at_s": slow[:40]}
 
 
@@ -154,6 +161,7 @@ def main() -> None:
     parser.add_argument("--bare-graph-loop", type=float, default=0.0, metavar="S",
                         help="first replay a bare CUDA graph of 40 small kernels in a loop for S seconds and print its stalls")
     parser.add_argument("--copy", action="store_true", help="the bare loop also copies to pinned memory")
+    parser.add_argument("--events", action="store_true", help="the bare loop makes two timing events each iteration")
     parser.add_argument("--output", default="int16", choices=["tensor", "float32", "int16"])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
@@ -161,7 +169,7 @@ def main() -> None:
     if cli.switch_interval is not None:
         sys.setswitchinterval(cli.switch_interval / 1e3)
     if cli.bare_cuda_loop:
-        print(json.dumps({"bare_cuda_loop": bare_cuda_loop(cli.bare_cuda_loop, cli.copy)}), flush=True)
+        print(json.dumps({"bare_cuda_loop": bare_cuda_loop(cli.bare_cuda_loop, cli.copy, cli.events)}), flush=True)
     if cli.bare_graph_loop:
         print(json.dumps({"bare_graph_loop": bare_graph_loop(cli.bare_graph_loop)}), flush=True)
     streams, pace = int(cli.scenario.split("@")[0]), float(cli.scenario.split("@")[1])
