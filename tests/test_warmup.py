@@ -113,3 +113,19 @@ def test_gpu_a_warm_start_skips_the_compile_pass_and_streams_the_same_audio(tmp_
     assert outputs[0][0] == "1" and outputs[1][0] == "0"
     assert outputs[0][1] == outputs[1][1]
     assert len(list((tmp_path / "snac_fast_warmups").glob("*.json"))) == 1
+
+
+def test_the_compile_pool_records_each_kernels_cache_files(monkeypatch):
+    """What a compile pass's manifest lists: every job's kernel files in Triton's cache, from the
+    pool's threads (a job whose kernel has none adds nothing)."""
+    import snac_fast.compiling as compiling
+
+    kernels = {f"k{i}": SimpleNamespace(metadata_group={f"k{i}.json": f"/cache/k{i}/k{i}.json", f"k{i}.cubin": f"/cache/k{i}/k{i}.cubin"})
+               for i in range(5)}
+    monkeypatch.setattr(compiling, "COMPILE_IN_FORKS", False)
+    monkeypatch.setattr(compiling, "_compiled_with_launcher", lambda compile_fn, *a, **k: compile_fn(*a, **k))
+    with compiling._CompileAndBuildLauncher(3) as pool:
+        futures = [pool.submit(lambda name=name: kernels[name]) for name in kernels] + [pool.submit(lambda: object())]
+        results = [f.result() for f in futures]
+    assert results[:5] == list(kernels.values())
+    assert sorted(pool.cached_files) == sorted(p for k in kernels.values() for p in k.metadata_group.values())
