@@ -8,7 +8,7 @@ build can bake. :func:`warmup` then runs real decodes of those shapes (CUDA grap
 cuDNN/cuBLAS start-up) and, if asked, every stream-engine step shape.
 
 With a warm cache the compile pass only loads kernels, yet walking every shape's launches cost
-most of a warm start (a 256-stream engine: ~1.5 of ~2.2 s on an H100 host). So each pass writes a
+most of a warm start (a 256-stream engine: 1.5-2.0 of 2.2-3.0 s on H100 hosts). So each pass writes a
 manifest of the cache files it used (``snac_fast_warmups/`` in Triton's cache directory), keyed
 by everything that decides the kernels (model config, dtype, shapes, engine, device, versions,
 this package's source, ``TRITON_*``/``SNAC_FAST_*`` settings); when the manifest of the same key
