@@ -18,6 +18,7 @@ A file gone since only costs speed: that kernel compiles at its first launch.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -60,6 +61,7 @@ def _manifest_path(codec, shapes: Sequence[tuple[int, int]], engine, streams: in
     """Where the manifest of this compile pass lives, or None where Triton's cache is not plain
     files (a custom or remote cache manager) or compiles always."""
     try:
+        import triton
         from triton import knobs
     except ImportError:
         return None
@@ -71,30 +73,20 @@ def _manifest_path(codec, shapes: Sequence[tuple[int, int]], engine, streams: in
         "config": codec.config, "dtype": str(codec.dtype), "graphs": codec.graphs is not None,
         "shapes": [list(shape) for shape in shapes], "engine": engine_key,
         "device": [torch.cuda.get_device_name(codec.device), list(torch.cuda.get_device_capability(codec.device))],
-        "versions": [torch.__version__, torch.version.cuda, _triton_version()], "source": _source_digest(),
+        "versions": [torch.__version__, torch.version.cuda, triton.__version__], "source": _source_digest(),
         "env": sorted((k, v) for k, v in os.environ.items() if k.startswith(("TRITON_", "SNAC_FAST_"))),
     }, sort_keys=True, default=str)
     return Path(knobs.cache.dir) / "snac_fast_warmups" / f"{hashlib.sha256(key.encode()).hexdigest()[:32]}.json"
 
 
-def _triton_version() -> str:
-    import triton
-
-    return triton.__version__
-
-
-_source: list[str] = []
-
-
+@functools.cache
 def _source_digest() -> str:
     """A digest of this package's Python source (its launch rules decide the kernel variants)."""
-    if not _source:
-        digest = hashlib.sha256()
-        root = Path(__file__).resolve().parent
-        for path in sorted(root.rglob("*.py")):
-            digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-        _source.append(digest.hexdigest())
-    return _source[0]
+    digest = hashlib.sha256()
+    root = Path(__file__).resolve().parent
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()
 
 
 def _all_cached(manifest: Path) -> bool:

@@ -58,17 +58,18 @@ def bare_cuda_loop(seconds: float, copy: bool = False, events: bool = False) -> 
     CUDA submissions stall by themselves (iterations over 5 ms, and when). ``copy``: each iteration
     also copies 16 K int16 to pinned host memory and waits for that copy's event, as the batcher does;
     ``events``: with two new timing events each iteration (its start, the copy's end), as the
-    batcher made them before it reused them."""
+    batcher makes per engine call."""
     x = torch.zeros(16384, device="cuda", dtype=torch.int16)
     host = torch.empty(16384, dtype=torch.int16, pin_memory=True)
-    done = torch.cuda.Event()
+    steady_event = torch.cuda.Event()
     torch.cuda.synchronize()
-    slow, iterations, start = [], 0, time.perf_counter()
-    last = start
-    while last - start < seconds:
+
+    def iteration() -> None:
         if events:
             begun, done = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             begun.record()
+        else:
+            done = steady_event
         x.add_(1)
         if copy:
             host.copy_(x, non_blocking=True)
@@ -78,12 +79,7 @@ def bare_cuda_loop(seconds: float, copy: bool = False, events: bool = False) -> 
                 begun.elapsed_time(done)
         else:
             torch.cuda.synchronize()
-        now = time.perf_counter()
-        if now - last > 0.005:
-            slow.append((round(last - start, 3), round((now - last) * 1e3, 1)))
-        last, iterations = now, iterations + 1
-    return {"seconds": seconds, "copy": copy, "events": events, "iterations": iterations, "over_5ms": len(slow), "worst_ms": max((ms for _, ms in slow), default=0.0),
-            "slow_at_s": slow[:40]}
+    return {"copy": copy, "events": events, **_slow_iterations(iteration, seconds)}
 
 
 def bare_graph_loop(seconds: float, kernels: int = 40) -> dict:
@@ -101,16 +97,24 @@ def bare_graph_loop(seconds: float, kernels: int = 40) -> dict:
         for _ in range(kernels):
             x.add_(1)
     torch.cuda.synchronize()
+
+    def iteration() -> None:
+        graph.replay()
+        torch.cuda.synchronize()
+    return {"kernels": kernels, **_slow_iterations(iteration, seconds)}
+
+
+def _slow_iterations(iteration, seconds: float) -> dict:
+    """Run ``iteration()`` for ``seconds``: how many ran, those over 5 ms (when, how long)."""
     slow, iterations, start = [], 0, time.perf_counter()
     last = start
     while last - start < seconds:
-        graph.replay()
-        torch.cuda.synchronize()
+        iteration()
         now = time.perf_counter()
         if now - last > 0.005:
             slow.append((round(last - start, 3), round((now - last) * 1e3, 1)))
         last, iterations = now, iterations + 1
-    return {"seconds": seconds, "kernels": kernels, "iterations": iterations, "over_5ms": len(slow),
+    return {"seconds": seconds, "iterations": iterations, "over_5ms": len(slow),
             "worst_ms": max((ms for _, ms in slow), default=0.0), "slow_at_s": slow[:40]}
 
 
