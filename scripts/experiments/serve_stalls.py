@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -327,6 +328,7 @@ def main() -> None:
                              "for S seconds: GPU time per replay against host time per launch")
     parser.add_argument("--sync", default="auto", choices=["auto", "spin", "yield", "blocking"],
                         help="how the CUDA context waits for the GPU (set before torch starts it)")
+    parser.add_argument("--cpus", default="", help="pin the process (every thread made after) to these CPUs, e.g. 2,3,4,5")
     parser.add_argument("--copy", action="store_true", help="the bare loop also copies to pinned memory")
     parser.add_argument("--events", action="store_true", help="the bare loop makes two timing events each iteration")
     parser.add_argument("--churn", type=int, default=0, metavar="BYTES",
@@ -339,6 +341,8 @@ def main() -> None:
         sys.setswitchinterval(cli.switch_interval / 1e3)
     if cli.sync != "auto":
         set_sync_schedule(cli.sync)
+    if cli.cpus:
+        os.sched_setaffinity(0, {int(c) for c in cli.cpus.split(",")})  # threads made from here on inherit it
     if cli.bare_cuda_loop:
         print(json.dumps({"bare_cuda_loop": bare_cuda_loop(cli.bare_cuda_loop, cli.copy, cli.events, cli.churn)}), flush=True)
     if cli.bare_graph_loop:
@@ -436,7 +440,7 @@ def main() -> None:
         print(s)
     gpu_ms = sorted(c[1] for c in calls)
     summary = {
-        "scenario": cli.scenario, "seconds": cli.seconds, "output": cli.output, "switch_interval_ms": sys.getswitchinterval() * 1e3, "sync": cli.sync, "pushes_over_20ms": len(slow), "stalls": len(stalls),
+        "scenario": cli.scenario, "seconds": cli.seconds, "output": cli.output, "switch_interval_ms": sys.getswitchinterval() * 1e3, "sync": cli.sync, "cpus": cli.cpus, "pushes_over_20ms": len(slow), "stalls": len(stalls),
         "p99_ms": float(torch.tensor(raw["latencies"]).quantile(0.99)),
         "in_process_late_wakeups": len(in_process), "probe_process_late_wakeups": len(outside),
         "probe_process_worst_ms": max((ms for _, ms in outside), default=0.0),
