@@ -266,7 +266,7 @@ def current_syscall(tid: int) -> str:
     return SYSCALLS.get(number, number)
 
 
-def sleep_probe(stop: threading.Event, late: list, samples: list) -> None:
+def sleep_probe(stop: threading.Event, late: list, samples: list, engine_thread: str = "snac-fast-batcher") -> None:
     """Wakes every 1 ms: records late wake-ups, and samples the engine thread (by /proc, into
     ``samples``: monotonic s, then :func:`thread_sample`'s fields) and this process's minor page
     faults (a fault that the hypervisor must serve, on a page the guest reported free, stalls the
@@ -280,7 +280,7 @@ def sleep_probe(stop: threading.Event, late: list, samples: list) -> None:
             late.append((time.monotonic() - (now - last), (now - last) * 1e3))
         last = now
         if engine_tid is None:
-            engine_tid = next((t.native_id for t in threading.enumerate() if t.name == "snac-fast-batcher"), None)
+            engine_tid = next((t.native_id for t in threading.enumerate() if t.name == engine_thread), None)
             continue
         try:
             samples.append((time.monotonic(), *thread_sample(engine_tid),
@@ -329,6 +329,8 @@ def main() -> None:
     parser.add_argument("--sync", default="auto", choices=["auto", "spin", "yield", "blocking"],
                         help="how the CUDA context waits for the GPU (set before torch starts it)")
     parser.add_argument("--cpus", default="", help="pin the process (every thread made after) to these CPUs, e.g. 2,3,4,5")
+    parser.add_argument("--inline", action="store_true",
+                        help="run the load through inline_serving.InlineBatcher: the engine calls on the event loop's thread")
     parser.add_argument("--copy", action="store_true", help="the bare loop also copies to pinned memory")
     parser.add_argument("--events", action="store_true", help="the bare loop makes two timing events each iteration")
     parser.add_argument("--churn", type=int, default=0, metavar="BYTES",
@@ -408,10 +410,17 @@ def main() -> None:
 
     probe = subprocess.Popen([sys.executable, "-c", PROBE, str(cli.seconds + 3)], stdout=subprocess.PIPE, text=True)
     in_process, samples, stop = [], [], threading.Event()
-    thread = threading.Thread(target=sleep_probe, args=(stop, in_process, samples), daemon=True)
+    # the thread that runs the engine calls: the batcher's, or with --inline the event loop's (this one)
+    engine_thread = "MainThread" if cli.inline else "snac-fast-batcher"
+    thread = threading.Thread(target=sleep_probe, args=(stop, in_process, samples, engine_thread), daemon=True)
     thread.start()
     steal0, switches0, vm0 = steal_ticks(), context_switches(), vmstat()
+    if cli.inline:  # the same load through a batcher without an engine thread (inline_serving.py)
+        from inline_serving import InlineBatcher
+        bench_serve.AsyncStreamBatcher = InlineBatcher
     raw = bench_serve.run_scenario(codec, engine, args, streams, pace, "ids", pool, sample=set())
+    if cli.inline:
+        calls.extend(InlineBatcher.records)
     steal1, switches1, vm1 = steal_ticks(), context_switches(), vmstat()
     stop.set()
     outside = eval(probe.communicate()[0])  # noqa: S307 - our own probe's repr of a list of tuples
@@ -440,7 +449,7 @@ def main() -> None:
         print(s)
     gpu_ms = sorted(c[1] for c in calls)
     summary = {
-        "scenario": cli.scenario, "seconds": cli.seconds, "output": cli.output, "switch_interval_ms": sys.getswitchinterval() * 1e3, "sync": cli.sync, "cpus": cli.cpus, "pushes_over_20ms": len(slow), "stalls": len(stalls),
+        "scenario": cli.scenario, "seconds": cli.seconds, "output": cli.output, "switch_interval_ms": sys.getswitchinterval() * 1e3, "sync": cli.sync, "cpus": cli.cpus, "inline": cli.inline, "pushes_over_20ms": len(slow), "stalls": len(stalls),
         "p99_ms": float(torch.tensor(raw["latencies"]).quantile(0.99)),
         "in_process_late_wakeups": len(in_process), "probe_process_late_wakeups": len(outside),
         "probe_process_worst_ms": max((ms for _, ms in outside), default=0.0),
