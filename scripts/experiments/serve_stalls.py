@@ -5,7 +5,7 @@ process from one of the host or of the GPU:
 - a thread of this process that sleeps 1 ms at a time and records each wake-up later than 4 ms
   (it needs the GIL to record: a stall of this process's interpreter shows here), and at each
   wake-up samples the engine thread from ``/proc`` (on-CPU and run-queue time, faults, its system
-  call now) and the event loop thread's system call;
+  call now), the event loop thread's system call and, every 10th, the GPU's interrupt count;
 - a separate probe process without torch doing the same (a stall of the whole host, or of the
   virtual machine, shows there too);
 - every engine call's GPU span (CUDA events, the batcher's own) with its host time, and the host's
@@ -213,7 +213,15 @@ def window_usage(samples: list, lo: float, hi: float) -> dict | None:
             "run_queue": round((last[2] - first[2]) / span_ns, 3), "user_ticks": last[4] - first[4],
             "system_ticks": last[5] - first[5], "thread_faults": last[3] - first[3],
             "process_faults": last[8] - first[8], "states": "".join(sorted({s[6] for s in inside})),
-            "engine_syscalls": _shares([s[7] for s in inside]), "main_syscalls": _shares([s[9] for s in inside])}
+            "engine_syscalls": _shares([s[7] for s in inside]), "main_syscalls": _shares([s[9] for s in inside]),
+            "gpu_interrupts_per_s": _rate([(s[0], s[10]) for s in inside if s[10] is not None])}
+
+
+def _rate(counts: list[tuple[float, int]]) -> float | None:
+    """Events per second over (monotonic s, count so far) samples."""
+    if len(counts) < 2 or counts[-1][0] <= counts[0][0]:
+        return None
+    return round((counts[-1][1] - counts[0][1]) / (counts[-1][0] - counts[0][0]), 1)
 
 
 def _shares(names: list[str]) -> dict:
@@ -284,9 +292,21 @@ def sleep_probe(stop: threading.Event, late: list, samples: list, engine_thread:
             continue
         try:
             samples.append((time.monotonic(), *thread_sample(engine_tid),
-                            resource.getrusage(resource.RUSAGE_SELF).ru_minflt, current_syscall(main_tid)))
+                            resource.getrusage(resource.RUSAGE_SELF).ru_minflt, current_syscall(main_tid),
+                            gpu_interrupts() if len(samples) % 10 == 0 else None))
         except OSError:  # the engine thread ended
             engine_tid = None
+
+
+def gpu_interrupts() -> int:
+    """The NVIDIA driver's interrupts so far, all CPUs (/proc/interrupts): a virtualized GPU whose
+    interrupts come late or in bursts has been reported to slow CUDA calls on some hosts only."""
+    total = 0
+    with open("/proc/interrupts") as f:
+        for line in f:
+            if "nvidia" in line:
+                total += sum(int(x) for x in line.split()[1:] if x.isdigit())
+    return total
 
 
 def steal_ticks() -> tuple[int, int]:
