@@ -18,7 +18,8 @@ of the launch's parts (the step graph's replay, its wait for its inputs' last up
 ``step_rows``, the PCM conversion and copy), of the whole launch, of the wait for the copy; the
 engine thread's samples), and writes the raw records as JSON. Options run loops without the
 batcher first: bare CUDA or CUDA-graph loops, the engine's steps alone or beside a busy thread,
-back-to-back step-graph replays timed on the GPU.
+back-to-back step-graph replays timed on the GPU; ``--inline`` runs the load through
+``inline_serving.InlineBatcher`` (no engine thread) instead of the product's batcher.
 
     python scripts/experiments/serve_stalls.py --scenario 64@2 --seconds 20 --out /tmp/stalls.json
 """
