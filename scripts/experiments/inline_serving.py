@@ -7,7 +7,8 @@ escapes that: ``serve_stalls.py --inline`` runs the same load through it.
 
 What it keeps of :class:`snac_fast.serving.AsyncStreamBatcher`: ``open``, ``push_ids`` (Orpheus ids,
 one stream's pushes awaited in order), ``flush``, ``close``, host PCM (``output="int16"`` or
-``"float32"``) copied once per engine call into pinned memory, the counters ``bench_serve.py`` reads.
+``"float32"``) copied once per engine call into pinned memory, two calls in flight (the next one
+prepared while the GPU runs one), the counters ``bench_serve.py`` reads.
 What it leaves out: cancellation, idle release, failure handling, the codes path, ``max_wait_ms``.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import time
+from collections import deque
 
 import numpy as np
 import torch
@@ -40,11 +42,10 @@ class InlineBatcher:
         self._streams: dict[int, tuple] = {}  # stream id -> (engine slot, token framer)
         self._ids = itertools.count()
         self._pending: list[tuple] = []  # (slot, level-major row, frames, future)
-        self._in_flight: tuple | None = None
-        self._scheduled = False
+        self._in_flight: deque[tuple] = deque()  # launched calls, oldest first: at most two
+        self._free: list[tuple] = []  # (timing events, pinned buffer) of calls delivered
+        self._scheduled = self._polling = False
         self._cuda = engine.device.type == "cuda"
-        self._host: torch.Tensor | None = None  # pinned, reused call after call
-        self._events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._cuda else None
         self.batches = self.requests = 0
         self.gpu_seconds = self.step_seconds = 0.0
 
@@ -60,7 +61,7 @@ class InlineBatcher:
             return np.empty(0, np.int16 if self.output == "int16" else np.float32)
         future = asyncio.get_running_loop().create_future()
         self._pending.append((slot, row, frames, future))
-        if not self._scheduled and self._in_flight is None:
+        if not self._scheduled and len(self._in_flight) < 2:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._launch)
         return await future
@@ -83,11 +84,18 @@ class InlineBatcher:
         return audio.float()
 
     def _launch(self) -> None:
-        """One engine call for the pending pushes of one frame count (a stream once), its PCM copy
-        started; the poll that delivers it runs between the loop's other callbacks."""
+        """Start engine calls while fewer than two are in flight (the host prepares the next call
+        while the GPU runs one, as the threaded batcher does), and poll the oldest."""
         self._scheduled = False
-        if self._in_flight is not None or not self._pending:
-            return
+        while self._pending and len(self._in_flight) < 2:
+            self._in_flight.append(self._start_call())
+        if self._in_flight and not self._polling:
+            self._polling = True
+            self._poll()
+
+    def _start_call(self) -> tuple:
+        """One engine call for the pending pushes of one frame count (a stream once), its PCM copy
+        started into a pinned buffer of its own."""
         frames = self._pending[0][2]
         taken, kept, slots = [], [], set()
         for request in self._pending:
@@ -97,38 +105,45 @@ class InlineBatcher:
             else:
                 kept.append(request)
         self._pending = kept
+        events, host = self._free.pop() if self._free else (
+            (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if self._cuda else None, None)
         launched, started = time.monotonic(), time.perf_counter()
         if self._cuda:
-            self._events[0].record()
+            events[0].record()
         audio, offsets = self.engine.step_rows([r[0] for r in taken], np.stack([r[1] for r in taken]), frames)
         stepped = time.perf_counter()
         pcm = self._pcm(audio)
         if self._cuda:
-            if self._host is None or self._host.numel() < pcm.numel() or self._host.dtype != pcm.dtype:
-                self._host = torch.empty(2 * pcm.numel(), dtype=pcm.dtype, pin_memory=True)
-            self._host[:pcm.numel()].copy_(pcm, non_blocking=True)
-            self._events[1].record()
-            host = self._host
+            if host is None or host.numel() < pcm.numel() or host.dtype != pcm.dtype:
+                host = torch.empty(2 * pcm.numel(), dtype=pcm.dtype, pin_memory=True)
+            host[:pcm.numel()].copy_(pcm, non_blocking=True)
+            events[1].record()
         else:
             host = pcm
         done = time.perf_counter()
         parts = {"replay": 0.0, "inputs_wait": 0.0, "step_rows": (stepped - started) * 1e3, "to_host": (done - stepped) * 1e3}
         self.step_seconds += done - started
-        self._in_flight = (taken, host, offsets, launched, parts, (done - started) * 1e3)
-        self._poll()
+        return taken, events, host, offsets, launched, parts, (done - started) * 1e3
 
     def _poll(self) -> None:
-        if self._cuda and not self._events[1].query():
-            asyncio.get_running_loop().call_soon(self._poll)  # the loop runs its other callbacks, then looks again
-            return
-        taken, host, offsets, launched, parts, launch_ms = self._in_flight
-        self._in_flight = None
-        pcm = host.numpy()[:offsets[-1]].copy()
-        for j, (_, _, _, future) in enumerate(taken):
-            if not future.done():
-                future.set_result(pcm[offsets[j]:offsets[j + 1]])
-        gpu_ms = self._events[0].elapsed_time(self._events[1]) if self._cuda else 0.0
-        self.batches, self.requests, self.gpu_seconds = self.batches + 1, self.requests + len(taken), self.gpu_seconds + gpu_ms / 1e3
-        self.records.append((launched, gpu_ms, (time.monotonic() - launched) * 1e3, len(taken), parts, launch_ms, 0.0))
-        if self._pending:
-            self._launch()
+        """Deliver the calls whose copies have landed, oldest first (one CUDA stream: they land in
+        order); while one is still running, look again after the loop's other callbacks."""
+        while self._in_flight:
+            taken, events, host, offsets, launched, parts, launch_ms = self._in_flight[0]
+            if self._cuda and not events[1].query():
+                asyncio.get_running_loop().call_soon(self._poll)
+                return
+            self._in_flight.popleft()
+            pcm = host.numpy()[:offsets[-1]].copy()
+            for j, (_, _, _, future) in enumerate(taken):
+                if not future.done():
+                    future.set_result(pcm[offsets[j]:offsets[j + 1]])
+            gpu_ms = events[0].elapsed_time(events[1]) if self._cuda else 0.0
+            self.batches, self.requests = self.batches + 1, self.requests + len(taken)
+            self.gpu_seconds += gpu_ms / 1e3
+            self.records.append((launched, gpu_ms, (time.monotonic() - launched) * 1e3, len(taken), parts, launch_ms, 0.0))
+            if self._cuda:
+                self._free.append((events, host))
+            while self._pending and len(self._in_flight) < 2:
+                self._in_flight.append(self._start_call())
+        self._polling = False
