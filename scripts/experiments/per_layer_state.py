@@ -5,11 +5,10 @@ path the inputs its conv branch lags by), so that a push computes each layer's n
 The engine today keeps state per stage (a DecoderBlock) and recomputes each stage's context at
 every step (docs/kernels.md, "The 64-stream step": block 1 computes 128 samples a stream for 32 new).
 
-Checks, on a SNAC decoder with seeded random weights: (1) this script's whole-signal forward equals
-upstream's ``Decoder`` (noise off) to float64 rounding; (2) the layer-by-layer stream, pushed in
-chunks of random sizes and flushed, equals the whole forward (noise on, a function of position);
-then prints, per layer, the samples a one-frame push computes against the stage-state engine's, and
-the state a stream holds.
+Checks, on a SNAC decoder with seeded random weights: (1) these layers given the whole signal at
+once equal upstream's ``Decoder`` (noise off) to float64 rounding; (2) the same layers pushed in
+chunks of random sizes and flushed equal them given the whole signal (noise on, a function of
+position); then prints, per layer, the samples a one-frame push computes and the state it keeps.
 
     python scripts/experiments/per_layer_state.py
 """
@@ -26,9 +25,13 @@ from torch.nn.utils import remove_weight_norm
 
 
 def noise_at(positions: torch.Tensor, salt: int) -> torch.Tensor:
-    """Deterministic noise [1, T] per absolute sample position (as the engine's keyed noise is)."""
+    """Deterministic noise [T] per absolute sample position (as the engine's keyed noise is)."""
     x = torch.sin(positions.double() * 12.9898 + salt * 78.233) * 43758.5453
     return (x - torch.floor(x)) * 2 - 1
+
+
+def no_noise(positions: torch.Tensor, salt: int) -> torch.Tensor:
+    return torch.zeros(positions.shape, dtype=torch.float64)
 
 
 def snake(x: torch.Tensor, alpha: torch.Tensor) -> torch.Tensor:
@@ -44,11 +47,8 @@ class Layer:
     def push(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def flush(self) -> torch.Tensor:
-        """The outputs the end of the signal makes final (right zero padding)."""
-        return self.push_end()
-
     def push_end(self) -> torch.Tensor:
+        """The outputs the end of the signal makes final (right zero padding)."""
         raise NotImplementedError
 
     def state_samples(self) -> int:
@@ -130,14 +130,14 @@ class ConvTranspose(Layer):
 
 
 class Noise(Layer):
-    def __init__(self, block, salt: int) -> None:
-        self.linear, self.salt, self.position = block.linear, salt, 0
+    def __init__(self, block, salt: int, noise) -> None:
+        self.linear, self.salt, self.noise, self.position = block.linear, salt, noise, 0
 
     def push(self, x):
         if x.shape[1] == 0:
             return x
         h = F.conv1d(x[None], self.linear.weight.double())[0]
-        n = noise_at(torch.arange(self.position, self.position + x.shape[1]), self.salt)[None]
+        n = self.noise(torch.arange(self.position, self.position + x.shape[1]), self.salt)[None]
         self.position += x.shape[1]
         self.computed += x.shape[1]
         return x + n * h
@@ -151,9 +151,7 @@ class Residual(Layer):
 
     def __init__(self, unit) -> None:
         snake1, conv, snake2, pointwise = unit.block
-        self.layers = [Pointwise(lambda x, a=snake1.alpha.double()[0]: snake(x, a), conv.in_channels), Conv(conv),
-                       Pointwise(lambda x, a=snake2.alpha.double()[0]: snake(x, a), conv.out_channels),
-                       Conv(pointwise)]
+        self.layers = [snake_layer(snake1), Conv(conv), snake_layer(snake2), Conv(pointwise)]
         self.skip = torch.zeros(conv.in_channels, 0, dtype=torch.float64)
 
     def push(self, x):
@@ -164,9 +162,7 @@ class Residual(Layer):
         return self._join(y)
 
     def push_end(self):
-        y = self.layers[0].push_end()
-        y = self.layers[1].push(y)
-        y = torch.cat([y, self.layers[1].push_end()], 1)
+        y = self.layers[1].push_end()  # the snake before it has no tail of its own
         for layer in self.layers[2:]:
             y = layer.push(y)
         return self._join(y)
@@ -180,27 +176,31 @@ class Residual(Layer):
         return self.layers[1].state_samples() + self.layers[1].span // 2  # the conv's inputs and the skip queue
 
 
-def layers_of(decoder: Decoder) -> list[tuple[str, Layer]]:
-    """The decoder as streaming layers, named."""
+def snake_layer(module) -> Pointwise:
+    return Pointwise(lambda x, a=module.alpha.double()[0]: snake(x, a), module.alpha.shape[1])
+
+
+def layers_of(decoder: Decoder, noise=noise_at) -> list[tuple[str, Layer]]:
+    """The decoder as streaming layers, named; ``noise(positions, salt)`` for its NoiseBlocks."""
     out, salt = [], 0
     for index, module in enumerate(decoder.model):
         name = type(module).__name__
-        if name == "Conv1d" or name.endswith("Conv1d") and not name.endswith("Transpose1d"):
+        if name.endswith("Conv1d"):
             out.append((f"{index}:conv k={module.kernel_size[0]}", Conv(module)))
         elif name == "Snake1d":
-            out.append((f"{index}:snake", Pointwise(lambda x, a=module.alpha.double()[0]: snake(x, a), module.alpha.shape[1])))
+            out.append((f"{index}:snake", snake_layer(module)))
         elif name == "Tanh":
             out.append((f"{index}:tanh", Pointwise(torch.tanh, 1)))
         elif name == "DecoderBlock":
             for sub in module.block:
                 kind = type(sub).__name__
                 if kind == "Snake1d":
-                    out.append((f"{index}:snake", Pointwise(lambda x, a=sub.alpha.double()[0]: snake(x, a), sub.alpha.shape[1])))
+                    out.append((f"{index}:snake", snake_layer(sub)))
                 elif kind.endswith("Transpose1d"):
                     out.append((f"{index}:transposed x{sub.stride[0]}", ConvTranspose(sub)))
                 elif kind == "NoiseBlock":
                     salt += 1
-                    out.append((f"{index}:noise", Noise(sub, salt)))
+                    out.append((f"{index}:noise", Noise(sub, salt, noise)))
                 else:
                     out.append((f"{index}:unit d={sub.block[1].dilation[0]}", Residual(sub)))
         else:
@@ -208,18 +208,20 @@ def layers_of(decoder: Decoder) -> list[tuple[str, Layer]]:
     return out
 
 
-def whole(decoder: Decoder, z: torch.Tensor) -> torch.Tensor:
-    """The whole-signal forward with this script's noise (the reference the stream must equal)."""
-    layers = layers_of(decoder)
-    x = z
-    for _, layer in layers:
-        x = layer.push(x)
-    for i, (_, layer) in enumerate(layers):  # flush in order: each layer's tail runs through the rest
-        tail = layer.flush()
+def stream(layers: list[tuple[str, Layer]], chunks: list[torch.Tensor]) -> torch.Tensor:
+    """Push each chunk of latent frames [C, n] through the layers, then flush them in order (each
+    layer's tail runs through the layers after it); returns all the audio."""
+    pieces = []
+    for x in chunks:
+        for _, layer in layers:
+            x = layer.push(x)
+        pieces.append(x)
+    for i, (_, layer) in enumerate(layers):
+        tail = layer.push_end()
         for _, later in layers[i + 1:]:
             tail = later.push(tail)
-        x = torch.cat([x, tail], 1)
-    return x
+        pieces.append(tail)
+    return torch.cat(pieces, 1)
 
 
 def main() -> None:
@@ -235,9 +237,8 @@ def main() -> None:
             remove_weight_norm(module)
         except (ValueError, AttributeError):
             pass
-        for name in ("alpha",):
-            if hasattr(module, name):
-                getattr(module, name).data.uniform_(0.3, 2.0)
+        if hasattr(module, "alpha"):
+            module.alpha.data.uniform_(0.3, 2.0)
         if hasattr(module, "bias") and module.bias is not None:
             module.bias.data.normal_(0, 0.05)
     z = torch.randn(768, cli.frames, dtype=torch.float64)
@@ -249,30 +250,13 @@ def main() -> None:
             upstream = decoder(z[None])[0]
         finally:
             torch.randn = real_randn
-        real_noise = globals()["noise_at"]
-        globals()["noise_at"] = lambda positions, salt: torch.zeros(positions.shape, dtype=torch.float64)
-        try:
-            mine = whole(decoder, z)
-        finally:
-            globals()["noise_at"] = real_noise
+        mine = stream(layers_of(decoder, no_noise), [z])
         upstream_error = float((mine - upstream).abs().max() / upstream.abs().max())
-        # (2) the stream, in chunks of random sizes, against the whole forward with noise
-        reference = whole(decoder, z)
-        layers = layers_of(decoder)
-        pieces, start, chunk_rng = [], 0, torch.Generator().manual_seed(cli.seed + 1)
-        while start < cli.frames:
-            n = int(torch.randint(1, 5, (), generator=chunk_rng))
-            x = z[:, start:start + n]
-            for _, layer in layers:
-                x = layer.push(x)
-            pieces.append(x)
-            start += n
-        for i, (_, layer) in enumerate(layers):
-            tail = layer.flush()
-            for _, later in layers[i + 1:]:
-                tail = later.push(tail)
-            pieces.append(tail)
-        streamed = torch.cat(pieces, 1)
+        # (2) pushed in chunks of random sizes against the whole signal at once, noise on
+        reference = stream(layers_of(decoder), [z])
+        sizes = torch.randint(1, 5, (cli.frames,), generator=torch.Generator().manual_seed(cli.seed + 1)).tolist()
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        streamed = stream(layers_of(decoder), [z[:, a:a + n] for a, n in zip(starts, sizes) if a < cli.frames])
         stream_error = float((streamed - reference).abs().max() / reference.abs().max())
         # (3) one-frame pushes in steady state: samples each layer computes a push
         layers = layers_of(decoder)
