@@ -27,6 +27,7 @@ back-to-back step-graph replays timed on the GPU; ``--inline`` runs the load thr
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import resource
@@ -227,10 +228,7 @@ def _rate(counts: list[tuple[float, int]]) -> float | None:
 
 def _shares(names: list[str]) -> dict:
     """The share of samples in each system call, largest first."""
-    counts: dict[str, int] = {}
-    for name in names:
-        counts[name] = counts.get(name, 0) + 1
-    return {k: round(v / len(names), 2) for k, v in sorted(counts.items(), key=lambda kv: -kv[1])}
+    return {k: round(v / len(names), 2) for k, v in collections.Counter(names).most_common()}
 
 
 def _percentiles(values: list[float]) -> list[float]:
@@ -276,10 +274,9 @@ def current_syscall(tid: int) -> str:
 
 
 def sleep_probe(stop: threading.Event, late: list, samples: list, engine_thread: str = "snac-fast-batcher") -> None:
-    """Wakes every 1 ms: records late wake-ups, and samples the engine thread (by /proc, into
-    ``samples``: monotonic s, then :func:`thread_sample`'s fields) and this process's minor page
-    faults (a fault that the hypervisor must serve, on a page the guest reported free, stalls the
-    thread that touches it)."""
+    """Wakes every 1 ms: records late wake-ups, and appends to ``samples`` (monotonic s, then
+    :func:`thread_sample`'s fields of ``engine_thread``, this process's minor page faults, the main
+    thread's system call, and every 10th sample the GPU's interrupt count, else None)."""
     last = time.perf_counter()
     engine_tid, main_tid = None, threading.main_thread().native_id
     while not stop.is_set():
