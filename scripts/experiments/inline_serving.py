@@ -87,11 +87,14 @@ class InlineBatcher:
         """Start engine calls while fewer than two are in flight (the host prepares the next call
         while the GPU runs one, as the threaded batcher does), and poll the oldest."""
         self._scheduled = False
-        while self._pending and len(self._in_flight) < 2:
-            self._in_flight.append(self._start_call())
+        self._fill()
         if self._in_flight and not self._polling:
             self._polling = True
             self._poll()
+
+    def _fill(self) -> None:
+        while self._pending and len(self._in_flight) < 2:
+            self._in_flight.append(self._start_call())
 
     def _start_call(self) -> tuple:
         """One engine call for the pending pushes of one frame count (a stream once), its PCM copy
@@ -144,6 +147,5 @@ class InlineBatcher:
             self.records.append((launched, gpu_ms, (time.monotonic() - launched) * 1e3, len(taken), parts, launch_ms, 0.0))
             if self._cuda:
                 self._free.append((events, host))
-            while self._pending and len(self._in_flight) < 2:
-                self._in_flight.append(self._start_call())
+            self._fill()
         self._polling = False
