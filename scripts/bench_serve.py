@@ -6,8 +6,9 @@ frame (7 Orpheus ids, or the codes of one frame) per interval, the interval bein
 stream that falls behind pushes at once to catch up), for ``--seconds``; then flushes. gc stays on
 (``--gc-freeze`` freezes what exists after the warm-up). Paths:
 
-- ``ids``: ``AsyncStreamBatcher.push_ids`` (the README's path), ``codes``: ``AsyncStreamBatcher.push``,
-  ``threads``: ``StreamBatcher.push_ids`` from one thread per stream;
+- ``ids``: ``AsyncStreamBatcher.push_ids`` (the README's path: engine calls on the event loop),
+  ``ids-thread``: the same with ``engine_thread=True`` (an engine thread runs them), ``codes``:
+  ``AsyncStreamBatcher.push``, ``threads``: ``StreamBatcher.push_ids`` from one thread per stream;
 - ``engine``: one :class:`snac_fast.engine_process.EngineProcess` for the GPU, fed by ``--processes``
   front-end processes through ``EngineClient.push_ids`` (CPU cores: the front-ends' only; the engine
   process's is not counted).
@@ -153,12 +154,12 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
                 t.join()
             batcher.close()
         else:
-            batcher = AsyncStreamBatcher(engine, **options)
+            batcher = AsyncStreamBatcher(engine, **options, engine_thread=path == "ids-thread")
 
             async def client(i: int, start: float) -> None:
                 sid = batcher.open(seed=i)
-                seq = (per_frame_ids if path == "ids" else per_frame_codes)[i % POOL]
-                push = batcher.push_ids if path == "ids" else batcher.push
+                seq = (per_frame_codes if path == "codes" else per_frame_ids)[i % POOL]
+                push = batcher.push if path == "codes" else batcher.push_ids
                 pieces, total = [], [0]
 
                 def on_audio(t0: float, t1: float, audio) -> None:
@@ -170,7 +171,7 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
             async def main() -> None:
                 start = time.perf_counter() + 0.05
                 await asyncio.gather(*(client(i, start) for i in range(streams)))
-                await asyncio.get_running_loop().run_in_executor(None, batcher.close)
+                await batcher.__aexit__(None, None, None)
             run_loop(main, args.uvloop)
     if args.gc_freeze:
         gc.unfreeze()
@@ -350,7 +351,7 @@ def main() -> None:
     parser.add_argument("--model", default="snac_24khz")
     parser.add_argument("--streams", default="64,256")
     parser.add_argument("--pace", default="2", help="real-time factors, comma-separated (1: one frame per frame of audio)")
-    parser.add_argument("--paths", default="ids", help="ids, codes, threads (comma-separated)")
+    parser.add_argument("--paths", default="ids", help="ids, ids-thread, codes, threads, engine (comma-separated)")
     parser.add_argument("--scenarios", default=None, help="STREAMS@PACE pairs, comma-separated (instead of --streams x --pace)")
     parser.add_argument("--seconds", type=float, default=20.0)
     parser.add_argument("--max-batch", type=int, default=256)

@@ -195,6 +195,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=20.0, help="audio per request")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--shared-engine", action="store_true", help="the workers feed one engine process (serve --shared-engine)")
+    parser.add_argument("--engine-thread", action="store_true", help="serve --engine-thread: engine calls on a thread, not the event loop")
     parser.add_argument("--max-streams", type=int, default=1024, help="per worker")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--device", default=None)
@@ -203,6 +204,7 @@ def main() -> None:
     parser.add_argument("--lm-workers", type=int, default=1, help="fake LM processes")
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--stem", default=None, help="output file name without extension (default: serve_http_24khz_<gpu>)")
     parser.add_argument("--profile-server", type=float, default=0.0, metavar="S",
                         help="py-spy the server (and its workers) for S seconds, --profile-delay s into each run, into --logs")
     parser.add_argument("--profile-delay", type=float, default=5.0, metavar="S",
@@ -224,6 +226,8 @@ def main() -> None:
         serve += ["--device", args.device]
     if args.shared_engine:
         serve += ["--shared-engine"]
+    if args.engine_thread:
+        serve += ["--engine-thread"]
     server = start(serve, f"http://127.0.0.1:{port}/health", logs / "server.log")
     print(f"server up in {time.monotonic() - t0:.1f} s; logs in {logs}", flush=True)
     results = {"args": vars(args), "server_start_s": time.monotonic() - t0, "rows": []}
@@ -261,7 +265,8 @@ def main() -> None:
                  f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}"] for r in results["rows"]]
         md = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
               f"`python scripts/bench_serve_http.py --clients {args.clients} --pace {args.pace:g} --seconds {args.seconds:g} "
-              f"--workers {args.workers} --lm-workers {args.lm_workers} --client-procs {args.client_procs}`: fake LM at "
+              f"--workers {args.workers} --lm-workers {args.lm_workers} --client-procs {args.client_procs}"
+              f"{' --shared-engine' if args.shared_engine else ''}{' --engine-thread' if args.engine_thread else ''}`: fake LM at "
               f"{args.pace:g}x real time (1-4 tokens a chunk), {frames} frames per request, int16 PCM over HTTP.\n\n"
               "- TTFA added: first audio byte at the client after the LM sent the token completing the first 4 frames.\n"
               "- Chunk added: each audio chunk's arrival at the client after the LM sent the token that completed the "
@@ -278,7 +283,7 @@ def main() -> None:
                                 "streams stalled / longest ms", "end past nominal p99 / max ms"], rows))
         name = results["device"]
         tag = "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
-        write_results(Path(args.out), f"serve_http_24khz_{tag}", results, md)
+        write_results(Path(args.out), args.stem or f"serve_http_24khz_{tag}", results, md)
 
 
 if __name__ == "__main__":

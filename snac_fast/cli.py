@@ -144,6 +144,8 @@ def _add_serve_parser(sub, fmt) -> None:
     p.add_argument("--max-batch", type=int, default=256, help="streams per engine call")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle stream is released")
     p.add_argument("--voice", default="tara", help="voice when a request names none")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine calls on a thread of their own instead of the event loop (docs/serving.md)")
     p.add_argument("--lookahead", default="exact",
                    help="streams' lookahead: 'exact' (the receptive field, 5124 samples at 24 kHz), 'fp16' (the least "
                         "closer to float32 than an fp16 decode), or samples below the exact: earlier first audio, "
@@ -180,7 +182,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve({"model": args.model or DEFAULT_MODEL, "device": args.device, "dtype": args.dtype,
            "local_files_only": args.local_files_only, "lm_url": args.lm_url, "lm_model": args.lm_model,
            "max_streams": args.max_streams, "max_batch": args.max_batch, "idle_timeout_s": args.idle_timeout,
-           "voice": args.voice, "lookahead": _lookahead(args.lookahead)}, host=args.host, port=args.port,
+           "voice": args.voice, "lookahead": _lookahead(args.lookahead), "engine_thread": args.engine_thread},
+          host=args.host, port=args.port,
           workers=args.workers, shared_engine=args.shared_engine)
 
 

@@ -57,6 +57,7 @@ class ServeConfig:
     layout: TokenLayout = field(default_factory=lambda: ORPHEUS)
     lm_timeout_s: float = 60.0
     lookahead: int | str | None = None  # the streams' (StreamEngine): None exact, samples or "fp16"
+    engine_thread: bool = False  # the batcher's engine calls on a thread of their own, not the event loop
 
 
 class _Metrics:
@@ -89,17 +90,17 @@ class _Metrics:
                     yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=server.max_streams)
                     yield CounterMetricFamily("snac_fast_steps", "engine calls", value=stats["batches"])
                     yield CounterMetricFamily("snac_fast_step_requests", "pushes run by engine calls", value=stats["requests"])
-                    yield CounterMetricFamily("snac_fast_step_seconds", "engine-thread seconds in engine calls",
+                    yield CounterMetricFamily("snac_fast_step_seconds", "host seconds in engine calls",
                                               value=stats["step_seconds"])
                     yield CounterMetricFamily("snac_fast_failed_steps", "engine calls that failed", value=stats["failed_calls"])
                     return
                 yield GaugeMetricFamily("snac_fast_active_streams", "open streams", value=batcher.open_streams)
                 yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=server.max_streams)
-                yield GaugeMetricFamily("snac_fast_queue_depth", "pushes waiting for the engine thread",
+                yield GaugeMetricFamily("snac_fast_queue_depth", "pushes waiting for an engine call",
                                         value=batcher.queued)
                 yield CounterMetricFamily("snac_fast_steps", "engine calls", value=batcher.batches)
                 yield CounterMetricFamily("snac_fast_step_requests", "pushes run by engine calls", value=batcher.requests)
-                yield CounterMetricFamily("snac_fast_step_seconds", "engine-thread seconds in engine calls",
+                yield CounterMetricFamily("snac_fast_step_seconds", "host seconds in engine calls",
                                           value=batcher.step_seconds)
                 yield CounterMetricFamily("snac_fast_failed_steps", "engine calls that failed", value=batcher.failed_calls)
                 yield CounterMetricFamily("snac_fast_idle_released", "streams released after idling",
@@ -174,15 +175,17 @@ class SpeechServer:
             self.batcher = _SharedEngineBatcher(address, config.layout)
         else:
             config.layout.check_model(codec.config)
-            # The engine thread takes the GIL back after each CUDA wait; with the event loop always
-            # busy, each take waited out the default 5 ms switch interval (engine calls of hundreds
-            # of ms at 256 HTTP streams). This process is ours (a server): it may set the interval.
+            # The batcher runs its engine calls on this event loop (no engine thread). Any other
+            # thread that takes the GIL (an executor's, a library's) would hold the loop for up to
+            # the default 5 ms switch interval (with an engine thread: engine calls of hundreds of
+            # ms at 256 HTTP streams). This process is ours (a server): it may set the interval.
             sys.setswitchinterval(SWITCH_INTERVAL_S)
             self.engine = codec.shared_stream_engine(config.lookahead, max_streams=config.max_streams)
             self.device, self.max_streams = str(codec.device), self.engine.max_streams
             self.rate, samples_per_frame = int(codec.config["sampling_rate"]), self.engine.samples_per_frame
             self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, layout=config.layout,
-                                              output="float32", idle_timeout_s=config.idle_timeout_s)
+                                              output="float32", idle_timeout_s=config.idle_timeout_s,
+                                              engine_thread=config.engine_thread)
         self.frame_seconds = samples_per_frame / self.rate
         self.metrics = _Metrics(self)
         self.draining = False
@@ -243,10 +246,7 @@ class SpeechServer:
         deadline = time.monotonic() + 30.0
         while self.batcher.open_streams and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.engine is None:
-            self.batcher.close()
-        else:
-            await asyncio.get_running_loop().run_in_executor(None, self.batcher.close)
+        self.batcher.close()  # the in-process batcher runs what is queued on this loop
         await self.lm.aclose()
 
 

@@ -68,7 +68,7 @@ def serving(codec, **options):
 
 
 def slots_freed(state, timeout: float = 10.0) -> bool:
-    """Whether every engine slot came back within ``timeout`` s (a release runs on the engine thread)."""
+    """Whether every engine slot came back within ``timeout`` s (a release runs with the engine calls)."""
     deadline = time.monotonic() + timeout
     while state.engine.open_streams and time.monotonic() < deadline:
         time.sleep(0.02)
@@ -191,12 +191,15 @@ def test_bad_requests_backpressure_and_disconnects(codec):
         asyncio.run(main())
 
 
-def test_websocket_ids_in_pcm_out(codec):
+@pytest.mark.parametrize("engine_thread", [False, True])
+def test_websocket_ids_in_pcm_out(codec, engine_thread):
+    """Also the server's batcher both ways: engine calls on uvicorn's loop (default), or a thread."""
     from websockets.asyncio.client import connect
 
     c = random_codes(codec.config, 9, seed=900)
     ids = ORPHEUS.codes_to_ids(c).tolist()
-    with serving(codec) as (server, lm, state):
+    with serving(codec, engine_thread=engine_thread) as (server, lm, state):
+        assert (state.batcher._worker is not None) == engine_thread
         async def main():
             ws_url = server.url.replace("http", "ws") + "/v1/audio/stream?seed=4&sample_format=f32"
             pieces, errors = [], []

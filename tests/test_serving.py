@@ -56,12 +56,13 @@ def test_thread_batcher_no_cross_talk():
         assert (results[i] - expected[i]).abs().max().item() < 1e-12, f"stream {i}"
 
 
-def test_async_batcher_ordering_and_errors():
+@pytest.mark.parametrize("engine_thread", [False, True])
+def test_async_batcher_ordering_and_errors(engine_thread):
     codes = [random_codes(CONFIG, 6, seed=30 + i) for i in range(3)]
     expected = [expected_audio(c, i, narrow=False) for i, c in enumerate(codes)]
 
     async def main():
-        batcher = AsyncStreamBatcher(engine64(NAME), max_batch=8, max_wait_ms=5, layout=ORPHEUS)
+        batcher = AsyncStreamBatcher(engine64(NAME), max_batch=8, max_wait_ms=5, layout=ORPHEUS, engine_thread=engine_thread)
 
         async def one(i):
             sid = batcher.open(i)
@@ -127,7 +128,8 @@ def test_async_batcher_outputs_exact_audio_in_every_form(output):
             assert (got - expected[i]).abs().max().item() < tolerance, f"stream {i}"
 
 
-def test_cancelled_await_releases_only_its_stream():
+@pytest.mark.parametrize("engine_thread", [False, True])
+def test_cancelled_await_releases_only_its_stream(engine_thread):
     """A web framework cancels the handler of a client that disconnected: its stream is released
     (the slot freed, later pushes refused) while the other streams of the same batches go on."""
     frames = 8
@@ -136,7 +138,7 @@ def test_cancelled_await_releases_only_its_stream():
     engine = engine64(NAME, streams=4, narrow=True)
 
     async def main():
-        batcher = AsyncStreamBatcher(engine, max_batch=4, layout=ORPHEUS, output="float32")
+        batcher = AsyncStreamBatcher(engine, max_batch=4, layout=ORPHEUS, output="float32", engine_thread=engine_thread)
         sids = [batcher.open(i) for i in range(4)]
         cancelled = asyncio.Event()
 
@@ -231,12 +233,14 @@ def test_idle_stream_is_released_and_pushes_after_the_end_are_refused():
         batcher.open(3)
 
 
-def test_bad_id_fails_only_its_push_and_the_stream_goes_on():
+@pytest.mark.parametrize("engine_thread", [False, True])
+def test_bad_id_fails_only_its_push_and_the_stream_goes_on(engine_thread):
     codes = [random_codes(CONFIG, 6, seed=80 + i) for i in range(2)]
     expected = [expected_audio(c, i) for i, c in enumerate(codes)]
 
     async def main():
-        batcher = AsyncStreamBatcher(engine64(NAME, streams=2, narrow=True), layout=ORPHEUS, output="float32")
+        batcher = AsyncStreamBatcher(engine64(NAME, streams=2, narrow=True), layout=ORPHEUS, output="float32",
+                                     engine_thread=engine_thread)
         sids = [batcher.open(i) for i in range(2)]
         ids = [ORPHEUS.codes_to_ids(c).tolist() for c in codes]
         pieces = [[], []]
@@ -302,8 +306,9 @@ def test_failed_engine_call_fails_its_streams_and_the_engine_serves_on(monkeypat
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("engine_thread", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_gpu_batcher_streams_equal_decodes(cuda, no_tf32, dtype):
+def test_gpu_batcher_streams_equal_decodes(cuda, no_tf32, dtype, engine_thread):
     """Twelve staggered streams through CUDA graphs, chunks of 4 streams per engine call, host
     PCM: float32 equals the whole decode (>= 100 dB); float16 as int16 PCM stays at fp16's
     distance from the fp16 decode (>= 50 dB), every length exact."""
@@ -317,7 +322,7 @@ def test_gpu_batcher_streams_equal_decodes(cuda, no_tf32, dtype):
     codes = [random_codes(CONFIG, frames, seed=200 + i) for i in range(streams)]
 
     async def main():
-        batcher = AsyncStreamBatcher(engine, max_batch=4, layout=ORPHEUS, output=output)
+        batcher = AsyncStreamBatcher(engine, max_batch=4, layout=ORPHEUS, output=output, engine_thread=engine_thread)
 
         async def one(i):
             await asyncio.sleep(0.001 * i)
@@ -340,6 +345,75 @@ def test_gpu_batcher_streams_equal_decodes(cuda, no_tf32, dtype):
             assert snr_db(want, got) >= 100, f"stream {i}"
         else:
             assert snr_db(want * 32767, got) >= 50, f"stream {i}"
+
+
+def test_batcher_on_the_event_loop_idles_out_fails_and_closes_from_another_thread():
+    """The default AsyncStreamBatcher runs its engine calls on the event loop's thread: a stream no
+    push touched for the idle timeout is released by the loop's own timer; an out-of-memory in one
+    engine call fails only that call's streams; max_wait_ms gathers streams into one call; a push
+    from a second event loop is refused by name; close() from another thread runs what is queued."""
+    engine = engine64(NAME, streams=4, narrow=True)
+    codes = [random_codes(CONFIG, 4, seed=110 + i) for i in range(3)]
+    ids = [ORPHEUS.codes_to_ids(c).tolist() for c in codes]
+    real_step, failing = engine.step_rows, {"slot": None}
+
+    def step_rows(streams, rows, frames):
+        if any(s is failing["slot"] for s in streams):
+            failing["slot"] = None
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_step(streams, rows, frames)
+
+    engine.step_rows = step_rows
+
+    async def main():
+        batcher = AsyncStreamBatcher(engine, max_batch=4, max_wait_ms=50, layout=ORPHEUS, output="float32", idle_timeout_s=0.3)
+        assert batcher._worker is None  # no engine thread
+        sids = [batcher.open(i) for i in range(3)]
+        idle = batcher.open(7)
+        calls = batcher.batches
+        first = await asyncio.gather(*(batcher.push_ids(s, ids[i][:7]) for i, s in enumerate(sids)))
+        assert batcher.batches == calls + 1  # the three pushes waited for each other: one call
+        failing["slot"] = batcher._streams[sids[0]].slot
+        second = await asyncio.gather(*(batcher.push_ids(s, ids[i][7:14]) for i, s in enumerate(sids)), return_exceptions=True)
+        assert isinstance(second[0], torch.OutOfMemoryError) and batcher.failed_calls == 1
+        assert not batcher.is_open(sids[0]) and not batcher.is_open(sids[1])  # the call's streams, released
+        with pytest.raises(ValueError, match="engine call failed: OutOfMemoryError"):
+            await batcher.push_ids(sids[0], ids[0][14:21])
+        late = batcher.open(2)
+        pieces = [await batcher.push_ids(late, ids[2][j:j + 7]) for j in range(0, len(ids[2]), 7)]
+        started = time.monotonic()
+        while batcher.is_open(idle) and time.monotonic() < started + 10:
+            await asyncio.sleep(0.05)
+        assert batcher.idle_released >= 1 and not batcher.is_open(idle)
+        with pytest.raises(ValueError, match="idle for over 0.3 s"):
+            await batcher.push_ids(idle, ids[0][:7])
+
+        other_loop = []
+
+        def push_from_another_loop():
+            async def push():
+                await batcher.push_ids(batcher.open(9), ids[0][:7])
+            try:
+                asyncio.run(push())
+            except RuntimeError as error:
+                other_loop.append(error)
+        thread = threading.Thread(target=push_from_another_loop)
+        thread.start()
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+        assert other_loop and "engine_thread=True" in str(other_loop[0])
+
+        final = asyncio.ensure_future(batcher.flush(late))
+        await asyncio.sleep(0)  # queued, not yet run: close() from another thread runs it first
+        await asyncio.get_running_loop().run_in_executor(None, batcher.close)
+        pieces.append(await final)
+        with pytest.raises(RuntimeError, match="closed"):
+            batcher.open(3)
+        return first, np.concatenate(pieces)
+
+    first, late_audio = asyncio.run(main())
+    assert engine.open_streams == 0
+    assert np.abs(late_audio - expected_audio(codes[2], 2).numpy()).max() < 1e-6
+    assert all(isinstance(f, np.ndarray) and f.dtype == np.float32 for f in first)
 
 
 def _serve_in_process(first_seed: int, codes: list) -> list:

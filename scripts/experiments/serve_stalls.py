@@ -18,8 +18,9 @@ of the launch's parts (the step graph's replay, its wait for its inputs' last up
 ``step_rows``, the PCM conversion and copy), of the whole launch, of the wait for the copy; the
 engine thread's samples), and writes the raw records as JSON. Options run loops without the
 batcher first: bare CUDA or CUDA-graph loops, the engine's steps alone or beside a busy thread,
-back-to-back step-graph replays timed on the GPU; ``--inline`` runs the load through
-``inline_serving.InlineBatcher`` (no engine thread) instead of the product's batcher.
+back-to-back step-graph replays timed on the GPU. The load runs through the default
+``AsyncStreamBatcher`` (engine calls on the event loop's thread); ``--engine-thread`` through one
+made with ``engine_thread=True`` (the batcher before 2026-11-28).
 
     python scripts/experiments/serve_stalls.py --scenario 64@2 --seconds 20 --out /tmp/stalls.json
 """
@@ -347,8 +348,8 @@ def main() -> None:
     parser.add_argument("--sync", default="auto", choices=["auto", "spin", "yield", "blocking"],
                         help="how the CUDA context waits for the GPU (set before torch starts it)")
     parser.add_argument("--cpus", default="", help="pin the process (every thread made after) to these CPUs, e.g. 2,3,4,5")
-    parser.add_argument("--inline", action="store_true",
-                        help="run the load through inline_serving.InlineBatcher: the engine calls on the event loop's thread")
+    parser.add_argument("--engine-thread", action="store_true",
+                        help="run the load through AsyncStreamBatcher(engine_thread=True): the engine calls on a thread of their own")
     parser.add_argument("--copy", action="store_true", help="the bare loop also copies to pinned memory")
     parser.add_argument("--events", action="store_true", help="the bare loop makes two timing events each iteration")
     parser.add_argument("--churn", type=int, default=0, metavar="BYTES",
@@ -403,7 +404,7 @@ def main() -> None:
         for part in parts:
             parts[part] = 0.0
         launched, gpu_before = time.monotonic(), self.gpu_seconds
-        chunk, wait = real_launch(self, chunk, call)
+        chunk, wait, ready = real_launch(self, chunk, call)
         launch_ms, replayed = (time.monotonic() - launched) * 1e3, dict(parts)
 
         def timed_wait():
@@ -413,7 +414,7 @@ def main() -> None:
             calls.append((launched, (self.gpu_seconds - gpu_before) * 1e3, (now - launched) * 1e3, len(chunk),
                           replayed, launch_ms, (now - t) * 1e3))
             return result
-        return chunk, timed_wait
+        return chunk, timed_wait, ready
     serving._Batcher._launch = timed_launch
 
     scenario_start = []  # the load's start (perf_counter), which the slow pushes' times count from
@@ -428,17 +429,13 @@ def main() -> None:
 
     probe = subprocess.Popen([sys.executable, "-c", PROBE, str(cli.seconds + 3)], stdout=subprocess.PIPE, text=True)
     in_process, samples, stop = [], [], threading.Event()
-    # the thread that runs the engine calls: the batcher's, or with --inline the event loop's (this one)
-    engine_thread = "MainThread" if cli.inline else "snac-fast-batcher"
+    # the thread that runs the engine calls: the event loop's (this one), or the batcher's own
+    engine_thread = "snac-fast-batcher" if cli.engine_thread else "MainThread"
     thread = threading.Thread(target=sleep_probe, args=(stop, in_process, samples, engine_thread), daemon=True)
     thread.start()
     steal0, switches0, vm0 = steal_ticks(), context_switches(), vmstat()
-    if cli.inline:  # the same load through a batcher without an engine thread (inline_serving.py)
-        from inline_serving import InlineBatcher
-        bench_serve.AsyncStreamBatcher = InlineBatcher
-    raw = bench_serve.run_scenario(codec, engine, args, streams, pace, "ids", pool, sample=set())
-    if cli.inline:
-        calls.extend(InlineBatcher.records)
+    raw = bench_serve.run_scenario(codec, engine, args, streams, pace, "ids-thread" if cli.engine_thread else "ids",
+                                   pool, sample=set())
     steal1, switches1, vm1 = steal_ticks(), context_switches(), vmstat()
     stop.set()
     outside = eval(probe.communicate()[0])  # noqa: S307 - our own probe's repr of a list of tuples
@@ -467,7 +464,7 @@ def main() -> None:
         print(s)
     gpu_ms = sorted(c[1] for c in calls)
     summary = {
-        "scenario": cli.scenario, "seconds": cli.seconds, "output": cli.output, "switch_interval_ms": sys.getswitchinterval() * 1e3, "sync": cli.sync, "cpus": cli.cpus, "inline": cli.inline, "pushes_over_20ms": len(slow), "stalls": len(stalls),
+        "scenario": cli.scenario, "seconds": cli.seconds, "output": cli.output, "switch_interval_ms": sys.getswitchinterval() * 1e3, "sync": cli.sync, "cpus": cli.cpus, "engine_thread_option": cli.engine_thread, "pushes_over_20ms": len(slow), "stalls": len(stalls),
         "p99_ms": float(torch.tensor(raw["latencies"]).quantile(0.99)),
         "in_process_late_wakeups": len(in_process), "probe_process_late_wakeups": len(outside),
         "probe_process_worst_ms": max((ms for _, ms in outside), default=0.0),
