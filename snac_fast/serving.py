@@ -402,7 +402,7 @@ class _Batcher:
         """Convert on the device and start one copy into a free pinned buffer (the caller returns
         it to ``_free_pinned`` once the PCM is copied out)."""
         if self.output == "int16":
-            audio = (audio.float() * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)  # not in place: a float32 engine's own audio
+            audio = int16_pcm(audio)
         elif audio.dtype != torch.float32:
             audio = audio.float()
         if audio.device.type != "cuda":
@@ -750,6 +750,12 @@ class PCMBlock(Sequence):
         int64 [stop - start + 1] from 0)."""
         offsets = self.offsets[start:stop + 1]
         return self.pcm[offsets[0]:offsets[-1]], offsets - offsets[0]
+
+
+def int16_pcm(audio: Tensor) -> Tensor:
+    """Audio in [-1, 1] (any float dtype, any shape) as int16 PCM: scaled by 32767, rounded, clamped.
+    Not in place: a float32 engine's audio is its own buffer."""
+    return (audio.float() * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)
 
 
 def _landed() -> bool:

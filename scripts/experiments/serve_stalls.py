@@ -136,7 +136,7 @@ def bare_engine_loop(engine, seconds: float, contend: bool = False, streams: int
         n = int(rng.integers(1, streams + 1))
         rows = rng.integers(0, engine.config["codebook_size"], (n, width))
         audio, offsets = engine.step_rows(slots[:n], rows, 1)
-        pcm = (audio.float() * 32767.0).round_().clamp_(-32768, 32767).to(torch.int16)
+        pcm = serving.int16_pcm(audio)
         host[:pcm.numel()].copy_(pcm, non_blocking=cuda)
         if cuda:
             done.record()
