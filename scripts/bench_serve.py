@@ -371,6 +371,8 @@ def main() -> None:
     parser.add_argument("--cold-start", type=int, default=0, metavar="N",
                         help="first time codec.warmup(streams=N) in fresh processes (empty, then warm Triton cache)")
     parser.add_argument("--device", default="cuda", help="the engine process's device (the engine path)")
+    parser.add_argument("--engine-event-loop", action="store_true",
+                        help="the engine path's engine process on one event loop (EngineProcess(event_loop=True)), not threads")
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default=None)
     args = parser.parse_args()
@@ -402,7 +404,8 @@ def main() -> None:
         t0 = time.perf_counter()
         devices = [args.device] if args.gpus == 1 else [f"cuda:{g}" for g in range(args.gpus)]
         engine_processes = [EngineProcess(f"synthetic:{args.model}", device=d, max_streams=-(-max(sizes) // args.gpus),
-                                          max_batch=args.max_batch, output=args.output) for d in devices]
+                                          max_batch=args.max_batch, output=args.output, event_loop=args.engine_event_loop)
+                            for d in devices]
         results["engine_process_start_s"] = time.perf_counter() - t0
         print(f"engine process up in {results['engine_process_start_s']:.1f} s", flush=True)
         if args.processes != 1 or paths == ["engine"]:  # the offline decodes the audio is checked against
@@ -474,7 +477,7 @@ def _markdown(r: dict) -> str:
     lines = [f"# Serving under load, {r['model']} ({env['device']}, {env['date']})\n",
              f"`python scripts/bench_serve.py {'--scenarios ' + a['scenarios'] if a['scenarios'] else '--streams %s --pace %s' % (a['streams'], a['pace'])} --paths {a['paths']} "
              f"--seconds {a['seconds']:g} --max-batch {a['max_batch']} --output {a['output']}"
-             f"{' --processes %d' % a['processes'] if a['processes'] > 1 else ''}{' --gpus %d' % a['gpus'] if a.get('gpus', 1) > 1 else ''}{' --gc-freeze' if a['gc_freeze'] else ''}{' --uvloop' if a['uvloop'] else ''}{' --switch-interval %g' % a['switch_interval'] if a.get('switch_interval') is not None else ''}{' --spin-gpu %g' % a['spin_gpu'] if a['spin_gpu'] else ''}{' --cold-start %d' % a['cold_start'] if a['cold_start'] else ''}`. "
+             f"{' --processes %d' % a['processes'] if a['processes'] > 1 else ''}{' --gpus %d' % a['gpus'] if a.get('gpus', 1) > 1 else ''}{' --gc-freeze' if a['gc_freeze'] else ''}{' --uvloop' if a['uvloop'] else ''}{' --switch-interval %g' % a['switch_interval'] if a.get('switch_interval') is not None else ''}{' --spin-gpu %g' % a['spin_gpu'] if a['spin_gpu'] else ''}{' --engine-event-loop' if a.get('engine_event_loop') else ''}{' --cold-start %d' % a['cold_start'] if a['cold_start'] else ''}`. "
              f"Staggered streams, one frame per push, gc {'frozen after warm-up' if a['gc_freeze'] else 'on'}; "
              f"push-to-audio latency of the pushes that returned audio; late: over one frame ({r['frame_ms']:.1f} ms).\n"]
     if "warmup" in r:

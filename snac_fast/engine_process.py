@@ -14,7 +14,9 @@ each message's pushes as one block, the engine thread runs the blocks as row sli
 calls and answers each call with one message per front-end (PCM of its pushes end to end and their
 offsets, cut from the call's PCM; raw arrays too, not a pickle), so no step of the engine process
 is per push, and a thread per front-end sends those, so a front-end that reads slowly never holds
-up the engine. Streams are the engine's; a front-end that disconnects releases its own.
+up the engine. Streams are the engine's; a front-end that disconnects releases its own. With
+``EngineProcess(event_loop=True)`` one asyncio event loop does the reading, the engine calls and
+the writing instead of those threads (docs/serving.md).
 
     engine = EngineProcess("hubertsiuzdak/snac_24khz", max_streams=4096)   # in the parent
     client = EngineClient(engine.address)                                  # in each front-end
@@ -56,15 +58,39 @@ _TAG = 8
 _PUSH, _OPS, _AUDIO = b"push\0\0\0\0", b"ops\0\0\0\0\0", b"audio\0\0\0"
 _AUDIO_HEAD = struct.Struct("<qqq")  # n, samples, 0 for int16 or 1 for float32
 _PCM_TYPES = (np.dtype(np.int16), np.dtype(np.float32))
+# a message's length before it on the wire, as multiprocessing.connection writes and reads it: a
+# big-endian int32, or -1 and a uint64 for 2 GiB and more
+_SIZE, _LONG_SIZE = struct.Struct("!i"), struct.Struct("!Q")
 
 
 class _Front:
-    """The engine process's side of one front-end connection. Messages to it go out through a
-    thread of its own, so the engine thread never blocks on a front-end that reads slowly."""
+    """The engine process's side of one front-end connection: its streams, and how messages reach it
+    (subclasses: a sender thread, or an event loop's transport), never blocking the engine calls on
+    a front-end that reads slowly."""
+
+    streams: set[int]
+
+    def send(self, message) -> None:
+        """A list of message items (pickled)."""
+        raise NotImplementedError
+
+    def send_audio(self, reqs: np.ndarray, offsets: np.ndarray, pcm: np.ndarray) -> None:
+        """Requests ``reqs``' audio, ``pcm[offsets[j]:offsets[j + 1]]``, as one raw message."""
+        raise NotImplementedError
+
+    def stop(self) -> None:
+        """No more messages (the front-end went away)."""
+
+    def error(self, req: int, error: BaseException) -> None:
+        self.send([_error_item(req, error)])
+
+
+class _ThreadFront(_Front):
+    """Messages go out through a thread of this front-end's own."""
 
     def __init__(self, conn: Connection) -> None:
         self.conn = conn
-        self.streams: set[int] = set()
+        self.streams = set()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         threading.Thread(target=self._send_all, name="snac-fast-engine-sender", daemon=True).start()
 
@@ -72,7 +98,6 @@ class _Front:
         self._outbox.put(message)
 
     def send_audio(self, reqs: np.ndarray, offsets: np.ndarray, pcm: np.ndarray) -> None:
-        """Requests ``reqs``' audio, ``pcm[offsets[j]:offsets[j + 1]]``, as one raw message."""
         self._outbox.put((reqs, offsets, pcm))
 
     def stop(self) -> None:
@@ -88,8 +113,29 @@ class _Front:
             except (OSError, EOFError, BrokenPipeError):  # the front-end is gone: its reader releases its streams
                 pass
 
-    def error(self, req: int, error: BaseException) -> None:
-        self.send([_error_item(req, error)])
+
+class _LoopFront(_Front):
+    """Messages written to the event loop's transport of this front-end (buffered there: a write
+    never waits), framed as ``multiprocessing.connection`` frames them, which the front-end's
+    :class:`EngineClient` reads."""
+
+    def __init__(self, writer: asyncio.StreamWriter) -> None:
+        self.writer = writer
+        self.streams = set()
+
+    def send(self, message) -> None:
+        self._write(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+    def send_audio(self, reqs: np.ndarray, offsets: np.ndarray, pcm: np.ndarray) -> None:
+        self._write(_audio_message(reqs, offsets, pcm))
+
+    def _write(self, payload: bytes | np.ndarray) -> None:
+        if self.writer.is_closing():  # the front-end is gone: its reader releases its streams
+            return
+        payload = memoryview(payload)  # a transport takes bytes-like objects, not arrays
+        size = payload.nbytes
+        self.writer.write(_SIZE.pack(size) if size <= 0x7FFFFFFF else _SIZE.pack(-1) + _LONG_SIZE.pack(size))
+        self.writer.write(payload)
 
 
 def _audio_message(reqs: np.ndarray, offsets: np.ndarray, pcm: np.ndarray) -> np.ndarray:
@@ -296,7 +342,7 @@ class _EngineBatcher(_Batcher):
             front.send(message)
 
     def take(self, front: _Front, message: bytes) -> None:
-        """Queue one front-end message's requests (the reader thread)."""
+        """Queue one front-end message's requests (the reader thread, or the event loop)."""
         if message[:_TAG] == _PUSH:  # int64: n, frames, then n request numbers, n streams, n rows
             n, frames = np.frombuffer(message, np.int64, 2, _TAG).tolist()
             body = np.frombuffer(message, np.int64, offset=_TAG + 16)
@@ -317,8 +363,7 @@ class _EngineBatcher(_Batcher):
                 for stream in streams:
                     stream.queued += 1
                 self._pending.append(_PushBlock(front, reqs, streams, frames, rows))
-                if self._sleeping:
-                    self._wake.set()
+                self._notify()
             return
         for op in pickle.loads(message[_TAG:]):
             kind = op[0]
@@ -344,10 +389,14 @@ class _EngineBatcher(_Batcher):
 
 
 def _serve_engine(address: str, settings: dict, report: Connection) -> None:
-    """The engine process: load, warm up, then accept front-ends until terminated."""
+    """The engine process: load, warm up, then accept front-ends until terminated. Threads (the
+    default): one reads every front-end, the engine thread runs the engine calls, one per front-end
+    sends its replies. ``settings["event_loop"]``: one asyncio event loop does all three (no thread
+    takes the interpreter between the engine's CUDA calls: docs/serving.md)."""
     # the engine, reader and sender threads take turns at the interpreter: hand it over within 1 ms,
     # not the default 5, so a push waits less for the engine thread (A/B on an H100: p99 16.7 vs 22.2 ms)
     sys.setswitchinterval(0.001)
+    event_loop = settings.get("event_loop", False)
     try:
         import torch
 
@@ -363,15 +412,19 @@ def _serve_engine(address: str, settings: dict, report: Connection) -> None:
         if codec.device.type == "cuda":
             codec.warmup(streams=min(settings["max_batch"], settings["max_streams"]), lookahead=settings.get("lookahead"))
         batcher = _EngineBatcher(engine, max_batch=settings["max_batch"], output=settings["output"],
-                                 idle_timeout_s=settings.get("idle_timeout_s"))
-        listener = Listener(address, family="AF_UNIX")
+                                 idle_timeout_s=settings.get("idle_timeout_s"), engine_thread=not event_loop)
+        listener = None if event_loop else Listener(address, family="AF_UNIX")
     except BaseException as error:  # noqa: BLE001 - the parent raises it with its message
         report.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
     freeze_startup_objects()  # a full collection would stall every stream's round
-    report.send(("ready", {"sampling_rate": codec.sampling_rate, "output": settings["output"], "config": dict(codec.config),
-                           "samples_per_frame": engine.samples_per_frame, "max_streams": engine.max_streams,
-                           "device": str(codec.device)}))
+    ready = ("ready", {"sampling_rate": codec.sampling_rate, "output": settings["output"], "config": dict(codec.config),
+                       "samples_per_frame": engine.samples_per_frame, "max_streams": engine.max_streams,
+                       "device": str(codec.device)})
+    if event_loop:
+        asyncio.run(_serve_on_loop(batcher, address, report, ready))
+        return
+    report.send(ready)
     # one thread reads every front-end (fewer threads taking turns at the interpreter than one each)
     fronts: dict[Connection, _Front] = {}
     woken, wake = socket.socketpair()
@@ -379,8 +432,39 @@ def _serve_engine(address: str, settings: dict, report: Connection) -> None:
                      daemon=True).start()
     while True:
         conn = listener.accept()
-        fronts[conn] = _Front(conn)
+        fronts[conn] = _ThreadFront(conn)
         wake.send(b"x")
+
+
+async def _serve_on_loop(batcher: _EngineBatcher, address: str, report: Connection, ready: tuple) -> None:
+    """The engine process on one event loop: each front-end's messages read as they come and queued
+    (:meth:`_EngineBatcher.take`), the engine calls run by the batcher's pump between those reads,
+    the replies written to each front-end's transport."""
+    batcher._bind(asyncio.get_running_loop())
+
+    async def front_end(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        front = _LoopFront(writer)
+        try:
+            while True:  # multiprocessing.connection's framing (what EngineClient sends)
+                size, = _SIZE.unpack(await reader.readexactly(_SIZE.size))
+                if size == -1:
+                    size, = _LONG_SIZE.unpack(await reader.readexactly(_LONG_SIZE.size))
+                batcher.take(front, await reader.readexactly(size))
+        except (asyncio.IncompleteReadError, ConnectionError):  # the front-end went away: free what it held
+            pass
+        finally:
+            writer.close()
+            for sid in list(front.streams):
+                batcher.release(sid)
+
+    try:
+        server = await asyncio.start_unix_server(front_end, path=address)
+    except OSError as error:
+        report.send(("failed", f"{type(error).__name__}: {error}"))
+        raise SystemExit(1) from None
+    report.send(ready)
+    async with server:
+        await server.serve_forever()
 
 
 def _read_fronts(batcher: _EngineBatcher, fronts: dict, woken: socket.socket) -> None:
@@ -409,21 +493,24 @@ class EngineProcess:
     """The engine's process (spawned): ``model`` (a hub id, folder or ``synthetic:`` name) on
     ``device``, ``max_streams`` stream slots, engine calls of at most ``max_batch`` streams, audio
     out as ``output`` (``"int16"`` or ``"float32"`` PCM); ``model_options``: more arguments of
-    :meth:`FastSNAC.from_pretrained`. Waits until the model is loaded and warm;
+    :meth:`FastSNAC.from_pretrained`. ``event_loop``: one event loop in the engine process reads
+    the front-ends, runs the engine calls and writes the replies, instead of a reader thread, an
+    engine thread and a sender thread per front-end (as ``AsyncStreamBatcher`` runs its calls on
+    the event loop; not yet measured on a GPU, so not the default). Waits until the model is loaded and warm;
     raises RuntimeError with the process's error if it fails. :attr:`address` is what
     :class:`EngineClient` connects to. Close it (or use it as a context manager) to stop it."""
 
     def __init__(self, model: str, *, device: str | None = None, dtype: str | None = None, max_streams: int = 4096,
                  max_batch: int = 256, lookahead: int | str | None = None, output: str = "int16",
                  idle_timeout_s: float | None = None, local_files_only: bool = False,
-                 model_options: dict | None = None, start_timeout_s: float = 600.0) -> None:
+                 model_options: dict | None = None, start_timeout_s: float = 600.0, event_loop: bool = False) -> None:
         if output not in ("int16", "float32"):
             raise ValueError(f"output must be 'int16' or 'float32', got {output!r}")
         self._folder = tempfile.mkdtemp(prefix="snac-fast-engine-")
         self.address = os.path.join(self._folder, "engine.sock")
         settings = {"model": model, "device": device, "dtype": dtype, "max_streams": max_streams, "max_batch": max_batch,
                     "lookahead": lookahead, "output": output, "idle_timeout_s": idle_timeout_s,
-                    "local_files_only": local_files_only, "model_options": model_options or {}}
+                    "local_files_only": local_files_only, "model_options": model_options or {}, "event_loop": event_loop}
         ours, theirs = mp.Pipe(duplex=False)
         self._process = mp.get_context("spawn").Process(target=_serve_engine, args=(self.address, settings, theirs),
                                                          name="snac-fast-engine", daemon=True)

@@ -76,8 +76,9 @@ class _Request:
 
 
 class _Batcher:
-    """What the batchers share: streams, checks on the caller's thread, the engine calls (on an
-    engine thread, or where a subclass drives them).
+    """What the batchers share: streams, checks on the caller's thread, the engine calls in rounds,
+    run by an engine thread (``engine_thread=True``) or, without one, by an event loop bound with
+    :meth:`_bind` (its pump launches and polls the calls between the loop's other callbacks).
     Subclasses say how a result reaches its caller (:meth:`_new_future`, :meth:`_deliver`)."""
 
     def __init__(self, engine: StreamEngine, max_batch: int = 64, max_wait_ms: float = 0.0,
@@ -124,6 +125,16 @@ class _Batcher:
         # CUDA-event time from each engine call's start to its copy's end (PCM outputs on CUDA): an
         # upper bound of the GPU's busy time (it includes the gaps while the host launches)
         self.gpu_seconds = 0.0
+        # without an engine thread: the event loop that runs the engine calls (bound by _bind),
+        # calls formed but not yet launched, calls launched and not yet delivered (oldest first)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._loop_thread = 0
+        self._carried: list[_Request] = []  # a stream's later requests wait for its earlier one
+        self._queued_calls: deque[tuple] = deque()  # (round's requests on its last call, chunk, call)
+        self._in_flight: deque[tuple] = deque()  # (round's requests or None, chunk, wait, ready)
+        self._pump_scheduled = False
+        self._wait_timer: asyncio.TimerHandle | None = None
+        self._sweep_timer: asyncio.TimerHandle | None = None
         self._worker: threading.Thread | None = None
         if engine_thread:
             self._worker = threading.Thread(target=self._serve, name="snac-fast-batcher", daemon=True)
@@ -200,11 +211,6 @@ class _Batcher:
         self._pending.append(request)
         self._notify()
         return request.future
-
-    def _notify(self) -> None:
-        """A request was queued: wake the engine thread if it sleeps."""
-        if self._sleeping:
-            self._wake.set()
 
     def release(self, stream_id: int) -> None:
         """Drop a stream without decoding the rest (a client gone): its slot is freed once any push
@@ -427,10 +433,115 @@ class _Batcher:
             return self.engine.empty_audio()
         return np.empty(0, np.int16 if self.output == "int16" else np.float32)
 
+    # -- the engine calls on an event loop (engine_thread=False) -------------------------------
+
+    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Run the engine calls on ``loop`` (called on its thread; without an engine thread only)."""
+        self._loop, self._loop_thread = loop, threading.get_ident()
+        make_current(self.engine.device)  # this thread runs the engine calls
+        if self.idle_timeout:
+            self._sweep_timer = loop.call_later(self.idle_timeout / 4, self._sweep)
+
+    def _notify(self) -> None:
+        """A request was queued: wake the engine thread if it sleeps, or schedule the loop's pump."""
+        if self._worker is not None:
+            if self._sleeping:
+                self._wake.set()
+            return
+        if self._loop is None or self._pump_scheduled:
+            return  # nothing bound yet: the first push's pump takes it
+        if threading.get_ident() == self._loop_thread:
+            self._pump_scheduled = True
+            self._loop.call_soon(self._pump)
+        elif not self._loop.is_closed():  # a release from another thread
+            self._loop.call_soon_threadsafe(self._notify)
+
+    def _pump(self) -> None:
+        """Deliver the calls whose copies landed (oldest first: one CUDA stream, they land in order),
+        launch calls while fewer than two are in flight, and while any is in flight, look again after
+        the loop's other callbacks (the pushes they queue go into the next call)."""
+        self._pump_scheduled = False
+        try:
+            while True:
+                while self._in_flight and self._in_flight[0][3]():
+                    self._timed(self._land, self._in_flight.popleft())
+                if len(self._in_flight) >= 2 or not (self._queued_calls or self._take_round()):
+                    break
+                round_requests, chunk, call = self._queued_calls.popleft()
+                self._in_flight.append((round_requests, *self._timed(self._launch, chunk, call)))
+        except Exception as error:  # noqa: BLE001 - a bug of ours: fail what waits rather than hang every stream
+            self._fail_all(error)
+            raise
+        if self._in_flight or self._queued_calls:
+            self._pump_scheduled = True
+            self._loop.call_soon(self._pump)
+
+    def _take_round(self) -> bool:
+        """Form the next round's engine calls from what is pending (a stream once a round); with
+        ``max_wait_ms``, only once enough is pending or the first pending push has waited that long.
+        Returns whether calls were formed."""
+        while self._pending or self._carried:
+            pending = len(self._pending)
+            if self.max_wait and pending and not self._stopping and pending + len(self._carried) < self.max_batch:
+                left = self._pending[0].queued_at + self.max_wait - time.monotonic()
+                if left > 0:
+                    if self._wait_timer is None:
+                        self._wait_timer = self._loop.call_later(left, self._wait_over)
+                    return False
+            taken = [self._pending.popleft() for _ in range(pending)]
+            now, self._carried = self._split_round(self._carried + taken if self._carried else taken)
+            calls = self._calls(now)
+            if not calls:  # releases and dropped pushes only: done now
+                self._mark_done(now, time.monotonic())
+                continue
+            self._queued_calls.extend((None, chunk, call) for chunk, call in calls[:-1])
+            self._queued_calls.append((now, *calls[-1]))
+            return True
+        return False
+
+    def _wait_over(self) -> None:
+        self._wait_timer = None
+        self._notify()
+
+    def _sweep(self) -> None:
+        if self._closed:
+            return
+        self._release_idle()
+        self._sweep_timer = self._loop.call_later(self.idle_timeout / 4, self._sweep)
+
+    def _fail_all(self, error: Exception) -> None:
+        """Fail every request queued or in flight (after an unexpected error of the pump)."""
+        requests = [r for entry in self._in_flight for r in entry[1]] + [r for entry in self._queued_calls for r in entry[1]]
+        requests += self._carried + list(self._pending)
+        self._in_flight.clear(), self._queued_calls.clear(), self._pending.clear(), self._carried.clear()
+        failure = RuntimeError(f"the batcher failed: {type(error).__name__}: {error}")
+        self._deliver(requests, [failure] * len(requests))
+
     def _stop_engine(self) -> None:
-        """Run what is queued, then stop the engine thread (closing)."""
-        self._wake.set()
-        self._worker.join()
+        """Run what is queued, then stop: the engine thread, or the loop's timers (closing)."""
+        if self._worker is not None:
+            self._wake.set()
+            self._worker.join()
+            return
+        for timer in (self._wait_timer, self._sweep_timer):
+            if timer is not None:
+                timer.cancel()
+        running = self._loop is not None and self._loop.is_running()
+        if running and threading.get_ident() != self._loop_thread:  # closed from another thread
+            done = Future()
+            self._loop.call_soon_threadsafe(lambda: done.set_result(self._drain()))
+            done.result()
+        else:
+            self._drain()
+
+    def _drain(self) -> None:
+        """Run everything queued to the end, waiting for each call (closing)."""
+        while self._in_flight or self._queued_calls or self._take_round():
+            if self._in_flight:
+                self._timed(self._land, self._in_flight.popleft())
+            else:
+                round_requests, chunk, call = self._queued_calls.popleft()
+                self._in_flight.append((round_requests, *self._timed(self._launch, chunk, call)))
 
     # -- results (subclasses) ------------------------------------------------------------------
 
@@ -538,16 +649,6 @@ class AsyncStreamBatcher(_Batcher):
     def __init__(self, engine: StreamEngine, max_batch: int = 64, max_wait_ms: float = 0.0,
                  layout: TokenLayout | None = None, output: str = "tensor",
                  idle_timeout_s: float | None = None, *, engine_thread: bool = False) -> None:
-        # without an engine thread: the event loop that runs the engine calls (bound at the first
-        # push), calls formed but not yet launched, calls launched and not yet delivered (oldest first)
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread = 0
-        self._carried: list[_Request] = []  # a stream's later requests wait for its earlier one
-        self._queued_calls: deque[tuple] = deque()  # (round's requests on its last call, chunk, call)
-        self._in_flight: deque[tuple] = deque()  # (round's requests or None, chunk, wait, ready)
-        self._pump_scheduled = False
-        self._wait_timer: asyncio.TimerHandle | None = None
-        self._sweep_timer: asyncio.TimerHandle | None = None
         super().__init__(engine, max_batch, max_wait_ms, layout, output, idle_timeout_s, engine_thread=engine_thread)
 
     def open(self, seed: int | None = None) -> int:
@@ -601,8 +702,6 @@ class AsyncStreamBatcher(_Batcher):
             except RuntimeError:  # the loop closed: nobody waits
                 pass
 
-    # -- the engine calls on the event loop (engine_thread=False) ------------------------------
-
     def _check_loop(self) -> None:
         """Bind the running loop at the first push; refuse pushes from another one."""
         if self._worker is not None:
@@ -613,107 +712,6 @@ class AsyncStreamBatcher(_Batcher):
         elif loop is not self._loop:
             raise RuntimeError("this AsyncStreamBatcher runs its engine calls on the event loop of its first push; "
                                "push from that loop, or make it with engine_thread=True to push from several")
-
-    def _bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        self._loop, self._loop_thread = loop, threading.get_ident()
-        make_current(self.engine.device)  # this thread runs the engine calls
-        if self.idle_timeout:
-            self._sweep_timer = loop.call_later(self.idle_timeout / 4, self._sweep)
-
-    def _notify(self) -> None:
-        if self._worker is not None:
-            return super()._notify()
-        if self._loop is None or self._pump_scheduled:
-            return  # nothing bound yet: the first push's pump takes it
-        if threading.get_ident() == self._loop_thread:
-            self._pump_scheduled = True
-            self._loop.call_soon(self._pump)
-        elif not self._loop.is_closed():  # a release from another thread
-            self._loop.call_soon_threadsafe(self._notify)
-
-    def _pump(self) -> None:
-        """Deliver the calls whose copies landed (oldest first: one CUDA stream, they land in order),
-        launch calls while fewer than two are in flight, and while any is in flight, look again after
-        the loop's other callbacks (the pushes they queue go into the next call)."""
-        self._pump_scheduled = False
-        try:
-            while True:
-                while self._in_flight and self._in_flight[0][3]():
-                    self._timed(self._land, self._in_flight.popleft())
-                if len(self._in_flight) >= 2 or not (self._queued_calls or self._take_round()):
-                    break
-                round_requests, chunk, call = self._queued_calls.popleft()
-                self._in_flight.append((round_requests, *self._timed(self._launch, chunk, call)))
-        except Exception as error:  # noqa: BLE001 - a bug of ours: fail what waits rather than hang every stream
-            self._fail_all(error)
-            raise
-        if self._in_flight or self._queued_calls:
-            self._pump_scheduled = True
-            self._loop.call_soon(self._pump)
-
-    def _take_round(self) -> bool:
-        """Form the next round's engine calls from what is pending (a stream once a round); with
-        ``max_wait_ms``, only once enough is pending or the first pending push has waited that long.
-        Returns whether calls were formed."""
-        while self._pending or self._carried:
-            pending = len(self._pending)
-            if self.max_wait and pending and not self._stopping and pending + len(self._carried) < self.max_batch:
-                left = self._pending[0].queued_at + self.max_wait - time.monotonic()
-                if left > 0:
-                    if self._wait_timer is None:
-                        self._wait_timer = self._loop.call_later(left, self._wait_over)
-                    return False
-            taken = [self._pending.popleft() for _ in range(pending)]
-            now, self._carried = self._split_round(self._carried + taken if self._carried else taken)
-            calls = self._calls(now)
-            if not calls:  # releases and dropped pushes only: done now
-                self._mark_done(now, time.monotonic())
-                continue
-            self._queued_calls.extend((None, chunk, call) for chunk, call in calls[:-1])
-            self._queued_calls.append((now, *calls[-1]))
-            return True
-        return False
-
-    def _wait_over(self) -> None:
-        self._wait_timer = None
-        self._notify()
-
-    def _sweep(self) -> None:
-        if self._closed:
-            return
-        self._release_idle()
-        self._sweep_timer = self._loop.call_later(self.idle_timeout / 4, self._sweep)
-
-    def _fail_all(self, error: Exception) -> None:
-        """Fail every request queued or in flight (after an unexpected error of the pump)."""
-        requests = [r for entry in self._in_flight for r in entry[1]] + [r for entry in self._queued_calls for r in entry[1]]
-        requests += self._carried + list(self._pending)
-        self._in_flight.clear(), self._queued_calls.clear(), self._pending.clear(), self._carried.clear()
-        failure = RuntimeError(f"the batcher failed: {type(error).__name__}: {error}")
-        self._deliver(requests, [failure] * len(requests))
-
-    def _stop_engine(self) -> None:
-        if self._worker is not None:
-            return super()._stop_engine()
-        for timer in (self._wait_timer, self._sweep_timer):
-            if timer is not None:
-                timer.cancel()
-        running = self._loop is not None and self._loop.is_running()
-        if running and threading.get_ident() != self._loop_thread:  # closed from another thread
-            done = Future()
-            self._loop.call_soon_threadsafe(lambda: done.set_result(self._drain()))
-            done.result()
-        else:
-            self._drain()
-
-    def _drain(self) -> None:
-        """Run everything queued to the end, waiting for each call (closing)."""
-        while self._in_flight or self._queued_calls or self._take_round():
-            if self._in_flight:
-                self._timed(self._land, self._in_flight.popleft())
-            else:
-                round_requests, chunk, call = self._queued_calls.popleft()
-                self._in_flight.append((round_requests, *self._timed(self._launch, chunk, call)))
 
     async def __aenter__(self) -> "AsyncStreamBatcher":
         return self

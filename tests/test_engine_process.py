@@ -39,10 +39,11 @@ def checkpoint(tmp_path_factory):
     return str(make_checkpoint(tmp_path_factory.mktemp("engine") / "model", "snac_24khz", **NARROW))
 
 
-@pytest.fixture(scope="module")
-def engine(checkpoint):
+@pytest.fixture(scope="module", params=[False, True], ids=["threads", "event_loop"])
+def engine(checkpoint, request):
+    """An engine process of each kind: reader, engine and sender threads, or one event loop."""
     with EngineProcess(checkpoint, device="cpu", max_streams=8, max_batch=4, output="float32",
-                       model_options=OPTIONS) as process:
+                       model_options=OPTIONS, event_loop=request.param) as process:
         yield process
 
 
