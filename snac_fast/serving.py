@@ -641,8 +641,8 @@ class AsyncStreamBatcher(_Batcher):
     lands, its results then set directly. No second thread takes the interpreter between the
     engine's CUDA calls; on the hosts where that thread hand-over stalls every CUDA call for tens of
     milliseconds every ~1.5 s, this takes 64 streams' p99 from 19-27 ms to 4.5-5.7 ms
-    (docs/serving.md). Every push must then come from one event loop (the first that pushes), and
-    :meth:`close` runs what is queued on it. ``True``: a thread of the batcher runs the engine calls
+    (docs/serving.md). Every push must then come from one event loop (the first that pushes; once
+    it has closed, the next one), and :meth:`close` runs what is queued on it. ``True``: a thread of the batcher runs the engine calls
     (pushes from any event loops), results reach each loop in one wake-up per engine call.
     """
 
@@ -703,15 +703,26 @@ class AsyncStreamBatcher(_Batcher):
                 pass
 
     def _check_loop(self) -> None:
-        """Bind the running loop at the first push; refuse pushes from another one."""
+        """Bind the running loop at the first push; refuse pushes from another one while the loop
+        it is bound to still runs or has work of it queued (one ``asyncio.run`` after another, as
+        scripts and notebooks do, moves it to the new loop)."""
         if self._worker is not None:
             return
         loop = asyncio.get_running_loop()
-        if self._loop is None:
-            self._bind(loop)
-        elif loop is not self._loop:
-            raise RuntimeError("this AsyncStreamBatcher runs its engine calls on the event loop of its first push; "
-                               "push from that loop, or make it with engine_thread=True to push from several")
+        if loop is self._loop:
+            return
+        if self._loop is not None:
+            busy = self._pending or self._carried or self._queued_calls or self._in_flight
+            if not self._loop.is_closed() and (self._loop.is_running() or busy):
+                raise RuntimeError("this AsyncStreamBatcher runs its engine calls on the event loop of its first push; "
+                                   "push from that loop, or make it with engine_thread=True to push from several")
+            self._drain()  # what a closed loop left queued (releases of cancelled pushes)
+            for timer in (self._wait_timer, self._sweep_timer):
+                if timer is not None:
+                    timer.cancel()
+            self._wait_timer = self._sweep_timer = None
+            self._pump_scheduled = False
+        self._bind(loop)
 
     async def __aenter__(self) -> "AsyncStreamBatcher":
         return self

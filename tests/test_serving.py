@@ -416,6 +416,23 @@ def test_batcher_on_the_event_loop_idles_out_fails_and_closes_from_another_threa
     assert all(isinstance(f, np.ndarray) and f.dtype == np.float32 for f in first)
 
 
+def test_batcher_on_the_event_loop_moves_to_the_next_asyncio_run():
+    """A script or notebook that calls asyncio.run several times with one batcher: each run's loop
+    takes over once the last one has closed; its streams go on exactly."""
+    codes = random_codes(CONFIG, 6, seed=120)
+    ids = ORPHEUS.codes_to_ids(codes).tolist()
+    batcher = AsyncStreamBatcher(engine64(NAME, streams=2, narrow=True), layout=ORPHEUS, output="float32", idle_timeout_s=60)
+    sid = batcher.open(5)
+    first = asyncio.run(batcher.push_ids(sid, ids[:21]))
+    second = asyncio.run(batcher.push_ids(sid, ids[21:]))
+
+    async def rest():
+        return await batcher.flush(sid)
+    audio = np.concatenate([first, second, asyncio.run(rest())])
+    batcher.close()
+    assert np.abs(audio - expected_audio(codes, 5).numpy()).max() < 1e-6
+
+
 def _serve_in_process(first_seed: int, codes: list) -> list:
     """A worker process of a multi-process server: its own engine and batcher (see docs/serving.md)."""
     async def main():
