@@ -448,13 +448,16 @@ class _Batcher:
             if self._sleeping:
                 self._wake.set()
             return
-        if self._loop is None or self._pump_scheduled:
-            return  # nothing bound yet: the first push's pump takes it
+        if self._loop is None or self._pump_scheduled or self._loop.is_closed():
+            return  # no loop yet, or its loop has closed: the next loop's first push (or close()) takes it
         if threading.get_ident() == self._loop_thread:
             self._pump_scheduled = True
             self._loop.call_soon(self._pump)
-        elif not self._loop.is_closed():  # a release from another thread
-            self._loop.call_soon_threadsafe(self._notify)
+        else:  # a release from another thread
+            try:
+                self._loop.call_soon_threadsafe(self._notify)
+            except RuntimeError:  # the loop closed meanwhile
+                pass
 
     def _pump(self) -> None:
         """Deliver the calls whose copies landed (oldest first: one CUDA stream, they land in order),
@@ -716,13 +719,13 @@ class AsyncStreamBatcher(_Batcher):
             if not self._loop.is_closed() and (self._loop.is_running() or busy):
                 raise RuntimeError("this AsyncStreamBatcher runs its engine calls on the event loop of its first push; "
                                    "push from that loop, or make it with engine_thread=True to push from several")
-            self._drain()  # what a closed loop left queued (releases of cancelled pushes)
             for timer in (self._wait_timer, self._sweep_timer):
                 if timer is not None:
                     timer.cancel()
             self._wait_timer = self._sweep_timer = None
             self._pump_scheduled = False
         self._bind(loop)
+        self._notify()  # what a closed loop left queued (releases of cancelled pushes) runs on this one
 
     async def __aenter__(self) -> "AsyncStreamBatcher":
         return self

@@ -421,14 +421,19 @@ def test_batcher_on_the_event_loop_moves_to_the_next_asyncio_run():
     takes over once the last one has closed; its streams go on exactly."""
     codes = random_codes(CONFIG, 6, seed=120)
     ids = ORPHEUS.codes_to_ids(codes).tolist()
-    batcher = AsyncStreamBatcher(engine64(NAME, streams=2, narrow=True), layout=ORPHEUS, output="float32", idle_timeout_s=60)
-    sid = batcher.open(5)
+    engine = engine64(NAME, streams=2, narrow=True)
+    batcher = AsyncStreamBatcher(engine, layout=ORPHEUS, output="float32", idle_timeout_s=60)
+    sid, gone = batcher.open(5), batcher.open(6)
+
     first = asyncio.run(batcher.push_ids(sid, ids[:21]))
+    batcher.release(gone)  # between the runs, no loop running: queued for the next one
+    assert engine.open_streams == 2
     second = asyncio.run(batcher.push_ids(sid, ids[21:]))
 
     async def rest():
         return await batcher.flush(sid)
     audio = np.concatenate([first, second, asyncio.run(rest())])
+    assert engine.open_streams == 0 and not batcher.is_open(gone)  # the release ran on a later loop
     batcher.close()
     assert np.abs(audio - expected_audio(codes, 5).numpy()).max() < 1e-6
 
