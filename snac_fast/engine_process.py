@@ -450,12 +450,11 @@ async def _serve_on_loop(batcher: _EngineBatcher, address: str, report: Connecti
                 if size == -1:
                     size, = _LONG_SIZE.unpack(await reader.readexactly(_LONG_SIZE.size))
                 batcher.take(front, await reader.readexactly(size))
-        except (asyncio.IncompleteReadError, ConnectionError):  # the front-end went away: free what it held
+        except (asyncio.IncompleteReadError, ConnectionError):  # the front-end went away
             pass
         finally:
             writer.close()
-            for sid in list(front.streams):
-                batcher.release(sid)
+            _front_gone(batcher, front)
 
     try:
         server = await asyncio.start_unix_server(front_end, path=address)
@@ -481,12 +480,17 @@ def _read_fronts(batcher: _EngineBatcher, fronts: dict, woken: socket.socket) ->
             conn, front = key.fileobj, key.data
             try:
                 batcher.take(front, conn.recv_bytes())
-            except (EOFError, OSError):  # the front-end went away: free what it held
+            except (EOFError, OSError):  # the front-end went away
                 selector.unregister(conn)
                 del fronts[conn]
-                front.stop()
-                for sid in list(front.streams):
-                    batcher.release(sid)
+                _front_gone(batcher, front)
+
+
+def _front_gone(batcher: _EngineBatcher, front: _Front) -> None:
+    """A front-end disconnected: no more messages to it, and the streams it held are released."""
+    front.stop()
+    for sid in list(front.streams):
+        batcher.release(sid)
 
 
 class EngineProcess:

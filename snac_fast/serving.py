@@ -470,8 +470,7 @@ class _Batcher:
                     self._timed(self._land, self._in_flight.popleft())
                 if len(self._in_flight) >= 2 or not (self._queued_calls or self._take_round()):
                     break
-                round_requests, chunk, call = self._queued_calls.popleft()
-                self._in_flight.append((round_requests, *self._timed(self._launch, chunk, call)))
+                self._launch_next()
         except Exception as error:  # noqa: BLE001 - a bug of ours: fail what waits rather than hang every stream
             self._fail_all(error)
             raise
@@ -526,13 +525,17 @@ class _Batcher:
             self._wake.set()
             self._worker.join()
             return
-        for timer in (self._wait_timer, self._sweep_timer):
-            if timer is not None:
-                timer.cancel()
+        self._cancel_timers()
         running = self._loop is not None and self._loop.is_running()
         if running and threading.get_ident() != self._loop_thread:  # closed from another thread
             done = Future()
-            self._loop.call_soon_threadsafe(lambda: done.set_result(self._drain()))
+
+            def drain() -> None:  # on the loop; an error reaches close()'s caller instead of hanging it
+                try:
+                    done.set_result(self._drain())
+                except BaseException as error:  # noqa: BLE001 - handed on as it is
+                    done.set_exception(error)
+            self._loop.call_soon_threadsafe(drain)
             done.result()
         else:
             self._drain()
@@ -543,8 +546,19 @@ class _Batcher:
             if self._in_flight:
                 self._timed(self._land, self._in_flight.popleft())
             else:
-                round_requests, chunk, call = self._queued_calls.popleft()
-                self._in_flight.append((round_requests, *self._timed(self._launch, chunk, call)))
+                self._launch_next()
+
+    def _launch_next(self) -> None:
+        """Launch the oldest formed call; it joins the calls in flight."""
+        round_requests, chunk, call = self._queued_calls.popleft()
+        self._in_flight.append((round_requests, *self._timed(self._launch, chunk, call)))
+
+    def _cancel_timers(self) -> None:
+        """Drop the loop's timers (max_wait_ms, idle release): closing, or moving to another loop."""
+        for timer in (self._wait_timer, self._sweep_timer):
+            if timer is not None:
+                timer.cancel()
+        self._wait_timer = self._sweep_timer = None
 
     # -- results (subclasses) ------------------------------------------------------------------
 
@@ -719,10 +733,7 @@ class AsyncStreamBatcher(_Batcher):
             if not self._loop.is_closed() and (self._loop.is_running() or busy):
                 raise RuntimeError("this AsyncStreamBatcher runs its engine calls on the event loop of its first push; "
                                    "push from that loop, or make it with engine_thread=True to push from several")
-            for timer in (self._wait_timer, self._sweep_timer):
-                if timer is not None:
-                    timer.cancel()
-            self._wait_timer = self._sweep_timer = None
+            self._cancel_timers()
             self._pump_scheduled = False
         self._bind(loop)
         self._notify()  # what a closed loop left queued (releases of cancelled pushes) runs on this one
