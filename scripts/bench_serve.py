@@ -242,6 +242,9 @@ def summarize(raws: list[dict], frame_ms: float) -> dict:
         "pushes_over_20ms": sum(len(r["slow"]) // 2 for r in raws),
         "graphs_captured_during_load": sorted({g for r in raws for g in r["graphs_captured"]}),
         # when the slow pushes started (s into the run) and the slowest there: where to look
+        # pushes over 20 ms in each second of the run: spread out (queueing) or in bursts (stalls)
+        "slow_per_s": np.bincount(np.concatenate([np.asarray(r["slow"][::2], dtype=np.float64) for r in raws]).clip(0).astype(np.int64)
+                                  ).tolist() if any(r["slow"] for r in raws) else [],
         "slow_at_s": sorted({(round(t, 1), round(ms)) for r in raws for t, ms in zip(r["slow"][::2], r["slow"][1::2])},
                             key=lambda x: -x[1])[:8],
     }
@@ -404,7 +407,8 @@ def main() -> None:
         t0 = time.perf_counter()
         devices = [args.device] if args.gpus == 1 else [f"cuda:{g}" for g in range(args.gpus)]
         engine_processes = [EngineProcess(f"synthetic:{args.model}", device=d, max_streams=-(-max(sizes) // args.gpus),
-                                          max_batch=args.max_batch, output=args.output, event_loop=args.engine_event_loop)
+                                          max_batch=args.max_batch, output=args.output, event_loop=args.engine_event_loop,
+                                          max_wait_ms=args.max_wait_ms)
                             for d in devices]
         results["engine_process_start_s"] = time.perf_counter() - t0
         print(f"engine process up in {results['engine_process_start_s']:.1f} s", flush=True)

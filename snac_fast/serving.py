@@ -237,34 +237,46 @@ class _Batcher:
         in_flight = None  # the last engine call of the round before, launched but not yet delivered
         next_sweep = time.monotonic() + (self.idle_timeout or 0) / 4
         while True:
-            if in_flight is not None and not self._pending and not carried:
-                in_flight = self._timed(self._land, in_flight)  # nothing to launch meanwhile: deliver it now
-            while not self._pending and not carried and not self._stopping:
-                self._sleep(self.idle_timeout / 4 if self.idle_timeout else None)
-                if self.idle_timeout and time.monotonic() >= next_sweep:
-                    break
-            if self.max_wait and self._pending and len(self._pending) + len(carried) < self.max_batch:
-                if in_flight is not None:
-                    in_flight = self._timed(self._land, in_flight)
-                deadline = self._pending[0].queued_at + self.max_wait
-                while not self._stopping and len(self._pending) + len(carried) < self.max_batch:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
+            taken: list = []
+            try:
+                if in_flight is not None and not self._pending and not carried:
+                    in_flight = self._timed(self._land, in_flight)  # nothing to launch meanwhile: deliver it now
+                while not self._pending and not carried and not self._stopping:
+                    self._sleep(self.idle_timeout / 4 if self.idle_timeout else None)
+                    if self.idle_timeout and time.monotonic() >= next_sweep:
                         break
-                    self._sleep(left)
-            taken = [self._pending.popleft() for _ in range(len(self._pending))]
-            if self._stopping and not taken and not carried:
-                if in_flight is not None:
-                    self._timed(self._land, in_flight)
-                return
-            if self.idle_timeout and time.monotonic() >= next_sweep:
-                self._release_idle()
-                next_sweep = time.monotonic() + self.idle_timeout / 4
-            now, carried = self._split_round(carried + taken if carried else taken)
-            if now:
-                in_flight = self._timed(self._run, now, in_flight)
-            elif in_flight is not None:
-                in_flight = self._timed(self._land, in_flight)
+                if self.max_wait and self._pending and self._pushes(self._pending) + self._pushes(carried) < self.max_batch:
+                    if in_flight is not None:
+                        in_flight = self._timed(self._land, in_flight)
+                    deadline = self._pending[0].queued_at + self.max_wait
+                    while not self._stopping and self._pushes(self._pending) + self._pushes(carried) < self.max_batch:
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self._sleep(left)
+                taken = [self._pending.popleft() for _ in range(len(self._pending))]
+                if self._stopping and not taken and not carried:
+                    if in_flight is not None:
+                        self._timed(self._land, in_flight)
+                    return
+                if self.idle_timeout and time.monotonic() >= next_sweep:
+                    self._release_idle()
+                    next_sweep = time.monotonic() + self.idle_timeout / 4
+                now, carried = self._split_round(carried + taken if carried else taken)
+                if now:
+                    in_flight = self._timed(self._run, now, in_flight)
+                elif in_flight is not None:
+                    in_flight = self._timed(self._land, in_flight)
+            except Exception as error:  # noqa: BLE001 - a bug of ours: fail what waits rather than hang every stream
+                lost = carried + taken + (list(in_flight[1]) + list(in_flight[0] or []) if in_flight is not None else [])
+                carried, taken, in_flight = [], [], None
+                self._fail_all(error, lost)
+
+    @staticmethod
+    def _pushes(queued) -> int:
+        """Pushes in ``queued`` (the engine process's items are blocks of pushes; the reader thread
+        may append to a deque meanwhile)."""
+        return len(queued)
 
     def _split_round(self, batch: list) -> tuple[list, list]:
         """(what runs this round, what waits for the next): a stream's later requests wait for its
@@ -484,7 +496,8 @@ class _Batcher:
         Returns whether calls were formed."""
         while self._pending or self._carried:
             pending = len(self._pending)
-            if self.max_wait and pending and not self._stopping and pending + len(self._carried) < self.max_batch:
+            if (self.max_wait and pending and not self._stopping
+                    and self._pushes(self._pending) + self._pushes(self._carried) < self.max_batch):
                 left = self._pending[0].queued_at + self.max_wait - time.monotonic()
                 if left > 0:
                     if self._wait_timer is None:
@@ -511,10 +524,11 @@ class _Batcher:
         self._release_idle()
         self._sweep_timer = self._loop.call_later(self.idle_timeout / 4, self._sweep)
 
-    def _fail_all(self, error: Exception) -> None:
-        """Fail every request queued or in flight (after an unexpected error of the pump)."""
+    def _fail_all(self, error: Exception, lost: list = ()) -> None:
+        """Fail every request queued or in flight, and ``lost`` (after an unexpected error of the
+        pump or the engine thread; a request failed twice gets the first error)."""
         requests = [r for entry in self._in_flight for r in entry[1]] + [r for entry in self._queued_calls for r in entry[1]]
-        requests += self._carried + list(self._pending)
+        requests += list(lost) + self._carried + list(self._pending)
         self._in_flight.clear(), self._queued_calls.clear(), self._pending.clear(), self._carried.clear()
         failure = RuntimeError(f"the batcher failed: {type(error).__name__}: {error}")
         self._deliver(requests, [failure] * len(requests))

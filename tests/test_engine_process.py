@@ -184,6 +184,29 @@ def test_engine_batcher_blocks_keep_each_streams_order_and_fail_only_bad_pushes(
         assert np.abs(audio - expected.numpy()).max() < 1e-6, k
 
 
+def test_engine_batcher_max_wait_counts_pushes_not_messages():
+    """With ``max_wait_ms`` the engine process's batcher waits for ``max_batch`` pushes, counting
+    the pushes inside each front-end message: two messages of two pushes fill a batch of four and
+    run as one call at once, not after the wait (30 s here)."""
+    config = {**published_config("snac_24khz"), **NARROW}
+    engine = engine64("snac_24khz", streams=4, narrow=True)
+    batcher = _EngineBatcher(engine, max_batch=4, max_wait_ms=30_000, output="float32")
+    front = CollectingFront()
+    codes = [random_codes(config, 1, seed=70 + k) for k in range(4)]
+    sids = [batcher.open(k) for k in range(4)]
+    rows = [engine.row_of(engine.check_codes(c)) for c in codes]
+    for first in (0, 2):
+        batcher.take(front, _push_message([first, first + 1], sids[first:first + 2], 1, rows[first:first + 2]))
+        time.sleep(0.2)
+    deadline = time.monotonic() + 20
+    while sum(len(i[1]) for i in front.items if i[0] == "audio") < 4:
+        assert time.monotonic() < deadline, "the batcher waited out max_wait_ms with a full batch queued"
+        time.sleep(0.01)
+    assert batcher.batches == 1
+    batcher._stopping = True  # nothing queued: stop without the 30 s wait
+    batcher.close()
+
+
 def test_one_call_of_several_front_ends_replies_to_each_with_its_own_pushes():
     """Blocks of three front-ends, queued interleaved, joined into one call: each front-end's pushes
     side by side (its reply one slice of the call's PCM), each push's row with it, and the replies

@@ -305,6 +305,30 @@ def test_failed_engine_call_fails_its_streams_and_the_engine_serves_on(monkeypat
     assert np.abs(np.concatenate(pieces) - expected[2].numpy()).max() < 1e-6
 
 
+def test_an_error_of_the_engine_thread_fails_what_waits_and_it_serves_on(monkeypatch):
+    """A bug in the engine thread's own work (not an engine call): the requests it held get the
+    error instead of hanging, and the thread lives on to serve the next pushes exactly."""
+    engine = engine64(NAME, streams=2, narrow=True)
+    codes = random_codes(CONFIG, 4, seed=7)
+    with StreamBatcher(engine, max_batch=2, output="float32") as batcher:
+        real_split = batcher._split_round
+        broken = {"once": True}
+
+        def split_round(batch):
+            if broken.pop("once", False):
+                raise KeyError("a bug of the batcher")
+            return real_split(batch)
+
+        monkeypatch.setattr(batcher, "_split_round", split_round)
+        sid = batcher.open(3)
+        with pytest.raises(RuntimeError, match="the batcher failed: KeyError"):
+            batcher.submit(sid, frames_of(codes, STRIDES, 0, 1)).result(timeout=30)
+        late = batcher.open(4)
+        pieces = [batcher.submit(late, frames_of(codes, STRIDES, f, f + 1)).result(timeout=30) for f in range(4)]
+        pieces.append(batcher.flush(late))
+    assert np.abs(np.concatenate(pieces) - expected_audio(codes, 4).numpy()).max() < 1e-6
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("engine_thread", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
