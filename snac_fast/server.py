@@ -11,7 +11,7 @@
 
 Every connection shares one engine (with ``--workers N --shared-engine``, one engine process fed by
 every worker): a full engine answers 503 with Retry-After; a client that goes away releases its
-stream at once. Design notes: docs/serving.md.
+stream at once. Design notes: docs/server.md.
 """
 
 from __future__ import annotations
@@ -220,7 +220,7 @@ class SpeechServer:
         (:meth:`LMClient.warm_up`), a streaming response, and one silent stream through this
         worker's decode path (open, pushes of one frame of ids, flush). Otherwise the first
         requests paid for that first-time work: 256 clients right after start-up saw first audio
-        p99 27-30 ms on an H100, 6-7 ms on the next load (docs/serving.md)."""
+        p99 27-30 ms on an H100, 6-7 ms on the next load (docs/server.md)."""
         await self.lm.warm_up()
         from starlette.responses import StreamingResponse
 

@@ -3,7 +3,7 @@ stream engine's warm-up (``engine.warmup(max_batch=N)``'s step shapes, recorded 
 interpreter with an H100's launch rules, by ``warmup_variants.py``) are each compiled
 for sm_90 (``snac_fast.targets.compile_launch``), and the CPU time of each compile (the compiler
 and its ptxas) is summed per kernel. A proxy for the GPU host's compile pass: its 16 workers spend
-about this many CPU-seconds (docs/serving.md, "Cold start of serving").
+about this many CPU-seconds (docs/cold_start.md).
 
     python scripts/experiments/compile_cost.py --streams 256 [--kernel _depthwise] [--workers 2]
 """

@@ -2,7 +2,7 @@
 synthetic 24 kHz model in fp16, then each graph (prefill, one-frame step and flush at every batch
 bucket) replayed ``--replays`` times, each timed between CUDA events; prints one JSON line of
 medians in ms per ``kind/bucket``. Compare two trees by their ``PYTHONPATH``, in fresh processes
-taken in turns (docs/serving.md, "Cold start of serving").
+taken in turns (docs/cold_start.md).
 
     python scripts/experiments/step_graph_times.py --streams 256
 """

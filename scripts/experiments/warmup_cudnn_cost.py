@@ -3,8 +3,7 @@ fresh process with every ``F.conv_transpose2d`` call timed on the host (the tran
 ``FusedConvTranspose1d.kernel_max_elements`` run cuDNN; its first call per shape builds a plan), then
 the GPU time of the one-frame step graphs of 16, 64 and 256 rows (100 replays, median).
 ``--triton-only`` sends every transposed conv to the Triton phase GEMM instead. Run it with one
-``TRITON_CACHE_DIR`` (once to fill it, then alternating the two forms warm; docs/serving.md, "Cold
-start of serving").
+``TRITON_CACHE_DIR`` (once to fill it, then alternating the two forms warm; docs/cold_start.md).
 
     TRITON_CACHE_DIR=/tmp/tc python scripts/experiments/warmup_cudnn_cost.py [--triton-only]
 """

@@ -6,8 +6,7 @@ distinct sources, seconds summed); the kernels compiled after the compile pass (
 the pass missed, compiled one by one at capture); this process's minor page faults in the pass and
 after it; and the number of workers busy per half second. Run it twice with one
 ``TRITON_CACHE_DIR``: empty, then warm (warm, the pass is skipped when its manifest finds every
-kernel cached: ``compile_s`` is then the check, and the kernels load during the captures). Compare two trees by their ``PYTHONPATH`` (docs/serving.md,
-"Cold start of serving"; ``benchmarks/logs/serve_cold_start_late_variants_h100.json``).
+kernel cached: ``compile_s`` is then the check, and the kernels load during the captures). Compare two trees by their ``PYTHONPATH`` (docs/cold_start.md; ``benchmarks/logs/serve_cold_start_late_variants_h100.json``).
 
     TRITON_CACHE_DIR=$(mktemp -d) python scripts/experiments/warmup_jobs.py --streams 256
 """

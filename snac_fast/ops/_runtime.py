@@ -320,7 +320,7 @@ def tiles_as_for_fewer_rows(factor: int):
     """Inside, the launch rules choose tiles (and dependent launch) as for a launch ``factor`` times
     smaller: the programs a launch must fill the GPU with, and the bound on dependent launches, scale
     by it. A stream engine's steps of 2-8 rows take the 1-row step's tiles this way, so warming them
-    compiles no kernel variants of their own (docs/serving.md, "Cold start of serving")."""
+    compiles no kernel variants of their own (docs/cold_start.md)."""
     token = _rows_per_tile_choice.set(max(1, int(factor)))
     try:
         yield
@@ -337,8 +337,7 @@ def launches_as_recorded(memo: dict, record: bool):
     key (its tiles, warps, dependent launch), and with ``record`` adds the choices it makes. A
     stream engine records its one-frame step's launches per batch bucket and runs that bucket's
     prefill and flush with them: their lengths differ from the step's, and choices of their own would
-    be kernel variants of their own, a third more compiles at a cold start (docs/serving.md,
-    "Cold start of serving")."""
+    be kernel variants of their own, a third more compiles at a cold start (docs/cold_start.md)."""
     token = _recorded_launches.set((memo, record))
     try:
         yield

@@ -93,7 +93,7 @@ if HAS_TRITON:
         1 / 3 / 9 for RUN = 1), where a shifted tile load costs 8 unaligned 2-byte loads per tap.
         Every tile masks its chunks, interior ones too: a second, unmasked copy of this unrolled code
         for interior tiles was a fifth of the kernel's compile time (a cold start compiles it ~50
-        times) and won at most 1% (docs/serving.md, "Cold start of serving")."""
+        times) and won at most 1% (docs/cold_start.md)."""
         HALO: tl.constexpr = (K - 1) // 2 * DILATION
         CHUNKS: tl.constexpr = (HALO + 7) // 8  # on each side of a run
         row_ok = rows < n_rows
