@@ -17,7 +17,9 @@ It reports push-to-audio latency (the time a push takes to return its audio) p50
 the pushes that returned audio, pushes later than one frame of audio, the wall time against the
 scenario's time (keeps pace: the last push ends within one frame of its schedule), the engine calls'
 GPU span (CUDA events; an upper bound of the GPU's busy time) over the wall time, the process's CPU
-time, gc pauses, and checks every stream's audio length and, on a sample of streams, that the audio
+time, gc pauses, the pushes over 20 ms in each second (``slow_per_s``: bursts or spread; with
+``--canary``, beside it a torch-free process's late 1 ms wake-ups per second, which show a stall of
+the whole host), and checks every stream's audio length and, on a sample of streams, that the audio
 equals the offline decode of its codes (same seed; fp16: the fp16 rounding apart).
 
 ``--processes P`` runs the scenario in P processes at once, each with its own engine and streams/P
@@ -30,6 +32,7 @@ process k on GPU k % G.
 from __future__ import annotations
 
 import argparse
+import ast
 import asyncio
 import gc
 import json
@@ -37,6 +40,7 @@ import math
 import multiprocessing as mp
 import os
 import resource
+import subprocess
 import sys
 import threading
 import time
@@ -94,6 +98,40 @@ class Recorder:
                 "scenario_s": frames * interval + interval, "behind_ms": behind * 1e3,
                 "cpu_s": (cpu1.ru_utime - cpu0.ru_utime) + (cpu1.ru_stime - cpu0.ru_stime),
                 "audio_len": self.audio_len, "kept": self.kept, "slow": self.slow}
+
+
+# A process without torch that sleeps 1 ms at a time and prints its wake-ups later than 4 ms
+# (CLOCK_MONOTONIC, ms) once its stdin closes (or after argv[1] s): late there too, a stall is the
+# host's (or the virtual machine's), not ours.
+HOST_PROBE = """
+import select, sys, time
+late, period, threshold = [], 0.001, 0.004
+end = time.perf_counter() + float(sys.argv[1])
+last = time.perf_counter()
+while last < end and not select.select([sys.stdin], [], [], 0)[0]:
+    time.sleep(period)
+    now = time.perf_counter()
+    if now - last > threshold:
+        late.append((time.clock_gettime(time.CLOCK_MONOTONIC) - (now - last), (now - last) * 1e3))
+    last = now
+print(repr(late))
+"""
+
+
+class HostCanary:
+    """``--canary``: :data:`HOST_PROBE` running beside one load; :meth:`summary` bins its late
+    wake-ups by second since the load's start (as ``slow_per_s`` bins the slow pushes)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.start = time.monotonic()
+        self.process = subprocess.Popen([sys.executable, "-c", HOST_PROBE, str(seconds)], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, text=True)
+
+    def summary(self) -> dict:
+        late = ast.literal_eval(self.process.communicate("")[0])  # stdin closed: the probe stops
+        at = np.asarray([t - self.start for t, _ in late], dtype=np.float64).clip(0).astype(np.int64)
+        return {"canary_late_wakeups": len(late), "canary_worst_ms": max((ms for _, ms in late), default=0.0),
+                "canary_late_per_s": np.bincount(at).tolist() if len(late) else []}
 
 
 def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool, sample: set[int]) -> dict:
@@ -374,6 +412,9 @@ def main() -> None:
     parser.add_argument("--cold-start", type=int, default=0, metavar="N",
                         help="first time codec.warmup(streams=N) in fresh processes (empty, then warm Triton cache)")
     parser.add_argument("--device", default="cuda", help="the engine process's device (the engine path)")
+    parser.add_argument("--canary", action="store_true",
+                        help="a process without torch beside each load, counting its 1 ms sleeps that woke over 4 ms late "
+                             "(per second: a host-wide stall shows there too)")
     parser.add_argument("--engine-event-loop", action="store_true",
                         help="the engine path's engine process on one event loop (EngineProcess(event_loop=True)), not threads")
     parser.add_argument("--out", default=None)
@@ -417,6 +458,7 @@ def main() -> None:
             engine = codec.stream_engine(max_streams=1)
     for streams, pace in scenarios:
         for path in paths:
+            host = {}  # the canary's figures (--canary)
             if path == "engine":
                 ctx = mp.get_context("spawn")
                 ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -428,8 +470,10 @@ def main() -> None:
                     p.start()
                 for _ in procs:
                     ready.get()
+                canary = HostCanary(3 * args.seconds + 60) if args.canary else None
                 go.set()
                 raws = [out.get() for _ in procs]
+                host = canary.summary() if canary else {}
                 for p in procs:
                     p.join()
                 pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
@@ -439,7 +483,9 @@ def main() -> None:
             elif args.processes == 1:
                 pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
                 sample = set(range(0, streams, max(1, streams // args.sample)))
+                canary = HostCanary(3 * args.seconds + 60) if args.canary else None
                 raw = run_scenario(codec, engine, args, streams, pace, path, pool, sample)
+                host = canary.summary() if canary else {}
                 checks = [check_audio(codec, engine, pool, raw, streams, args.output)]
                 raws = [raw]
             else:
@@ -451,8 +497,10 @@ def main() -> None:
                 for p in procs:
                     p.start()
                 warms = [ready.get() for _ in procs]
+                canary = HostCanary(3 * args.seconds + 60) if args.canary else None
                 go.set()
                 raws = [out.get() for _ in procs]
+                host = canary.summary() if canary else {}
                 for p in procs:
                     p.join()
                 checks = [r.pop("check") for r in raws]
@@ -460,7 +508,8 @@ def main() -> None:
             row = {"streams": streams, "pace": pace, "path": path, "processes": args.processes, "gpus": args.gpus,
                    **summarize(raws, frame_ms),
                    "lengths_ok": all(c["lengths_ok"] for c in checks),
-                   "snr_db_min": min((c["snr_db_min"] for c in checks if c["snr_db_min"] is not None), default=None)}
+                   "snr_db_min": min((c["snr_db_min"] for c in checks if c["snr_db_min"] is not None), default=None),
+                   **host}
             results["rows"].append(row)
             print({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}, flush=True)
     for engine_process in engine_processes:

@@ -28,6 +28,7 @@ made with ``engine_thread=True`` (the batcher before 2026-11-28).
 from __future__ import annotations
 
 import argparse
+import ast
 import collections
 import json
 import os
@@ -47,20 +48,6 @@ import bench_serve  # noqa: E402
 from snac_fast import serving  # noqa: E402
 from snac_fast.streaming.engine import STEP, StreamEngine  # noqa: E402
 from snac_fast.streaming.step_graph import StepGraph  # noqa: E402
-
-PROBE = """
-import sys, time
-late, period, threshold = [], 0.001, 0.004
-end = time.perf_counter() + float(sys.argv[1])
-last = time.perf_counter()
-while last < end:
-    time.sleep(period)
-    now = time.perf_counter()
-    if now - last > threshold:
-        late.append((time.clock_gettime(time.CLOCK_MONOTONIC) - (now - last), (now - last) * 1e3))
-    last = now
-print(repr(late))
-"""
 
 
 def bare_cuda_loop(seconds: float, copy: bool = False, events: bool = False, churn: int = 0) -> dict:
@@ -427,7 +414,8 @@ def main() -> None:
     bench_serve.Recorder.record = record
     to_monotonic = time.monotonic() - time.perf_counter()
 
-    probe = subprocess.Popen([sys.executable, "-c", PROBE, str(cli.seconds + 3)], stdout=subprocess.PIPE, text=True)
+    probe = subprocess.Popen([sys.executable, "-c", bench_serve.HOST_PROBE, str(cli.seconds + 3)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
     in_process, samples, stop = [], [], threading.Event()
     # the thread that runs the engine calls: the event loop's (this one), or the batcher's own
     engine_thread = "snac-fast-batcher" if cli.engine_thread else "MainThread"
@@ -438,7 +426,7 @@ def main() -> None:
                                    pool, sample=set())
     steal1, switches1, vm1 = steal_ticks(), context_switches(), vmstat()
     stop.set()
-    outside = eval(probe.communicate()[0])  # noqa: S307 - our own probe's repr of a list of tuples
+    outside = ast.literal_eval(probe.communicate("")[0])  # stdin closed: the probe stops
 
     slow = [(scenario_start[0] + to_monotonic + t, ms) for t, ms in zip(raw["slow"][::2], raw["slow"][1::2])]
     # stalls: slow pushes whose start lies within 50 ms of the one before
