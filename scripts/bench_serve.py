@@ -288,9 +288,27 @@ def summarize(raws: list[dict], frame_ms: float) -> dict:
     }
 
 
+def cpu_list(text: str) -> set[int]:
+    """CPUs as taskset writes them: "0-1,4" -> {0, 1, 4}."""
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def pin_process(pid: int, cpus: set[int]) -> None:
+    """Every thread of a running process onto ``cpus`` (``taskset -a -p``)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
 def engine_front_end(args, address, streams, pace, index, ready, go, out) -> None:
     """A front-end process of the ``engine`` path: its share of the streams through one EngineClient."""
     from snac_fast.engine_process import EngineClient
+
+    if args.front_cpus:
+        os.sched_setaffinity(0, cpu_list(args.front_cpus))  # before any thread: they inherit it
 
     config = published_config(args.model)
     strides = config["vq_strides"]
@@ -412,6 +430,10 @@ def main() -> None:
     parser.add_argument("--cold-start", type=int, default=0, metavar="N",
                         help="first time codec.warmup(streams=N) in fresh processes (empty, then warm Triton cache)")
     parser.add_argument("--device", default="cuda", help="the engine process's device (the engine path)")
+    parser.add_argument("--engine-cpus", default="", metavar="CPUS",
+                        help="the engine path: pin the engine process (every thread) to these CPUs, e.g. 0-1")
+    parser.add_argument("--front-cpus", default="", metavar="CPUS",
+                        help="the engine path: pin the front-end processes to these CPUs, e.g. 2-15")
     parser.add_argument("--canary", action="store_true",
                         help="a process without torch beside each load, counting its 1 ms sleeps that woke over 4 ms late "
                              "(per second: a host-wide stall shows there too)")
@@ -452,6 +474,9 @@ def main() -> None:
                                           max_wait_ms=args.max_wait_ms)
                             for d in devices]
         results["engine_process_start_s"] = time.perf_counter() - t0
+        if args.engine_cpus:
+            for engine_process in engine_processes:
+                pin_process(engine_process._process.pid, cpu_list(args.engine_cpus))
         print(f"engine process up in {results['engine_process_start_s']:.1f} s", flush=True)
         if args.processes != 1 or paths == ["engine"]:  # the offline decodes the audio is checked against
             codec = FastSNAC.from_pretrained(f"synthetic:{args.model}", device=args.device)
@@ -530,7 +555,10 @@ def _markdown(r: dict) -> str:
     lines = [f"# Serving under load, {r['model']} ({env['device']}, {env['date']})\n",
              f"`python scripts/bench_serve.py {'--scenarios ' + a['scenarios'] if a['scenarios'] else '--streams %s --pace %s' % (a['streams'], a['pace'])} --paths {a['paths']} "
              f"--seconds {a['seconds']:g} --max-batch {a['max_batch']} --output {a['output']}"
-             f"{' --processes %d' % a['processes'] if a['processes'] > 1 else ''}{' --gpus %d' % a['gpus'] if a.get('gpus', 1) > 1 else ''}{' --gc-freeze' if a['gc_freeze'] else ''}{' --uvloop' if a['uvloop'] else ''}{' --switch-interval %g' % a['switch_interval'] if a.get('switch_interval') is not None else ''}{' --spin-gpu %g' % a['spin_gpu'] if a['spin_gpu'] else ''}{' --engine-event-loop' if a.get('engine_event_loop') else ''}{' --cold-start %d' % a['cold_start'] if a['cold_start'] else ''}`. "
+             f"{' --processes %d' % a['processes'] if a['processes'] > 1 else ''}{' --gpus %d' % a['gpus'] if a.get('gpus', 1) > 1 else ''}{' --gc-freeze' if a['gc_freeze'] else ''}{' --uvloop' if a['uvloop'] else ''}{' --switch-interval %g' % a['switch_interval'] if a.get('switch_interval') is not None else ''}{' --spin-gpu %g' % a['spin_gpu'] if a['spin_gpu'] else ''}{' --engine-event-loop' if a.get('engine_event_loop') else ''}"
+             f"{' --max-wait-ms %g' % a['max_wait_ms'] if a.get('max_wait_ms') else ''}{' --engine-cpus ' + a['engine_cpus'] if a.get('engine_cpus') else ''}"
+             f"{' --front-cpus ' + a['front_cpus'] if a.get('front_cpus') else ''}{' --canary' if a.get('canary') else ''}"
+             f"{' --cold-start %d' % a['cold_start'] if a['cold_start'] else ''}`. "
              f"Staggered streams, one frame per push, gc {'frozen after warm-up' if a['gc_freeze'] else 'on'}; "
              f"push-to-audio latency of the pushes that returned audio; late: over one frame ({r['frame_ms']:.1f} ms).\n"]
     if "warmup" in r:
