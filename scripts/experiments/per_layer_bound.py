@@ -97,7 +97,7 @@ def main() -> None:
     device = torch.device(args.device)
     codec = FastSNAC.from_pretrained(f"synthetic:{args.model}", device=device)  # fp16 on CUDA
     dtype = codec.dtype
-    engine = codec.stream_engine(max_streams=args.streams)
+    engine = codec.stream_engine(max_streams=args.streams, cuda_graphs=False)  # eager: every stage runs context_step
     inputs = stage_inputs(engine, codec, args.streams)
     stages = engine.geometry.stages
     assert len(inputs) == len(stages), (len(inputs), len(stages))
