@@ -117,7 +117,7 @@ def test_resume_after_a_crash_and_refuse_another_run(codec, corpus, tmp_path, mo
             raise RuntimeError("power cut")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(ds.encode, "launch_batches", crash_on_fourth)
+    monkeypatch.setattr(ds.local_engine, "launch_batches", crash_on_fourth)
     with pytest.raises(RuntimeError, match="power cut"):
         ds.encode_dataset(corpus, out, codec, files_per_shard=2, progress=False)
     # the shards whose clips were all launched before the failure are written (the writer thread
@@ -232,12 +232,12 @@ def test_local_engine_reads_while_the_model_loads(corpus, tmp_path, monkeypatch)
     checkpoint is looked up once (a hub lookup is a network round trip when online)."""
     import snac_fast.api
     import snac_fast.loading
-    from snac_fast.datasets import encode, readers
+    from snac_fast.datasets import local_engine, readers
 
     events = []
-    submit, load, resolve = readers._Readers.submit, encode._load, snac_fast.loading.resolve_checkpoint
+    submit, load, resolve = readers._Readers.submit, local_engine._load, snac_fast.loading.resolve_checkpoint
     monkeypatch.setattr(readers._Readers, "submit", lambda self, items: events.append("read") or submit(self, items))
-    monkeypatch.setattr(encode, "_load", lambda **options: events.append("load") or load(**options))
+    monkeypatch.setattr(local_engine, "_load", lambda **options: events.append("load") or load(**options))
     for module in (snac_fast.loading, snac_fast.api):
         monkeypatch.setattr(module, "resolve_checkpoint", lambda *a, **k: events.append("resolve") or resolve(*a, **k))
     options = dict(model=str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), device="cpu",

@@ -31,6 +31,7 @@ from bench_encode import write_corpus  # noqa: E402
 
 from snac_fast import FastSNAC, datasets  # noqa: E402
 from snac_fast.datasets import encode as E  # noqa: E402
+from snac_fast.datasets import local_engine as L  # noqa: E402
 from snac_fast.datasets import inputs as I  # noqa: E402
 from snac_fast.datasets import readers as R  # noqa: E402
 from snac_fast.synthetic import synthetic_model  # noqa: E402
@@ -71,10 +72,10 @@ def wrap(obj, name, label):
 
 wrap(E, "_start_reading", "start_reading")
 wrap(R._Readers, "collect", "collect")
-wrap(E, "write_shard", "write")
+wrap(L, "write_shard", "write")
 wrap(R._Readers, "__exit__", "readers_exit")
 wrap(R._Readers, "__init__", "readers_init")
-_orig_launch = E.launch_batches
+_orig_launch = L.launch_batches
 
 
 def timed_launch(codec, batches, graphs=None):
@@ -86,7 +87,7 @@ def timed_launch(codec, batches, graphs=None):
     return out
 
 
-E.launch_batches = timed_launch
+L.launch_batches = timed_launch
 
 
 def run(codec, folder, out, label):

@@ -29,7 +29,8 @@ named by id) or Parquet shards with an ``audio`` column, skipping rows with an e
 
 Modules: ``inputs`` (what a run reads), ``readers`` (reader processes), ``batching`` (clips to
 batches and codes back), ``shards`` (Parquet shards and the run's record), ``encode`` and
-``decode`` (the two runs), ``ray_engine`` (encode through Ray Data), ``runs`` (what both share).
+``decode`` (the two runs), ``local_engine`` (one codec's shard loop), ``ray_engine`` (the same loop
+in Ray Data actors), ``runs`` (what both share).
 """
 
 from snac_fast.datasets.batching import (
@@ -43,12 +44,9 @@ from snac_fast.datasets.batching import (
     padded_length,
 )
 from snac_fast.datasets.decode import decode_dataset
-from snac_fast.datasets.encode import (
-    encode_back_to_back,
-    encode_dataset,
-    write_shard,
-)
+from snac_fast.datasets.encode import encode_back_to_back, encode_dataset
 from snac_fast.datasets.inputs import AudioInput, Clip, list_inputs, read_clip
+from snac_fast.datasets.local_engine import write_shard
 from snac_fast.datasets.shards import read_shards, shard_name, shard_table
 
 __all__ = [

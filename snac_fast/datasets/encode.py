@@ -1,42 +1,24 @@
-"""encode_dataset: shards encoded back to back on one codec (or through Ray)."""
+"""encode_dataset: shards encoded back to back on one codec (:mod:`.local_engine`) or through Ray
+(:mod:`.ray_engine`)."""
 
 from __future__ import annotations
 
 import hashlib
 import os
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator, Sequence
 
 import numpy as np
-import torch
 
 from snac_fast.configs import DEFAULT_MODEL
-from snac_fast.datasets.batching import (
-    Batch,
-    BatchQueues,
-    Launched,
-    PendingShard,
-    _batch_dtype,
-    _batch_dtype_of,
-    batch_audio,
-    corpus_graphs,
-    finish_clips,
-    launch_batches,
-    launched_codes,
-    launched_one_ahead,
-)
+from snac_fast.datasets.batching import _batch_dtype, _batch_dtype_of, batch_audio, finish_clips, launched_one_ahead
 from snac_fast.datasets.inputs import Clip, list_inputs
-from snac_fast.datasets.readers import READ_AHEAD, _Readers
-from snac_fast.datasets.runs import _checkpoint, _load, _model_name, _progress
-from snac_fast.datasets.shards import (
-    _check_run,
-    _require_pyarrow,
-    _write_atomically,
-    shard_name,
-    shard_table,
-)
+from snac_fast.datasets.local_engine import _encode_here, _load_batching_in, _start_reading
+from snac_fast.datasets.ray_engine import _encode_with_ray
+from snac_fast.datasets.readers import _Readers
+from snac_fast.datasets.runs import _checkpoint, _model_name
+from snac_fast.datasets.shards import _check_run, _require_pyarrow, shard_name
 
 
 def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
@@ -85,8 +67,6 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     start = time.perf_counter()
     settings = {"out": str(out), "pad_seconds": pad_seconds, "batch_seconds": batch_seconds}
     if engine == "ray":
-        from snac_fast.datasets.ray_engine import _encode_with_ray  # here: it imports this module
-
         done = _encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor, progress)
     elif todo:
         rate = codec.sampling_rate if codec is not None else int(checkpoint.config["sampling_rate"])
@@ -105,14 +85,6 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
             "wall_seconds": time.perf_counter() - start, "per_shard": done}
 
 
-def write_shard(codec, clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], index: int, settings: dict) -> dict:
-    """Write one shard's file; returns what it held (audio seconds, errors)."""
-    table = shard_table(clips, codes, _model_name(codec), codec.n_levels)
-    _write_atomically(table, Path(settings["out"]) / shard_name(index))
-    return {"shard": index, "audio_seconds": sum(c.duration or 0.0 for c in clips),
-            "errors": sum(c.error is not None for c in clips), "finished_at": time.time()}
-
-
 def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_seconds: float,
                         batch_seconds: float) -> Iterator[tuple[int, list[Clip], list[list[np.ndarray] | None]]]:
     """(index, clips, codes) of each (index, clips) shard, in order: each shard's batches are queued
@@ -121,76 +93,3 @@ def encode_back_to_back(codec, shards: Iterable[tuple[int, list[Clip]]], pad_sec
     rounds = (((index, clips), batch_audio(codec, clips, pad_seconds, batch_seconds)) for index, clips in shards)
     for (index, clips), launched in launched_one_ahead(codec, rounds):
         yield index, clips, finish_clips(codec, clips, launched)
-
-
-def _load_batching_in(load: dict, dtype: torch.dtype):
-    """``_load(**load)``, checked to build its batches in ``dtype``, the dtype its readers were
-    started with (:func:`_batch_dtype_of` must agree with what ``from_pretrained`` made)."""
-    codec = _load(**load)
-    if _batch_dtype(codec) != dtype:  # the readers' samples would be converted again, or rounded differently
-        raise RuntimeError(f"the readers made {dtype} samples, the codec batches {_batch_dtype(codec)}")
-    return codec
-
-
-def _start_reading(readers: _Readers, shards, todo) -> dict[int, list[Future]]:
-    """The reads of the first ``READ_AHEAD`` shards to do, submitted (by position in ``todo``)."""
-    return {k: readers.submit(shards[todo[k]]) for k in range(min(READ_AHEAD, len(todo)))}
-
-
-def _encode_here(shards, todo, codec, settings, readers: _Readers, progress, start,
-                 reads: dict[int, list[Future]] | None = None) -> list[dict]:
-    """The local engine (the Ray engine's actors run it too). This thread only launches encodes; one
-    helper thread collects each shard's audio from ``readers`` (reading ``READ_AHEAD`` shards ahead) and queues its
-    clips for batches across shards (:class:`BatchQueues`: the batches of a length have one shape and
-    replay a CUDA graph), another fetches the codes and writes each shard once all its clips are
-    back. With all of that in it, the launching thread was the bottleneck (docs/datasets.md).
-    ``reads``: the first shards' reads if already submitted (:func:`_start_reading`)."""
-    done: list[dict] = []
-    queues = BatchQueues(codec, settings["pad_seconds"], settings["batch_seconds"])
-    graphs = corpus_graphs(codec)
-    open_shards: list[PendingShard] = []  # the writer thread's: shards with codes still out
-    with _progress(sum(len(shards[n]) for n in todo), progress) as bar, \
-            ThreadPoolExecutor(1, "snac-fast-batches") as batcher, ThreadPoolExecutor(1, "snac-fast-writer") as writer:
-        reads = reads if reads is not None else _start_reading(readers, shards, todo)
-
-        def read(k: int) -> None:
-            if k < len(todo):
-                reads[k] = readers.submit(shards[todo[k]])
-
-        def prepare(k: int) -> tuple[PendingShard, list[Batch]]:
-            shard = PendingShard.of(todo[k], readers.collect(shards[todo[k]], reads.pop(k)))
-            read(k + READ_AHEAD)  # the readers never wait for this thread
-            if k == len(todo) - 1:
-                readers.release()
-            batches = queues.add(shard)
-            return shard, batches + (queues.drain() if k == len(todo) - 1 else [])
-
-        def finish(shard: PendingShard, launched: Launched) -> list[dict]:
-            open_shards.append(shard)  # before any of its codes: they come in this round or later
-            for (owner, i), codes in launched_codes(codec, launched):
-                owner.codes[i] = codes
-                owner.pending -= 1
-            complete = [s for s in open_shards if not s.pending]
-            open_shards[:] = [s for s in open_shards if s.pending]
-            return [write_shard(codec, s.clips, s.codes, s.index, settings) for s in complete]
-
-        def written(future: Future) -> None:
-            for shard in future.result():
-                done.append(shard)
-                bar.update(len(shards[shard["shard"]]))
-            hours = sum(d["audio_seconds"] for d in done) / 3600
-            bar.set_postfix_str(f"{hours / (time.perf_counter() - start):.4f} h audio/s")
-
-        if todo:
-            prepared = batcher.submit(prepare, 0)
-        writes: list[Future] = []
-        for k in range(len(todo)):
-            shard, batches = prepared.result()
-            if k + 1 < len(todo):
-                prepared = batcher.submit(prepare, k + 1)
-            writes.append(writer.submit(finish, shard, launch_batches(codec, batches, graphs)))
-            while len(writes) > 1 or (writes and writes[0].done()):  # at most two rounds in flight
-                written(writes.pop(0))
-        for future in writes:
-            written(future)
-    return done

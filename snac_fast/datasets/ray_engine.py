@@ -21,14 +21,14 @@ from typing import Iterator, NamedTuple
 import torch
 
 from snac_fast.datasets.batching import _batch_dtype_of
-from snac_fast.datasets.encode import _encode_here, _load_batching_in
+from snac_fast.datasets.local_engine import _encode_here, _load_batching_in
 from snac_fast.datasets.readers import _Readers
 from snac_fast.datasets.runs import _checkpoint, _progress
 from snac_fast.datasets.shards import shard_name
 
 
 class _EncodeShare:
-    """A Ray actor, one per GPU: the local engine (``encode._encode_here``) over the shards it is
+    """A Ray actor, one per GPU: the local engine (``local_engine._encode_here``) over the shards it is
     handed. Its reader processes are forked before the model loads: a process without a CUDA
     context forks several times faster."""
 
