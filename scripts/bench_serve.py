@@ -119,15 +119,18 @@ print(repr(late))
 
 
 class HostCanary:
-    """``--canary``: :data:`HOST_PROBE` running beside one load; :meth:`summary` bins its late
-    wake-ups by second since the load's start (as ``slow_per_s`` bins the slow pushes)."""
+    """``--canary``: :data:`HOST_PROBE` running beside one load (started when the load starts);
+    :meth:`summary` stops it and bins its late wake-ups by second since then (as ``slow_per_s``
+    bins the slow pushes). Without ``--canary`` nothing runs and the summary is empty."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, args) -> None:
         self.start = time.monotonic()
-        self.process = subprocess.Popen([sys.executable, "-c", HOST_PROBE, str(seconds)], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True)
+        self.process = subprocess.Popen([sys.executable, "-c", HOST_PROBE, str(3 * args.seconds + 60)],
+                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True) if args.canary else None
 
     def summary(self) -> dict:
+        if self.process is None:
+            return {}
         late = ast.literal_eval(self.process.communicate("")[0])  # stdin closed: the probe stops
         at = np.asarray([t - self.start for t, _ in late], dtype=np.float64).clip(0).astype(np.int64)
         return {"canary_late_wakeups": len(late), "canary_worst_ms": max((ms for _, ms in late), default=0.0),
@@ -279,10 +282,10 @@ def summarize(raws: list[dict], frame_ms: float) -> dict:
         "gc_full": sum(r["gc_full"] for r in raws), "gc_max_pause_ms": max(r["gc_max_pause_ms"] for r in raws),
         "pushes_over_20ms": sum(len(r["slow"]) // 2 for r in raws),
         "graphs_captured_during_load": sorted({g for r in raws for g in r["graphs_captured"]}),
-        # when the slow pushes started (s into the run) and the slowest there: where to look
         # pushes over 20 ms in each second of the run: spread out (queueing) or in bursts (stalls)
         "slow_per_s": np.bincount(np.concatenate([np.asarray(r["slow"][::2], dtype=np.float64) for r in raws]).clip(0).astype(np.int64)
                                   ).tolist() if any(r["slow"] for r in raws) else [],
+        # when the slow pushes started (s into the run) and the slowest there: where to look
         "slow_at_s": sorted({(round(t, 1), round(ms)) for r in raws for t, ms in zip(r["slow"][::2], r["slow"][1::2])},
                             key=lambda x: -x[1])[:8],
     }
@@ -483,7 +486,6 @@ def main() -> None:
             engine = codec.stream_engine(max_streams=1)
     for streams, pace in scenarios:
         for path in paths:
-            host = {}  # the canary's figures (--canary)
             if path == "engine":
                 ctx = mp.get_context("spawn")
                 ready, out, go = ctx.Queue(), ctx.Queue(), ctx.Event()
@@ -495,10 +497,10 @@ def main() -> None:
                     p.start()
                 for _ in procs:
                     ready.get()
-                canary = HostCanary(3 * args.seconds + 60) if args.canary else None
+                canary = HostCanary(args)
                 go.set()
                 raws = [out.get() for _ in procs]
-                host = canary.summary() if canary else {}
+                host = canary.summary()
                 for p in procs:
                     p.join()
                 pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
@@ -508,9 +510,9 @@ def main() -> None:
             elif args.processes == 1:
                 pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
                 sample = set(range(0, streams, max(1, streams // args.sample)))
-                canary = HostCanary(3 * args.seconds + 60) if args.canary else None
+                canary = HostCanary(args)
                 raw = run_scenario(codec, engine, args, streams, pace, path, pool, sample)
-                host = canary.summary() if canary else {}
+                host = canary.summary()
                 checks = [check_audio(codec, engine, pool, raw, streams, args.output)]
                 raws = [raw]
             else:
@@ -522,10 +524,10 @@ def main() -> None:
                 for p in procs:
                     p.start()
                 warms = [ready.get() for _ in procs]
-                canary = HostCanary(3 * args.seconds + 60) if args.canary else None
+                canary = HostCanary(args)
                 go.set()
                 raws = [out.get() for _ in procs]
-                host = canary.summary() if canary else {}
+                host = canary.summary()
                 for p in procs:
                     p.join()
                 checks = [r.pop("check") for r in raws]

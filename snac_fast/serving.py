@@ -245,11 +245,11 @@ class _Batcher:
                     self._sleep(self.idle_timeout / 4 if self.idle_timeout else None)
                     if self.idle_timeout and time.monotonic() >= next_sweep:
                         break
-                if self.max_wait and self._pending and self._pushes(self._pending) + self._pushes(carried) < self.max_batch:
+                if self.max_wait and self._pending and self._batch_unfilled(carried):
                     if in_flight is not None:
                         in_flight = self._timed(self._land, in_flight)
                     deadline = self._pending[0].queued_at + self.max_wait
-                    while not self._stopping and self._pushes(self._pending) + self._pushes(carried) < self.max_batch:
+                    while not self._stopping and self._batch_unfilled(carried):
                         left = deadline - time.monotonic()
                         if left <= 0:
                             break
@@ -268,7 +268,8 @@ class _Batcher:
                 elif in_flight is not None:
                     in_flight = self._timed(self._land, in_flight)
             except Exception as error:  # noqa: BLE001 - a bug of ours: fail what waits rather than hang every stream
-                lost = carried + taken + (list(in_flight[1]) + list(in_flight[0] or []) if in_flight is not None else [])
+                # the call in flight: its round's requests (which hold its own), else its chunk's
+                lost = carried + taken + ([] if in_flight is None else list(in_flight[0] or in_flight[1]))
                 carried, taken, in_flight = [], [], None
                 self._fail_all(error, lost)
 
@@ -277,6 +278,10 @@ class _Batcher:
         """Pushes in ``queued`` (the engine process's items are blocks of pushes; the reader thread
         may append to a deque meanwhile)."""
         return len(queued)
+
+    def _batch_unfilled(self, carried: list) -> bool:
+        """Fewer pushes pending and carried than one call takes (``max_wait_ms`` waits for more)."""
+        return self._pushes(self._pending) + self._pushes(carried) < self.max_batch
 
     def _split_round(self, batch: list) -> tuple[list, list]:
         """(what runs this round, what waits for the next): a stream's later requests wait for its
@@ -496,8 +501,7 @@ class _Batcher:
         Returns whether calls were formed."""
         while self._pending or self._carried:
             pending = len(self._pending)
-            if (self.max_wait and pending and not self._stopping
-                    and self._pushes(self._pending) + self._pushes(self._carried) < self.max_batch):
+            if self.max_wait and pending and not self._stopping and self._batch_unfilled(self._carried):
                 left = self._pending[0].queued_at + self.max_wait - time.monotonic()
                 if left > 0:
                     if self._wait_timer is None:
