@@ -19,6 +19,7 @@ from snac_fast.orpheus import CUSTOM_TOKEN_ID, TokenLayout
 ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
 CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
 END_OF_SPEECH = 128258
+KEEPALIVE_S = 4.0  # how long an idle LM connection stays pooled (LMClient._client)
 
 class LMSettings(Protocol):
     """What the client reads of its server's settings (:class:`snac_fast.server.ServeConfig`)."""
@@ -60,7 +61,9 @@ class LMClient:
             # one connection per stream: a smaller pool would queue the streams past it behind whole
             # answers. One timeout for connecting too: a loaded host's event loop can take seconds to
             # see a local connect complete (CI timed out 1 of 32 at 5 s); a dead LM refuses at once
-            connector = aiohttp.TCPConnector(limit=self.config.max_streams + 8)
+            # keepalive_timeout under the 5 s that uvicorn-served LMs (vLLM, SGLang) keep an idle
+            # connection: a pooled connection is dropped here before the LM closes it
+            connector = aiohttp.TCPConnector(limit=self.config.max_streams + 8, keepalive_timeout=KEEPALIVE_S)
             timeout = aiohttp.ClientTimeout(total=None, connect=self.config.lm_timeout_s,
                                             sock_read=self.config.lm_timeout_s)
             # trust_env: HTTP(S)_PROXY and NO_PROXY apply, as for any HTTP client a user configures
@@ -77,15 +80,26 @@ class LMClient:
                 "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
                 "top_p": self.config.top_p, "repetition_penalty": self.config.repetition_penalty, "stream": True}
         url = self.config.lm_url.rstrip("/") + "/completions"
-        try:
-            async with self._client().post(url, json=body) as response:
-                if response.status != 200:
-                    detail = (await response.read()).decode(errors="replace")[:200]
-                    raise LMOutputError(f"the language model at {url} answered {response.status}: {detail}")
-                async for ids in _ids_of_events(_sse_data(response.content.iter_any()), self.config.layout.offset):
-                    yield ids
-        except (self._aiohttp.ClientError, asyncio.TimeoutError) as e:
-            raise LMOutputError(f"the language model at {url} failed: {type(e).__name__}: {e}") from None
+        aiohttp = self._aiohttp
+        for attempt in range(2):
+            answered = False
+            try:
+                async with self._client().post(url, json=body) as response:
+                    answered = True
+                    if response.status != 200:
+                        detail = (await response.read()).decode(errors="replace")[:200]
+                        raise LMOutputError(f"the language model at {url} answered {response.status}: {detail}")
+                    async for ids in _ids_of_events(_sse_data(response.content.iter_any()), self.config.layout.offset):
+                        yield ids
+                return
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                # a pooled connection the LM closed as the request went out (its keep-alive ended, or
+                # a busy loop saw the close late): nothing was answered, so once more on a new one
+                stale = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
+                    not isinstance(e, aiohttp.ClientConnectorError)
+                if stale and not answered and attempt == 0:
+                    continue
+                raise LMOutputError(f"the language model at {url} failed: {type(e).__name__}: {e}") from None
 
     async def warm_up(self) -> None:
         """Before the first request: the session made, and one completions event parsed (JSON, the

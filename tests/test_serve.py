@@ -20,9 +20,9 @@ import uvicorn
 from helpers import NARROW, random_codes
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
-from snac_fast.orpheus import ORPHEUS
+from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS
 from snac_fast.fake_lm import FakeLM
-from snac_fast.lm_client import ORPHEUS_PROMPT, LMClient
+from snac_fast.lm_client import ORPHEUS_PROMPT, LMClient, LMOutputError
 from snac_fast.server import ServeConfig, create_app
 from snac_fast.synthetic import synthetic_model
 
@@ -103,7 +103,8 @@ def test_speech_streams_exact_audio_to_32_concurrent_clients(codec):
         assert slots_freed(state) and state.batcher.batches < sum(5 + i % 2 for i in range(32))
     for i, (text, c) in enumerate(codes.items()):
         status, headers, data = results[i]
-        assert status == 200 and headers["content-type"] == "audio/pcm" and headers["x-sample-rate"] == str(RATE)
+        assert status == 200, (text, status, data[:400])
+        assert headers["content-type"] == "audio/pcm" and headers["x-sample-rate"] == str(RATE)
         got = torch.from_numpy(np.frombuffer(data, "<f4").copy())
         want = expected(codec, c, i)
         assert got.shape == want.shape, text
@@ -319,6 +320,59 @@ def test_lm_client_streams_as_many_requests_at_once_as_the_server_has_streams():
             await client.aclose()
             return reached
         assert asyncio.run(run()) == streams
+
+
+def test_lm_client_retries_a_pooled_connection_the_lm_closed_but_not_a_cut_answer():
+    """An LM that closes a kept-alive connection as the next request arrives on it (uvicorn's 5 s
+    keep-alive against a busy loop): the request goes again on a new connection, once. An answer
+    cut after it began is not asked again: its ids were already given out."""
+    event = b'data: {"choices": [{"text": "<custom_token_20>"}]}\n\n'
+    connections, requests, answered = [], [], []
+
+    async def run() -> list:
+        async def handle(reader, writer):
+            connections.append(writer)
+            served = 0
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except asyncio.IncompleteReadError:
+                    return
+                length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                              if line.lower().startswith(b"content-length"))
+                prompt = json.loads(await reader.readexactly(length))["prompt"]
+                requests.append(prompt)
+                if served:  # the second request on a connection: closed unanswered
+                    writer.close()
+                    return
+                served += 1
+                answered.append(prompt)
+                cut = "cut" in prompt
+                body = event + (b"" if cut else b"data: [DONE]\n\n")
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: %d\r\n\r\n"
+                             % (len(body) + 100 * cut) + body)  # cut: fewer bytes than announced, then closed
+                await writer.drain()
+                if cut:
+                    writer.close()
+                    return
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = LMClient(ServeConfig(lm_url=f"http://127.0.0.1:{port}/v1"))
+        got = []
+        for i in range(3):
+            got.append([ids async for ids in client.ids(f"line {i}", "tara", None)])
+        with pytest.raises(LMOutputError, match="failed"):
+            [ids async for ids in client.ids("cut", "tara", None)]
+        await client.aclose()
+        server.close()
+        return got
+
+    assert asyncio.run(run()) == [[[CUSTOM_TOKEN_ID + 20]]] * 3
+    # every request after the first went first on a kept-alive connection (closed unanswered), then
+    # on a new one; the cut answer was not asked for again
+    assert len(requests) == 7 and len(connections) == 4
+    assert len(answered) == 4 and sum("cut" in p for p in answered) == 1
 
 
 def test_an_unreachable_lm_is_a_clear_502(codec):
