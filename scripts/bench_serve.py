@@ -369,7 +369,8 @@ def worker_process(args, streams, pace, path, index, ready, go, out) -> None:
     os.environ["CUDA_VISIBLE_DEVICES"] = visible[index % args.gpus]  # before CUDA starts in this process
     if args.switch_interval is not None:  # a spawned process starts with the default
         sys.setswitchinterval(args.switch_interval / 1e3)
-    codec, engine, warm = build(args, torch.device("cuda"))
+    # one GPU visible: its cuda:0 (the --device of a CPU smoke run stays the CPU)
+    codec, engine, warm = build(args, torch.device("cpu" if args.device == "cpu" else "cuda"))
     pool = make_pool(codec.config, int(args.seconds * pace * 12) + 8)
     ready.put(warm)
     go.wait()
@@ -432,7 +433,7 @@ def main() -> None:
     parser.add_argument("--sample", type=int, default=4, help="streams whose audio is checked against offline decodes")
     parser.add_argument("--cold-start", type=int, default=0, metavar="N",
                         help="first time codec.warmup(streams=N) in fresh processes (empty, then warm Triton cache)")
-    parser.add_argument("--device", default="cuda", help="the engine process's device (the engine path)")
+    parser.add_argument("--device", default="cuda", help="where the engines run (cuda, or cpu for a smoke run): the engine path's engine process, the other paths' workers")
     parser.add_argument("--engine-cpus", default="", metavar="CPUS",
                         help="the engine path: pin the engine process (every thread) to these CPUs, e.g. 0-1")
     parser.add_argument("--front-cpus", default="", metavar="CPUS",
@@ -548,6 +549,8 @@ def main() -> None:
 
 
 def _device_tag() -> str:
+    if not torch.cuda.is_available():
+        return "cpu"
     name = torch.cuda.get_device_name(0)
     return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
 

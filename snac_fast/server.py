@@ -333,6 +333,7 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
         except StopAsyncIteration:
             first = b""
         except LMOutputError as e:
+            log.warning("speech request failed before its first audio: %s", e)
             server.metrics.requests.labels("speech", "lm_error").inc()
             return error(502, str(e), "lm_output_error")
         media = "audio/wav" if response_format == "wav" else "audio/pcm"
