@@ -142,6 +142,12 @@ def _add_serve_parser(sub, fmt) -> None:
                         "(--max-streams is then the engine's, for all workers)")
     p.add_argument("--max-streams", type=int, default=256, help="concurrent streams per worker (per engine)")
     p.add_argument("--max-batch", type=int, default=256, help="streams per engine call")
+    p.add_argument("--max-wait-ms", type=float, default=0.0,
+                   help="an engine call waits up to this long after its first push for --max-batch pushes: fuller, "
+                        "fewer calls (default 0: whatever is pending when the engine is free; docs/serving.md)")
+    p.add_argument("--engine-event-loop", action="store_true",
+                   help="with --shared-engine: the engine process reads, decodes and answers on one asyncio event "
+                        "loop instead of threads (docs/serving.md)")
     p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle stream is released")
     p.add_argument("--voice", default="tara", help="voice when a request names none")
     p.add_argument("--engine-thread", action="store_true",
@@ -177,14 +183,19 @@ def cmd_serve(args: argparse.Namespace) -> None:
 
     if args.max_streams < 1 or args.max_batch < 1 or args.workers < 1 or args.idle_timeout <= 0:
         raise UsageError("--max-streams, --max-batch and --workers must be >= 1, --idle-timeout > 0")
+    if args.max_wait_ms < 0:
+        raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms:g}")
+    if args.engine_event_loop and not args.shared_engine:
+        raise UsageError("--engine-event-loop is a setting of the shared engine process: add --shared-engine")
     if args.lm_url is not None and not args.lm_url.startswith(("http://", "https://")):
         raise UsageError(f"--lm-url must be an http(s) URL, got {args.lm_url!r}")
     serve({"model": args.model or DEFAULT_MODEL, "device": args.device, "dtype": args.dtype,
            "local_files_only": args.local_files_only, "lm_url": args.lm_url, "lm_model": args.lm_model,
            "max_streams": args.max_streams, "max_batch": args.max_batch, "idle_timeout_s": args.idle_timeout,
-           "voice": args.voice, "lookahead": _lookahead(args.lookahead), "engine_thread": args.engine_thread},
-          host=args.host, port=args.port,
-          workers=args.workers, shared_engine=args.shared_engine)
+           "voice": args.voice, "lookahead": _lookahead(args.lookahead), "engine_thread": args.engine_thread,
+           "max_wait_ms": args.max_wait_ms},
+          host=args.host, port=args.port, workers=args.workers, shared_engine=args.shared_engine,
+          engine_event_loop=args.engine_event_loop)
 
 
 def _int_list(text: str, name: str) -> list[int]:

@@ -58,6 +58,7 @@ class ServeConfig:
     lm_timeout_s: float = 60.0
     lookahead: int | str | None = None  # the streams' (StreamEngine): None exact, samples or "fp16"
     engine_thread: bool = False  # the batcher's engine calls on a thread of their own, not the event loop
+    max_wait_ms: float = 0.0  # an engine call waits up to this long after its first push for max_batch pushes
 
 
 class _Metrics:
@@ -183,7 +184,8 @@ class SpeechServer:
             self.engine = codec.shared_stream_engine(config.lookahead, max_streams=config.max_streams)
             self.device, self.max_streams = str(codec.device), self.engine.max_streams
             self.rate, samples_per_frame = int(codec.config["sampling_rate"]), self.engine.samples_per_frame
-            self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, layout=config.layout,
+            self.batcher = AsyncStreamBatcher(self.engine, max_batch=config.max_batch, max_wait_ms=config.max_wait_ms,
+                                              layout=config.layout,
                                               output="float32", idle_timeout_s=config.idle_timeout_s,
                                               engine_thread=config.engine_thread)
         self.frame_seconds = samples_per_frame / self.rate
@@ -550,12 +552,13 @@ def app_from_environment():
 
 
 def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: int = 1,
-          shared_engine: bool = False) -> None:
+          shared_engine: bool = False, engine_event_loop: bool = False) -> None:
     """Run the server with uvicorn: ``settings`` are :class:`ServeConfig`'s fields plus ``model``,
     ``device``, ``dtype`` and ``local_files_only``. Without a ``device``, ``workers`` processes on a
     host of several GPUs take them in turn (:func:`worker_device`). ``shared_engine``: one engine
     process (on ``device``) that all ``workers`` feed, so every connection shares one batch
-    (docs/serving.md, "One engine process, fed by front-ends")."""
+    (docs/serving.md, "One engine process, fed by front-ends"), run on one event loop instead of
+    threads with ``engine_event_loop``."""
     import os
     import shutil
     import tempfile
@@ -570,7 +573,8 @@ def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: in
         engine = EngineProcess(settings["model"], device=settings.get("device"), dtype=settings.get("dtype"),
                                max_streams=config.max_streams, max_batch=config.max_batch, lookahead=config.lookahead,
                                output="float32", idle_timeout_s=config.idle_timeout_s,
-                               local_files_only=settings.get("local_files_only", False))
+                               local_files_only=settings.get("local_files_only", False),
+                               event_loop=engine_event_loop, max_wait_ms=config.max_wait_ms)
         settings = {**settings, "engine": {"address": engine.address, "info": engine.info}}
     os.environ[ENVIRONMENT] = json.dumps(settings)
     os.environ[CLAIMS] = claims = tempfile.mkdtemp(prefix="snac-fast-serve-")

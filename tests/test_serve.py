@@ -7,6 +7,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import os
 import socket
 import threading
 import time
@@ -192,15 +193,16 @@ def test_bad_requests_backpressure_and_disconnects(codec):
         asyncio.run(main())
 
 
-@pytest.mark.parametrize("engine_thread", [False, True])
-def test_websocket_ids_in_pcm_out(codec, engine_thread):
-    """Also the server's batcher both ways: engine calls on uvicorn's loop (default), or a thread."""
+@pytest.mark.parametrize("engine_thread, max_wait_ms", [(False, 0.0), (True, 3.0)])
+def test_websocket_ids_in_pcm_out(codec, engine_thread, max_wait_ms):
+    """Also the server's batcher both ways: engine calls on uvicorn's loop (default), or a thread
+    (with --max-wait-ms)."""
     from websockets.asyncio.client import connect
 
     c = random_codes(codec.config, 9, seed=900)
     ids = ORPHEUS.codes_to_ids(c).tolist()
-    with serving(codec, engine_thread=engine_thread) as (server, lm, state):
-        assert (state.batcher._worker is not None) == engine_thread
+    with serving(codec, engine_thread=engine_thread, max_wait_ms=max_wait_ms) as (server, lm, state):
+        assert (state.batcher._worker is not None) == engine_thread and state.batcher.max_wait == max_wait_ms / 1e3
         async def main():
             ws_url = server.url.replace("http", "ws") + "/v1/audio/stream?seed=4&sample_format=f32"
             pieces, errors = [], []
@@ -294,6 +296,38 @@ def test_serve_cli_refuses_bad_arguments(capsys):
     assert "--lookahead must be" in capsys.readouterr().err
     assert main(["serve", "--lm-url", "localhost:8000"]) == 2
     assert "--lm-url must be an http(s) URL" in capsys.readouterr().err
+    assert main(["serve", "--max-wait-ms", "-1"]) == 2
+    assert "--max-wait-ms must be >= 0" in capsys.readouterr().err
+    assert main(["serve", "--engine-event-loop"]) == 2
+    assert "add --shared-engine" in capsys.readouterr().err
+
+
+def test_serve_cli_hands_the_engine_process_its_form_and_wait(monkeypatch):
+    """`serve --shared-engine --engine-event-loop --max-wait-ms 4`: the engine process is started
+    on one event loop with the wait, and every worker's settings carry it."""
+    import uvicorn
+
+    import snac_fast.engine_process
+    from snac_fast.cli import main
+    from snac_fast.server import CLAIMS, ENVIRONMENT
+
+    started, ran = [], []
+
+    class Engine:
+        address, info = "/tmp/nowhere.sock", {}
+
+        def __init__(self, model, **options):
+            started.append(options)
+
+        def close(self):
+            pass
+    monkeypatch.setattr(snac_fast.engine_process, "EngineProcess", Engine)
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: ran.append(json.loads(os.environ[ENVIRONMENT])))
+    monkeypatch.setenv(ENVIRONMENT, "{}")  # serve() sets both: restored after the test
+    monkeypatch.setenv(CLAIMS, "")
+    assert main(["serve", "--shared-engine", "--engine-event-loop", "--max-wait-ms", "4", "--workers", "2"]) == 0
+    assert started[0]["event_loop"] is True and started[0]["max_wait_ms"] == 4.0
+    assert ran[0]["max_wait_ms"] == 4.0 and ran[0]["engine"]["address"] == Engine.address
 
 
 def test_lm_client_streams_as_many_requests_at_once_as_the_server_has_streams():
