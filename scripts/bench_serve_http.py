@@ -196,6 +196,8 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--shared-engine", action="store_true", help="the workers feed one engine process (serve --shared-engine)")
     parser.add_argument("--engine-thread", action="store_true", help="serve --engine-thread: engine calls on a thread, not the event loop")
+    parser.add_argument("--engine-event-loop", action="store_true", help="with --shared-engine: its process on one event loop")
+    parser.add_argument("--max-wait-ms", type=float, default=0.0, help="serve --max-wait-ms: an engine call's wait for fuller calls")
     parser.add_argument("--max-streams", type=int, default=1024, help="per worker")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--device", default=None)
@@ -228,6 +230,10 @@ def main() -> None:
         serve += ["--shared-engine"]
     if args.engine_thread:
         serve += ["--engine-thread"]
+    if args.engine_event_loop:
+        serve += ["--engine-event-loop"]
+    if args.max_wait_ms:
+        serve += ["--max-wait-ms", f"{args.max_wait_ms:g}"]
     server = start(serve, f"http://127.0.0.1:{port}/health", logs / "server.log")
     print(f"server up in {time.monotonic() - t0:.1f} s; logs in {logs}", flush=True)
     results = {"args": vars(args), "server_start_s": time.monotonic() - t0, "rows": []}
