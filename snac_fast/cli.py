@@ -171,7 +171,7 @@ def _lookahead(text: str) -> int | str | None:
     return value
 
 
-def cmd_serve(args: argparse.Namespace) -> None:
+def cmd_serve(args: argparse.Namespace) -> int:
     try:
         import aiohttp  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -179,6 +179,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UsageError(f"serve needs its extra: pip install 'snac-fast[serve]' ({e})") from None
+    from snac_fast.engine_process import EngineLostError
     from snac_fast.server import serve
 
     if args.max_streams < 1 or args.max_batch < 1 or args.workers < 1 or args.idle_timeout <= 0:
@@ -189,13 +190,18 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise UsageError("--engine-event-loop is a setting of the shared engine process: add --shared-engine")
     if args.lm_url is not None and not args.lm_url.startswith(("http://", "https://")):
         raise UsageError(f"--lm-url must be an http(s) URL, got {args.lm_url!r}")
-    serve({"model": args.model or DEFAULT_MODEL, "device": args.device, "dtype": args.dtype,
-           "local_files_only": args.local_files_only, "lm_url": args.lm_url, "lm_model": args.lm_model,
-           "max_streams": args.max_streams, "max_batch": args.max_batch, "idle_timeout_s": args.idle_timeout,
-           "voice": args.voice, "lookahead": _lookahead(args.lookahead), "engine_thread": args.engine_thread,
-           "max_wait_ms": args.max_wait_ms},
-          host=args.host, port=args.port, workers=args.workers, shared_engine=args.shared_engine,
-          engine_event_loop=args.engine_event_loop)
+    settings = {"model": args.model or DEFAULT_MODEL, "device": args.device, "dtype": args.dtype,
+                "local_files_only": args.local_files_only, "lm_url": args.lm_url, "lm_model": args.lm_model,
+                "max_streams": args.max_streams, "max_batch": args.max_batch, "idle_timeout_s": args.idle_timeout,
+                "voice": args.voice, "lookahead": _lookahead(args.lookahead), "engine_thread": args.engine_thread,
+                "max_wait_ms": args.max_wait_ms}
+    try:
+        serve(settings, host=args.host, port=args.port, workers=args.workers, shared_engine=args.shared_engine,
+              engine_event_loop=args.engine_event_loop)
+    except EngineLostError as e:  # logged as it happened; the status tells a supervisor to restart
+        print(f"snac-fast serve: error: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _int_list(text: str, name: str) -> list[int]:

@@ -63,6 +63,11 @@ _PCM_TYPES = (np.dtype(np.int16), np.dtype(np.float32))
 _SIZE, _LONG_SIZE = struct.Struct("!i"), struct.Struct("!Q")
 
 
+class EngineLostError(RuntimeError):
+    """The engine process went away (it exited or was killed): every request of its front-ends fails
+    with this, at once, until the server is restarted."""
+
+
 class _Front:
     """The engine process's side of one front-end connection: its streams, and how messages reach it
     (subclasses: a sender thread, or an event loop's transport), never blocking the engine calls on
@@ -548,6 +553,11 @@ class EngineProcess:
         # config, samples per frame, stream slots, device (its name)
         self.info = detail
 
+    def wait(self) -> int:
+        """Block until the engine process ends; its exit status (negative: the signal that ended it)."""
+        self._process.join()
+        return self._process.exitcode
+
     def close(self) -> None:
         if self._process.is_alive():
             self._process.terminate()
@@ -583,6 +593,7 @@ class EngineClient:
         self._outbox: list = []
         self._pushes: list[tuple[int, int, int, np.ndarray]] = []  # (req, sid, frames, row)
         self._closed = False
+        self.lost: EngineLostError | None = None  # set once the engine process has gone away
         self._reader = threading.Thread(target=self._read, name="snac-fast-engine-client", daemon=True)
         self._reader.start()
 
@@ -596,6 +607,8 @@ class EngineClient:
     async def push_ids(self, stream_id: int, ids) -> np.ndarray:
         """Raw LM token ids (checked here); the stream's audio that became final (numpy PCM)."""
         framer = self._framer(stream_id)
+        if self.lost is not None:  # before the framer takes the ids: nothing will decode them
+            raise self.lost
         frames, row = framer.push_row(ids)
         if not frames:
             return np.empty(0, np.int16)
@@ -622,7 +635,7 @@ class EngineClient:
 
     def release(self, stream_id: int) -> None:
         """Drop a stream without the rest of its audio (safe twice)."""
-        if self._framers.pop(stream_id, None) is not None:
+        if self._framers.pop(stream_id, None) is not None and self.lost is None:
             self._outbox.append(("release", stream_id))
             self._schedule()
 
@@ -651,6 +664,8 @@ class EngineClient:
         return framer
 
     def _new_request(self) -> int:
+        if self.lost is not None:
+            raise self.lost
         req, self._next = self._next, self._next + 1
         self._futures[req] = self._loop.create_future()
         return req
@@ -679,15 +694,19 @@ class EngineClient:
     def _send(self) -> None:
         ops, self._outbox = self._outbox, []
         pushes, self._pushes = self._pushes, []
-        if self._closed:
+        if self._closed or self.lost is not None:
             return
         by_frames: dict[int, list] = {}
         for push in pushes:
             by_frames.setdefault(push[2], []).append(push)
-        for frames, group in by_frames.items():
-            self._conn.send_bytes(_push_message([p[0] for p in group], [p[1] for p in group], frames, [p[3] for p in group]))
-        if ops:
-            self._conn.send_bytes(_OPS + pickle.dumps(ops, pickle.HIGHEST_PROTOCOL))
+        try:
+            for frames, group in by_frames.items():
+                self._conn.send_bytes(_push_message([p[0] for p in group], [p[1] for p in group], frames,
+                                                    [p[3] for p in group]))
+            if ops:
+                self._conn.send_bytes(_OPS + pickle.dumps(ops, pickle.HIGHEST_PROTOCOL))
+        except OSError:  # the engine process is gone (its socket closed before the reader saw it)
+            self._lost()
 
     def _read(self) -> None:
         try:
@@ -718,5 +737,9 @@ class EngineClient:
         _Batcher._resolve(self._futures.get(req), value)
 
     def _lost(self) -> None:
+        """The engine process went away: what waits fails, and every later request at once."""
+        if self.lost is None:
+            self.lost = EngineLostError("the engine process went away (it exited or was killed); "
+                                        "restart the server")
         for req in list(self._futures):
-            self._resolve(req, RuntimeError("the engine process went away"))
+            self._resolve(req, self.lost)

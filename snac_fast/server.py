@@ -11,7 +11,8 @@
 
 Every connection shares one engine (with ``--workers N --shared-engine``, one engine process fed by
 every worker): a full engine answers 503 with Retry-After; a client that goes away releases its
-stream at once. Design notes: docs/server.md.
+stream at once. A shared engine process that dies fails every request at once (503) and stops the
+server (exit status 1), for its supervisor to restart. Design notes: docs/server.md.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ import base64
 import contextlib
 import json
 import logging
+import signal
 import struct
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from snac_fast.engine_process import EngineLostError
 from snac_fast.lm_client import LMClient, LMOutputError
 from snac_fast.orpheus import ORPHEUS, TokenLayout
 from snac_fast.serving import AsyncStreamBatcher, freeze_startup_objects
@@ -86,6 +90,8 @@ class _Metrics:
             def collect(self):
                 if isinstance(batcher, _SharedEngineBatcher):  # the engine process's, read before the scrape
                     stats = batcher.stats
+                    yield GaugeMetricFamily("snac_fast_engine_up", "whether the engine process answers",
+                                            value=float(batcher.lost is None))
                     yield GaugeMetricFamily("snac_fast_active_streams", "open streams (of every worker)",
                                             value=stats["open_streams"])
                     yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=server.max_streams)
@@ -130,8 +136,16 @@ class _SharedEngineBatcher:
         if self._client is None:
             from snac_fast.engine_process import EngineClient
 
-            self._client = EngineClient(self.address, self.layout)
+            try:
+                self._client = EngineClient(self.address, self.layout)
+            except OSError as e:  # its socket refuses: the process is gone
+                raise EngineLostError(f"cannot reach the engine process at {self.address}: {e}") from None
         return self._client
+
+    @property
+    def lost(self) -> EngineLostError | None:
+        """Why the engine process cannot be reached, once it cannot."""
+        return None if self._client is None else self._client.lost
 
     async def open(self, seed: int | None) -> int:
         return await self.client().open(seed)
@@ -203,6 +217,8 @@ class SpeechServer:
             if self.engine is None:
                 return await self.batcher.open(seed)
             return self.batcher.open(seed)
+        except EngineLostError:
+            raise
         except RuntimeError:  # all slots taken (between the look and the open)
             return None
 
@@ -325,7 +341,11 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
         if problems:
             server.metrics.requests.labels("speech", "bad_request").inc()
             return error(400, problems[0])
-        sid = await server.open_stream(seed)
+        try:
+            sid = await server.open_stream(seed)
+        except EngineLostError as e:
+            server.metrics.requests.labels("speech", "engine_lost").inc()
+            return error(503, str(e), "engine_unavailable")
         if sid is None:
             server.metrics.requests.labels("speech", "busy").inc()
             return error(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
@@ -338,6 +358,9 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
             log.warning("speech request failed before its first audio: %s", e)
             server.metrics.requests.labels("speech", "lm_error").inc()
             return error(502, str(e), "lm_output_error")
+        except EngineLostError as e:
+            server.metrics.requests.labels("speech", "engine_lost").inc()
+            return error(503, str(e), "engine_unavailable")
         media = "audio/wav" if response_format == "wav" else "audio/pcm"
         head = _wav_header(server.rate, sample_format) if response_format == "wav" else b""
         headers = {"X-Sample-Rate": str(server.rate), "X-Sample-Format": sample_format}
@@ -348,7 +371,11 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
     async def stream_ids(websocket: WebSocket) -> None:
         await websocket.accept()
         seed = websocket.query_params.get("seed")
-        sid = await server.open_stream(int(seed) if seed and seed.lstrip("-").isdigit() else None)
+        try:
+            sid = await server.open_stream(int(seed) if seed and seed.lstrip("-").isdigit() else None)
+        except EngineLostError as e:
+            await websocket.close(code=1011, reason=str(e)[:120])  # a close reason holds 123 bytes
+            return
         if sid is None:
             await websocket.close(code=1013, reason="all stream slots are in use; retry shortly")
             return
@@ -394,6 +421,10 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
                     if not server.batcher.is_open(sid):
                         await websocket.close(code=1011, reason="the stream has ended")
                         break
+                except EngineLostError as e:
+                    await websocket.send_json({"type": "error", "message": str(e)})
+                    await websocket.close(code=1011, reason="the engine process went away")
+                    break
         except (WebSocketDisconnect, OSError):
             pass
         finally:
@@ -404,17 +435,21 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
     async def health(request: Request) -> JSONResponse:
         status = "draining" if server.draining else "ok"
         if server.engine is None:
-            await server.batcher.refresh()
+            try:
+                await server.batcher.refresh()
+            except EngineLostError:
+                status = "engine_lost"
         return JSONResponse({"status": status, "device": server.device,
                              "open_streams": server.batcher.open_streams, "slots_in_use": server.slots_in_use,
                              "max_streams": server.max_streams, "sampling_rate": server.rate},
-                            status_code=503 if server.draining else 200)
+                            status_code=200 if status == "ok" else 503)
 
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
         if server.engine is None:
-            await server.batcher.refresh()
+            with contextlib.suppress(EngineLostError):  # the last counters read, and snac_fast_engine_up 0
+                await server.batcher.refresh()
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @contextlib.asynccontextmanager
@@ -477,10 +512,15 @@ async def _audio(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes
     try:
         async for chunk in chunks:
             yield chunk
-    except LMOutputError as e:  # after the headers: the body ends short (the error is in the log and metrics)
+    except (LMOutputError, EngineLostError) as e:  # after the headers: the body ends short (the error is in the log and metrics)
         log.warning("speech stream cut: %s", e)
-        server.metrics.requests.labels("speech", "lm_error").inc()
+        server.metrics.requests.labels("speech", _outcome(e)).inc()
         raise
+
+
+def _outcome(error: Exception) -> str:
+    """A failed speech request's outcome label in the metrics."""
+    return "engine_lost" if isinstance(error, EngineLostError) else "lm_error"
 
 
 async def _sse(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -494,9 +534,10 @@ async def _sse(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes])
     try:
         async for chunk in chunks:
             yield event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
-    except LMOutputError as e:
-        server.metrics.requests.labels("speech", "lm_error").inc()
-        yield event({"type": "error", "error": {"message": str(e), "type": "lm_output_error"}})
+    except (LMOutputError, EngineLostError) as e:
+        server.metrics.requests.labels("speech", _outcome(e)).inc()
+        kind = "engine_unavailable" if isinstance(e, EngineLostError) else "lm_output_error"
+        yield event({"type": "error", "error": {"message": str(e), "type": kind}})
         return
     yield event({"type": "speech.audio.done"})
 
@@ -565,7 +606,7 @@ def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: in
 
     import uvicorn
 
-    engine = None
+    engine, lost, closing = None, [], threading.Event()
     if shared_engine:
         from snac_fast.engine_process import EngineProcess
 
@@ -576,12 +617,30 @@ def serve(settings: dict, host: str = "127.0.0.1", port: int = 8880, workers: in
                                local_files_only=settings.get("local_files_only", False),
                                event_loop=engine_event_loop, max_wait_ms=config.max_wait_ms)
         settings = {**settings, "engine": {"address": engine.address, "info": engine.info}}
+
+        def watch() -> None:  # an engine process that dies stops the server: its supervisor restarts it
+            code = engine.wait()
+            if not closing.is_set():
+                lost.append(code)
+                log.error("the engine process exited with code %s: stopping the server", code)
+                os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown (the workers', with several)
+        threading.Thread(target=watch, name="snac-fast-engine-watch", daemon=True).start()
     os.environ[ENVIRONMENT] = json.dumps(settings)
     os.environ[CLAIMS] = claims = tempfile.mkdtemp(prefix="snac-fast-serve-")
+    # uvicorn raises the signal that stopped it again once it has shut down: ignored here, so that
+    # the engine process and the folders are cleaned up and serve() returns
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         uvicorn.run("snac_fast.server:app_from_environment", factory=True, host=host, port=port, workers=workers,
                     timeout_graceful_shutdown=30, log_level="info")
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        closing.set()
         shutil.rmtree(claims, ignore_errors=True)
         if engine is not None:
             engine.close()
+    if lost:
+        raise EngineLostError(f"the engine process exited with code {lost[0]}; the server stopped")

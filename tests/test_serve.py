@@ -535,3 +535,84 @@ def test_start_up_warms_the_decode_path_and_leaves_no_stream_open(codec):
         assert slots_freed(state)
         health = httpx.get(server.url + "/health").json()
         assert health["open_streams"] == 0 and health["slots_in_use"] == 0
+
+
+def _engine_checkpoint(tmp_path) -> tuple[str, dict]:
+    from snac_fast.synthetic import make_checkpoint
+
+    return str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), {"fuse": False, "accelerate_encoder": False}
+
+
+def test_a_dead_engine_process_fails_each_request_at_once_and_health_says_so(tmp_path):
+    """The shared engine process killed under a running worker: a speech request gets a 503 naming
+    it at once (not a hang, not a 500), a WebSocket is closed with the reason, /health answers 503
+    "engine_lost" and /metrics snac_fast_engine_up 0."""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosedError
+
+    from snac_fast.engine_process import EngineProcess
+
+    checkpoint, options = _engine_checkpoint(tmp_path)
+    with EngineProcess(checkpoint, device="cpu", max_streams=4, max_batch=4, output="float32",
+                       model_options=options) as engine:
+        lm = FakeLM(split_tokens=True)
+        with LiveServer(lm.app) as lm_server:
+            app = create_app(None, ServeConfig(lm_url=lm_server.url + "/v1", max_streams=4), (engine.address, engine.info))
+            with LiveServer(app) as server:
+                assert httpx.get(server.url + "/health").json()["status"] == "ok"
+                assert "snac_fast_engine_up 1.0" in httpx.get(server.url + "/metrics").text
+                engine._process.kill()
+                engine._process.join()
+                start = time.monotonic()
+                r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello"}, timeout=30)
+                took = time.monotonic() - start
+                health = httpx.get(server.url + "/health", timeout=30)
+                metrics = httpx.get(server.url + "/metrics", timeout=30).text
+
+                async def websocket():
+                    async with connect(server.url.replace("http", "ws") + "/v1/audio/stream") as ws:
+                        with pytest.raises(ConnectionClosedError) as closed:
+                            await ws.recv()
+                        return closed.value.rcvd
+                closed = asyncio.run(websocket())
+    assert r.status_code == 503 and r.json()["error"]["type"] == "engine_unavailable", r.text
+    assert "engine process went away" in r.json()["error"]["message"] and took < 10
+    assert health.status_code == 503 and health.json()["status"] == "engine_lost"
+    assert "snac_fast_engine_up 0.0" in metrics
+    assert closed.code == 1011 and "engine process went away" in closed.reason
+
+
+@pytest.mark.heavy
+def test_serve_stops_with_status_1_when_its_engine_process_dies(tmp_path):
+    """`snac-fast serve --shared-engine`: the engine process killed, the server shuts down by itself
+    and exits 1 naming it (a supervisor restarts it), leaving no engine socket behind."""
+    import signal
+    import subprocess
+    import sys
+
+    checkpoint, _ = _engine_checkpoint(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = subprocess.Popen([sys.executable, "-m", "snac_fast.cli", "serve", "--shared-engine", "--device", "cpu",
+                               "--model", checkpoint, "--port", str(port), "--max-streams", "4", "--max-batch", "4"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert server.poll() is None and time.monotonic() < deadline, "the server did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                    break
+            time.sleep(0.2)
+        children = [int(c) for t in os.listdir(f"/proc/{server.pid}/task")
+                    for c in open(f"/proc/{server.pid}/task/{t}/children").read().split()]
+        engines = [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
+        assert len(engines) == 1, children
+        os.kill(engines[0], signal.SIGKILL)
+        _, err = server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    assert server.returncode == 1, err[-2000:]
+    assert "the engine process exited with code -9" in err and "snac-fast serve: error:" in err
