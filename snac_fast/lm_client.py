@@ -39,6 +39,15 @@ class LMOutputError(Exception):
     """The language model's stream could not be turned into audio (a malformed token, an error)."""
 
 
+class LMBusyError(LMOutputError):
+    """The language model answered 429 or 503 (overloaded): worth a retry, after ``retry_after`` s
+    when it said (its Retry-After header in seconds), else None."""
+
+    def __init__(self, message: str, retry_after: str | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 class LMClient:
     """Streams audio token ids from an OpenAI-compatible completions API (``config.lm_url``), one
     HTTP connection per stream, on aiohttp: its C parsers read an SSE chunk for about a third of
@@ -88,7 +97,11 @@ class LMClient:
                     answered = True
                     if response.status != 200:
                         detail = (await response.read()).decode(errors="replace")[:200]
-                        raise LMOutputError(f"the language model at {url} answered {response.status}: {detail}")
+                        message = f"the language model at {url} answered {response.status}: {detail}"
+                        if response.status in (429, 503):
+                            retry_after = response.headers.get("Retry-After")
+                            raise LMBusyError(message, retry_after if retry_after and retry_after.isdigit() else None)
+                        raise LMOutputError(message)
                     async for ids in _ids_of_events(_sse_data(response.content.iter_any()), self.config.layout.offset):
                         yield ids
                 return

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from snac_fast.engine_process import EngineLostError
-from snac_fast.lm_client import LMClient, LMOutputError
+from snac_fast.lm_client import LMBusyError, LMClient, LMOutputError
 from snac_fast.orpheus import ORPHEUS, TokenLayout
 from snac_fast.serving import AsyncStreamBatcher, freeze_startup_objects
 
@@ -354,6 +354,10 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
             first = await chunks.__anext__()
         except StopAsyncIteration:
             first = b""
+        except LMBusyError as e:  # the LM is overloaded: the client may retry, as after a full engine
+            log.warning("speech request failed before its first audio: %s", e)
+            server.metrics.requests.labels("speech", "lm_busy").inc()
+            return error(503, str(e), "lm_busy", **{"Retry-After": e.retry_after or "1"})
         except LMOutputError as e:
             log.warning("speech request failed before its first audio: %s", e)
             server.metrics.requests.labels("speech", "lm_error").inc()

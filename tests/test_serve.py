@@ -409,6 +409,31 @@ def test_lm_client_retries_a_pooled_connection_the_lm_closed_but_not_a_cut_answe
     assert len(answered) == 4 and sum("cut" in p for p in answered) == 1
 
 
+@pytest.mark.parametrize("lm_status, retry_after, status, kind, client_retry_after", [
+    (503, "7", 503, "lm_busy", "7"), (429, None, 503, "lm_busy", "1"), (500, None, 502, "lm_output_error", None)])
+def test_an_overloaded_lm_is_a_503_to_retry_and_a_failing_one_a_502(codec, lm_status, retry_after, status, kind,
+                                                                    client_retry_after):
+    """The LM answers 429 or 503 (vLLM's queue full): the speech request gets 503 with the LM's
+    Retry-After (1 s without one), so clients retry as for a full engine; any other error is a 502."""
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    async def completions(request):
+        headers = {"Retry-After": retry_after} if retry_after else {}
+        return PlainTextResponse("queue full", status_code=lm_status, headers=headers)
+
+    lm = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+    with LiveServer(lm) as lm_server:
+        app = create_app(codec, ServeConfig(lm_url=lm_server.url + "/v1"))
+        with LiveServer(app) as server:
+            r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello"}, timeout=60)
+            assert r.status_code == status and r.json()["error"]["type"] == kind
+            assert f"answered {lm_status}: queue full" in r.json()["error"]["message"]
+            assert r.headers.get("retry-after") == client_retry_after
+            assert slots_freed(app.state.server)
+
+
 def test_an_unreachable_lm_is_a_clear_502(codec):
     """An LM that refuses connections: the request gets a 502 naming the LM's URL, not a 500 page,
     and the stream's slot is freed."""
