@@ -392,6 +392,8 @@ class _EngineBatcher(_Batcher):
                 elif kind == "stats":
                     front.send([("stats", op[1], {"open_streams": self.open_streams, "batches": self.batches,
                                                   "requests": self.requests, "failed_calls": self.failed_calls,
+                                                  "failed_in_a_row": self.failed_in_a_row,
+                                                  "last_failure": self.last_failure,
                                                   "step_seconds": self.step_seconds, "gpu_seconds": self.gpu_seconds})])
             except (ValueError, RuntimeError) as error:  # a stream that ended, slots full, batcher closed
                 if kind in ("open", "flush", "stats"):

@@ -42,6 +42,10 @@ log = logging.getLogger("snac_fast.server")
 RESPONSE_FORMATS = ("pcm", "wav")
 SWITCH_INTERVAL_S = 0.0005
 SAMPLE_FORMATS = {"s16": "int16", "f32": "float32"}
+# engine calls failed in a row, none run between, that make /health answer 503 "engine_failing": a
+# device that fails every call (a sticky CUDA error) gets its server restarted; a lone out-of-memory
+# step does not
+FAILING_CALLS = 8
 
 
 @dataclass
@@ -100,6 +104,8 @@ class _Metrics:
                     yield CounterMetricFamily("snac_fast_step_seconds", "host seconds in engine calls",
                                               value=stats["step_seconds"])
                     yield CounterMetricFamily("snac_fast_failed_steps", "engine calls that failed", value=stats["failed_calls"])
+                    yield GaugeMetricFamily("snac_fast_failed_steps_in_a_row", "engine calls failed since the last that ran",
+                                            value=stats.get("failed_in_a_row", 0))
                     return
                 yield GaugeMetricFamily("snac_fast_active_streams", "open streams", value=batcher.open_streams)
                 yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=server.max_streams)
@@ -110,6 +116,8 @@ class _Metrics:
                 yield CounterMetricFamily("snac_fast_step_seconds", "host seconds in engine calls",
                                           value=batcher.step_seconds)
                 yield CounterMetricFamily("snac_fast_failed_steps", "engine calls that failed", value=batcher.failed_calls)
+                yield GaugeMetricFamily("snac_fast_failed_steps_in_a_row", "engine calls failed since the last that ran",
+                                        value=batcher.failed_in_a_row)
                 yield CounterMetricFamily("snac_fast_idle_released", "streams released after idling",
                                           value=batcher.idle_released)
 
@@ -221,6 +229,12 @@ class SpeechServer:
             raise
         except RuntimeError:  # all slots taken (between the look and the open)
             return None
+
+    def engine_failures(self) -> tuple[int, str | None]:
+        """Engine calls failed in a row (none ran since) and the last failure, as last read."""
+        if self.engine is None:
+            return self.batcher.stats.get("failed_in_a_row", 0), self.batcher.stats.get("last_failure")
+        return self.batcher.failed_in_a_row, self.batcher.last_failure
 
     @property
     def slots_in_use(self) -> int:
@@ -365,6 +379,10 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
         except EngineLostError as e:
             server.metrics.requests.labels("speech", "engine_lost").inc()
             return error(503, str(e), "engine_unavailable")
+        except RuntimeError as e:  # the engine call failed (out of memory, a device error): this request only
+            log.error("speech request failed in the engine: %s", e)
+            server.metrics.requests.labels("speech", "engine_error").inc()
+            return error(500, f"the engine call failed: {e}", "engine_error")
         media = "audio/wav" if response_format == "wav" else "audio/pcm"
         head = _wav_header(server.rate, sample_format) if response_format == "wav" else b""
         headers = {"X-Sample-Rate": str(server.rate), "X-Sample-Format": sample_format}
@@ -425,9 +443,10 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
                     if not server.batcher.is_open(sid):
                         await websocket.close(code=1011, reason="the stream has ended")
                         break
-                except EngineLostError as e:
+                except RuntimeError as e:  # the engine process went away, or an engine call failed
                     await websocket.send_json({"type": "error", "message": str(e)})
-                    await websocket.close(code=1011, reason="the engine process went away")
+                    await websocket.close(code=1011, reason="the engine process went away" if isinstance(e, EngineLostError)
+                                          else "the engine call failed")
                     break
         except (WebSocketDisconnect, OSError):
             pass
@@ -443,10 +462,14 @@ def create_app(codec, config: ServeConfig | None = None, engine: tuple[str, dict
                 await server.batcher.refresh()
             except EngineLostError:
                 status = "engine_lost"
-        return JSONResponse({"status": status, "device": server.device,
-                             "open_streams": server.batcher.open_streams, "slots_in_use": server.slots_in_use,
-                             "max_streams": server.max_streams, "sampling_rate": server.rate},
-                            status_code=200 if status == "ok" else 503)
+        in_a_row, failure = server.engine_failures()
+        if status == "ok" and in_a_row >= FAILING_CALLS:
+            status = "engine_failing"
+        body = {"status": status, "device": server.device, "open_streams": server.batcher.open_streams,
+                "slots_in_use": server.slots_in_use, "max_streams": server.max_streams, "sampling_rate": server.rate}
+        if status == "engine_failing":
+            body["error"] = failure
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     async def metrics(request: Request) -> Response:
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

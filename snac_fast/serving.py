@@ -121,6 +121,9 @@ class _Batcher:
             self._stream_of_engine_thread = None  # the engine thread's own stream, later
         # for monitoring: engine calls, requests run, streams released for idling, failed engine calls
         self.batches = self.requests = self.idle_released = self.failed_calls = 0
+        # engine calls failed since the last that ran, and the last failure: a device that fails every
+        # call (a sticky CUDA error) shows here, for a server's health check
+        self.failed_in_a_row, self.last_failure = 0, None
         self.step_seconds = 0.0  # host time in engine calls, copies included
         # CUDA-event time from each engine call's start to its copy's end (PCM outputs on CUDA): an
         # upper bound of the GPU's busy time (it includes the gaps while the host launches)
@@ -390,6 +393,7 @@ class _Batcher:
         try:
             audio, offsets = call()
             self.batches += 1
+            self.failed_in_a_row = 0
             if self.output == "tensor":
                 pieces = list(torch.split(audio, np.diff(offsets).tolist()))
                 return chunk, lambda: pieces, _landed  # GPU tensors: ordered on the stream already
@@ -401,6 +405,8 @@ class _Batcher:
             return chunk, lambda: [p()[0] for _, p, _ in results], lambda: all(ready() for _, _, ready in results)
         except Exception as error:  # noqa: BLE001 - an out-of-memory, a driver error: only this call fails
             self.failed_calls += 1
+            self.failed_in_a_row += 1
+            self.last_failure = f"{type(error).__name__}: {error}"[:300]
             for r in chunk:
                 self._end(r.stream, f"its engine call failed: {type(error).__name__}", drop=True)
                 self.engine.close(r.stream.slot)

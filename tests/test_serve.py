@@ -434,6 +434,37 @@ def test_an_overloaded_lm_is_a_503_to_retry_and_a_failing_one_a_502(codec, lm_st
             assert slots_freed(app.state.server)
 
 
+def test_an_engine_that_fails_every_call_turns_health_to_503_until_one_runs(codec, monkeypatch):
+    """Every engine call failing (as after a sticky CUDA error): each speech request gets a 500 JSON
+    error naming the failure, and after FAILING_CALLS of them in a row /health answers 503
+    "engine_failing" with it, so an orchestrator restarts the server; one call that runs clears it."""
+    from snac_fast.server import FAILING_CALLS
+
+    c = random_codes(codec.config, 5, seed=620)
+    with serving(codec) as (server, lm, state):
+        lm.script("hello", c)
+        real = state.engine.step_rows
+
+        def broken(*args, **kwargs):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        monkeypatch.setattr(state.engine, "step_rows", broken)
+        for i in range(FAILING_CALLS):
+            r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello", "seed": i}, timeout=60)
+            assert r.status_code == 500 and r.json()["error"]["type"] == "engine_error", r.text
+            assert "illegal memory access" in r.json()["error"]["message"]
+            health = httpx.get(server.url + "/health")
+            assert health.status_code == (503 if i == FAILING_CALLS - 1 else 200), (i, health.text)
+        assert health.json()["status"] == "engine_failing" and "illegal memory access" in health.json()["error"]
+        assert f"snac_fast_failed_steps_in_a_row {FAILING_CALLS:.1f}" in httpx.get(server.url + "/metrics").text
+        monkeypatch.setattr(state.engine, "step_rows", real)
+        r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello", "seed": 1, "sample_format": "f32"},
+                       timeout=60)
+        assert r.status_code == 200 and httpx.get(server.url + "/health").json()["status"] == "ok"
+        assert slots_freed(state)
+    got = torch.from_numpy(np.frombuffer(r.content, "<f4").copy())
+    assert snr_db(expected(codec, c, 1), got) >= 100
+
+
 def test_an_unreachable_lm_is_a_clear_502(codec):
     """An LM that refuses connections: the request gets a 502 naming the LM's URL, not a 500 page,
     and the stream's slot is freed."""
