@@ -661,8 +661,12 @@ def test_serve_stops_with_status_1_when_its_engine_process_dies(tmp_path):
                 if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
                     break
             time.sleep(0.2)
-        children = [int(c) for t in os.listdir(f"/proc/{server.pid}/task")
-                    for c in open(f"/proc/{server.pid}/task/{t}/children").read().split()]
+        children = []  # the server's child processes: the engine's and multiprocessing's resource tracker
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            with contextlib.suppress(OSError):
+                stat = open(f"/proc/{entry}/stat").read()
+                if int(stat.rsplit(")", 1)[1].split()[1]) == server.pid:  # field 4: the parent's pid
+                    children.append(int(entry))
         engines = [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
         assert len(engines) == 1, children
         os.kill(engines[0], signal.SIGKILL)
