@@ -539,15 +539,20 @@ async def _audio(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes
     try:
         async for chunk in chunks:
             yield chunk
-    except (LMOutputError, EngineLostError) as e:  # after the headers: the body ends short (the error is in the log and metrics)
+    except (LMOutputError, RuntimeError) as e:  # after the headers: the body ends short (the error is in the log and metrics)
         log.warning("speech stream cut: %s", e)
         server.metrics.requests.labels("speech", _outcome(e)).inc()
         raise
 
 
 def _outcome(error: Exception) -> str:
-    """A failed speech request's outcome label in the metrics."""
-    return "engine_lost" if isinstance(error, EngineLostError) else "lm_error"
+    """A failed speech request's outcome label in the metrics (and its SSE error type: _ERROR_TYPES)."""
+    if isinstance(error, EngineLostError):
+        return "engine_lost"
+    return "lm_error" if isinstance(error, LMOutputError) else "engine_error"
+
+
+_ERROR_TYPES = {"engine_lost": "engine_unavailable", "lm_error": "lm_output_error", "engine_error": "engine_error"}
 
 
 async def _sse(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
@@ -561,10 +566,10 @@ async def _sse(server: SpeechServer, first: bytes, chunks: AsyncIterator[bytes])
     try:
         async for chunk in chunks:
             yield event({"type": "speech.audio.delta", "audio": base64.b64encode(chunk).decode()})
-    except (LMOutputError, EngineLostError) as e:
-        server.metrics.requests.labels("speech", _outcome(e)).inc()
-        kind = "engine_unavailable" if isinstance(e, EngineLostError) else "lm_output_error"
-        yield event({"type": "error", "error": {"message": str(e), "type": kind}})
+    except (LMOutputError, RuntimeError) as e:
+        outcome = _outcome(e)
+        server.metrics.requests.labels("speech", outcome).inc()
+        yield event({"type": "error", "error": {"message": str(e), "type": _ERROR_TYPES[outcome]}})
         return
     yield event({"type": "speech.audio.done"})
 

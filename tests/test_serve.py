@@ -460,6 +460,23 @@ def test_an_engine_that_fails_every_call_turns_health_to_503_until_one_runs(code
         r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello", "seed": 1, "sample_format": "f32"},
                        timeout=60)
         assert r.status_code == 200 and httpx.get(server.url + "/health").json()["status"] == "ok"
+        # a call failing after the first audio: an SSE stream ends with an error event naming it
+        audio_out = []
+
+        def fails_after_audio(*args, **kwargs):
+            if audio_out:
+                raise RuntimeError("CUDA error: out of memory")
+            audio, offsets = real(*args, **kwargs)
+            if offsets[-1]:
+                audio_out.append(1)
+            return audio, offsets
+        monkeypatch.setattr(state.engine, "step_rows", fails_after_audio)
+        lm.script("late", random_codes(codec.config, 40, seed=621), delay=0.05)  # a push at a time
+        status, _, body = asyncio.run(speak(server.url, "late", 2, stream_format="sse"))
+        events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: ")]
+        assert status == 200 and events[0]["type"] == "speech.audio.delta"
+        assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "engine_error"
+        assert "out of memory" in events[-1]["error"]["message"]
         assert slots_freed(state)
     got = torch.from_numpy(np.frombuffer(r.content, "<f4").copy())
     assert snr_db(expected(codec, c, 1), got) >= 100
