@@ -503,6 +503,8 @@ async def _speech_chunks(server: SpeechServer, sid: int, text: str, voice: str, 
         try:
             return await server.push(sid, ids)
         except ValueError as e:
+            if not server.batcher.is_open(sid):  # released meanwhile: idle past idle_timeout_s, say
+                raise LMOutputError(f"the stream ended while the language model was still sending: {e}") from None
             raise LMOutputError(f"the language model sent a token that is not audio: {e}") from None
 
     try:

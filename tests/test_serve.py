@@ -482,6 +482,18 @@ def test_an_engine_that_fails_every_call_turns_health_to_503_until_one_runs(code
     assert snr_db(expected(codec, c, 1), got) >= 100
 
 
+def test_a_stream_idled_out_while_the_lm_stalls_says_so(codec):
+    """An LM that pauses longer than the idle timeout between tokens: the stream is released, and
+    the request's error says that, not that the LM sent a token that is not audio."""
+    with serving(codec, idle_timeout_s=0.4) as (server, lm, state):
+        lm.script("slow", random_codes(codec.config, 5, seed=630), delay=1.2)
+        status, _, body = asyncio.run(speak(server.url, "slow", 1))
+        assert slots_freed(state)
+    assert status == 502, body
+    message = json.loads(body)["error"]["message"]
+    assert "stream ended while the language model was still sending" in message and "idle for over 0.4 s" in message
+
+
 def test_an_unreachable_lm_is_a_clear_502(codec):
     """An LM that refuses connections: the request gets a 502 naming the LM's URL, not a 500 page,
     and the stream's slot is freed."""
