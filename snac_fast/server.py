@@ -105,7 +105,7 @@ class _Metrics:
                                               value=stats["step_seconds"])
                     yield CounterMetricFamily("snac_fast_failed_steps", "engine calls that failed", value=stats["failed_calls"])
                     yield GaugeMetricFamily("snac_fast_failed_steps_in_a_row", "engine calls failed since the last that ran",
-                                            value=stats.get("failed_in_a_row", 0))
+                                            value=stats["failed_in_a_row"])
                     return
                 yield GaugeMetricFamily("snac_fast_active_streams", "open streams", value=batcher.open_streams)
                 yield GaugeMetricFamily("snac_fast_max_streams", "stream slots", value=server.max_streams)
@@ -137,7 +137,8 @@ class _SharedEngineBatcher:
     def __init__(self, address: str, layout: TokenLayout) -> None:
         self.address, self.layout = address, layout
         self._client = None
-        self.stats = {"open_streams": 0, "batches": 0, "requests": 0, "failed_calls": 0, "step_seconds": 0.0}
+        self.stats = {"open_streams": 0, "batches": 0, "requests": 0, "failed_calls": 0, "failed_in_a_row": 0,
+                      "last_failure": None, "step_seconds": 0.0}
 
     def client(self):
         """The client, made in the event loop that uses it (its replies are resolved there)."""
@@ -233,7 +234,7 @@ class SpeechServer:
     def engine_failures(self) -> tuple[int, str | None]:
         """Engine calls failed in a row (none ran since) and the last failure, as last read."""
         if self.engine is None:
-            return self.batcher.stats.get("failed_in_a_row", 0), self.batcher.stats.get("last_failure")
+            return self.batcher.stats["failed_in_a_row"], self.batcher.stats["last_failure"]
         return self.batcher.failed_in_a_row, self.batcher.last_failure
 
     @property

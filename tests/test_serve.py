@@ -80,6 +80,13 @@ def expected(codec, codes, seed):
     return codec.decode(codes, seed=seed)[0, 0].float()
 
 
+def _engine_checkpoint(tmp_path) -> tuple[str, dict]:
+    """A seeded 24 kHz checkpoint (narrow) for an engine process, and its model options (CPU)."""
+    from snac_fast.synthetic import make_checkpoint
+
+    return str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), {"fuse": False, "accelerate_encoder": False}
+
+
 async def speak(url, text, seed, **fields):
     async with httpx.AsyncClient(timeout=120) as client:
         body = {"model": "orpheus", "input": text, "voice": "tara", "seed": seed, **fields}
@@ -548,10 +555,8 @@ def test_workers_sharing_one_engine_process_get_exact_audio(tmp_path):
     from websockets.asyncio.client import connect
 
     from snac_fast.engine_process import EngineProcess
-    from snac_fast.synthetic import make_checkpoint
 
-    checkpoint = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))
-    options = {"fuse": False, "accelerate_encoder": False}
+    checkpoint, options = _engine_checkpoint(tmp_path)
     codec = FastSNAC.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, **options)
     codes = {f"shared {i}": random_codes(codec.config, 5 + i % 2, seed=700 + i) for i in range(4)}
     ws_codes = random_codes(codec.config, 6, seed=750)
@@ -620,12 +625,6 @@ def test_start_up_warms_the_decode_path_and_leaves_no_stream_open(codec):
         assert slots_freed(state)
         health = httpx.get(server.url + "/health").json()
         assert health["open_streams"] == 0 and health["slots_in_use"] == 0
-
-
-def _engine_checkpoint(tmp_path) -> tuple[str, dict]:
-    from snac_fast.synthetic import make_checkpoint
-
-    return str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), {"fuse": False, "accelerate_encoder": False}
 
 
 def test_a_dead_engine_process_fails_each_request_at_once_and_health_says_so(tmp_path):
