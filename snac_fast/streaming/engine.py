@@ -252,7 +252,7 @@ class StreamEngine:
             if not compiled:
                 self._launch_shapes(inputs)
             for shape, (keys, codes) in inputs.items():
-                graph = self._graphs[shape] = StepGraph(self, shape[0], keys, codes, shape[2], compiled=True)
+                graph = self._graphs[shape] = self._step_graph(shape[0], keys, codes, shape[2], compiled=True)
                 graph(keys, codes)  # a first replay uploads the graph: the first stream's step does not wait for it
             # the first launches of what a batch of mixed prefills and steps adds (lazily loaded kernels)
             joined_audio([self.empty_audio(), torch.zeros(3, device=self.device, dtype=self.dtype)])
@@ -740,11 +740,15 @@ class StreamEngine:
                     self._graphs.pop(next(iter(self._graphs)))
                 padded = [np.pad(level, ((0, bucket - n), (0, 0))) for level in codes]  # the graph's shapes
                 with out_of_memory_explained(f"capturing a stream step's CUDA graph ({kind}, {bucket} rows)"):
-                    graph = self._graphs[key] = StepGraph(self, kind, keys, padded, frames)
+                    graph = self._graphs[key] = self._step_graph(kind, keys, padded, frames)
             # rows past n keep earlier calls' codes: valid codes, decoded into the scratch slot
             return graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
         return self._forward(kind, torch.from_numpy(keys).to(self.device),
                              [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]
+
+    def _step_graph(self, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
+                    compiled: bool = False) -> StepGraph:
+        return StepGraph(self._forward, self.draw_noise, self.state, self._pool, kind, keys, codes, frames, compiled)
 
     def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
                  noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:

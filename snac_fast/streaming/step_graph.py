@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import numpy as np
 import torch
 from torch import Tensor
 
 from snac_fast.compiling import compiling_concurrently
-
-if TYPE_CHECKING:
-    from snac_fast.streaming.engine import StreamEngine
 
 
 class NoiseCall(NamedTuple):
@@ -25,14 +22,20 @@ class NoiseCall(NamedTuple):
     dtype: torch.dtype
 
 
+# the engine's step on device tensors: (kind, keys, codes, frames, noise_for or None) -> audio
+Forward = Callable[[str, Tensor, list, int, Optional[Callable[[NoiseCall], Tensor]]], Tensor]
+
+
 class StepGraph:
     """One captured step: static keys and codes in (one pinned host buffer, uploaded by the graph's
     first node), static audio out. Call it with new inputs, or write them into :meth:`inputs` and
-    :meth:`launch` it. ``compiled``: the step's kernels were compiled already (a warm-up's pass)."""
+    :meth:`launch` it. ``forward``, ``draw_noise``, ``state``, ``pool``: the engine's step, its
+    keyed noise, its state tensors (restored after the warm-up runs) and graph memory pool.
+    ``compiled``: the step's kernels were compiled already (a warm-up's pass)."""
 
-    def __init__(self, engine: StreamEngine, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
-                 compiled: bool = False) -> None:
-        device = engine.device
+    def __init__(self, forward: Forward, draw_noise: Callable[[Tensor, NoiseCall], Tensor], state: list[Tensor], pool,
+                 kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int, compiled: bool = False) -> None:
+        device = state[0].device
         sizes = [keys.size] + [c.size for c in codes]
         # each view starts 16-byte aligned, as separate tensors do: Triton specializes aligned pointers,
         # so a misaligned level compiled a kernel variant of its own here, after the warm-up's pass
@@ -53,22 +56,22 @@ class StepGraph:
         self.static.copy_(self.host)
         keys_view, codes_views = self.static_views[0], self.static_views[1:]
         # warm up on a scratch copy of the state: compile kernels without touching any stream's context
-        saved = [t.clone() for t in engine.state]
+        saved = [t.clone() for t in state]
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         noise_calls: list[NoiseCall] = []
         with torch.cuda.stream(stream), torch.inference_mode():
             if not compiled:  # a shapes-only pass: the kernels compile concurrently
                 with compiling_concurrently():
-                    engine._forward(kind, keys_view, codes_views, frames)
+                    forward(kind, keys_view, codes_views, frames, None)
             # one eager step loads its kernels and records its noise calls (the pass ran its torch ops
             # already); a second one before each capture cost a 256-stream warm-up ~0.3 s
-            engine._forward(kind, keys_view, codes_views, frames,
-                            lambda call: noise_calls.append(call) or engine.draw_noise(keys_view, call))
+            forward(kind, keys_view, codes_views, frames,
+                    lambda call: noise_calls.append(call) or draw_noise(keys_view, call))
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         capture, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=engine._pool, stream=capture):
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool, stream=capture):
             # the upload and its event inside the graph: a call costs one launch, not a copy, an event
             # record and a launch
             self.static.copy_(self.host, non_blocking=True)
@@ -77,7 +80,7 @@ class StepGraph:
             # first layers, off the step's critical path (4 kernels; docs/measurements.md)
             side.wait_stream(capture)
             with torch.cuda.stream(side):
-                self.noise = {call.index: engine.draw_noise(keys_view, call) for call in noise_calls}
+                self.noise = {call.index: draw_noise(keys_view, call) for call in noise_calls}
             drawn = torch.cuda.Event()
             drawn.record(side)
             joined = False
@@ -90,10 +93,10 @@ class StepGraph:
                 if self.noise[call.index].shape[2] != call.length:
                     raise RuntimeError("a step graph's noise differs from its warm-up's")
                 return self.noise[call.index]
-            self.output = engine._forward(kind, keys_view, codes_views, frames, noise_for)
+            self.output = forward(kind, keys_view, codes_views, frames, noise_for)
             if not joined:
                 capture.wait_event(drawn)
-        for t, s in zip(engine.state, saved):
+        for t, s in zip(state, saved):
             t.copy_(s)
 
     def inputs(self) -> list[np.ndarray]:
