@@ -271,8 +271,11 @@ def main() -> None:
                  f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}"] for r in results["rows"]]
         md = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
               f"`python scripts/bench_serve_http.py --clients {args.clients} --pace {args.pace:g} --seconds {args.seconds:g} "
-              f"--workers {args.workers} --lm-workers {args.lm_workers} --client-procs {args.client_procs}"
-              f"{' --shared-engine' if args.shared_engine else ''}{' --engine-thread' if args.engine_thread else ''}`: fake LM at "
+              f"--workers {args.workers} --lm-workers {args.lm_workers} --client-procs {args.client_procs} "
+              f"--max-streams {args.max_streams} --max-batch {args.max_batch}"
+              f"{' --shared-engine' if args.shared_engine else ''}{' --engine-thread' if args.engine_thread else ''}"
+              f"{' --engine-event-loop' if args.engine_event_loop else ''}"
+              f"{f' --max-wait-ms {args.max_wait_ms:g}' if args.max_wait_ms else ''}`: fake LM at "
               f"{args.pace:g}x real time (1-4 tokens a chunk), {frames} frames per request, int16 PCM over HTTP.\n\n"
               "- TTFA added: first audio byte at the client after the LM sent the token completing the first 4 frames.\n"
               "- Chunk added: each audio chunk's arrival at the client after the LM sent the token that completed the "
