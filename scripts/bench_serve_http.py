@@ -186,6 +186,22 @@ def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scr
                                                           "snac_fast_first_audio_seconds_count"))]}
 
 
+def serve_options(args) -> list[str]:
+    """The options this run hands ``snac-fast serve`` (named as on both command lines)."""
+    options = ["--workers", str(args.workers), "--max-streams", str(args.max_streams), "--max-batch", str(args.max_batch)]
+    if args.device:
+        options += ["--device", args.device]
+    if args.shared_engine:
+        options += ["--shared-engine"]
+    if args.engine_thread:
+        options += ["--engine-thread"]
+    if args.engine_event_loop:
+        options += ["--engine-event-loop"]
+    if args.max_wait_ms:
+        options += ["--max-wait-ms", f"{args.max_wait_ms:g}"]
+    return options
+
+
 def main() -> None:
     import httpx
 
@@ -221,20 +237,8 @@ def main() -> None:
     lm = start_fake_lm(lm_port, args.pace, frames, logs / "fake_lm.log", "--workers", str(args.lm_workers),
                        "--stats-dir", stats_dir)
     t0 = time.monotonic()
-    serve = [sys.executable, "-m", "snac_fast.cli", "serve", "--model", args.model, "--port", str(port),
-             "--lm-url", f"http://127.0.0.1:{lm_port}/v1", "--workers", str(args.workers),
-             "--max-streams", str(args.max_streams), "--max-batch", str(args.max_batch)]
-    if args.device:
-        serve += ["--device", args.device]
-    if args.shared_engine:
-        serve += ["--shared-engine"]
-    if args.engine_thread:
-        serve += ["--engine-thread"]
-    if args.engine_event_loop:
-        serve += ["--engine-event-loop"]
-    if args.max_wait_ms:
-        serve += ["--max-wait-ms", f"{args.max_wait_ms:g}"]
-    server = start(serve, f"http://127.0.0.1:{port}/health", logs / "server.log")
+    server = start([sys.executable, "-m", "snac_fast.cli", "serve", "--model", args.model, "--port", str(port),
+                    "--lm-url", f"http://127.0.0.1:{lm_port}/v1", *serve_options(args)], f"http://127.0.0.1:{port}/health", logs / "server.log")
     print(f"server up in {time.monotonic() - t0:.1f} s; logs in {logs}", flush=True)
     results = {"args": vars(args), "server_start_s": time.monotonic() - t0, "rows": []}
     geometry = stream_geometry()
@@ -271,11 +275,7 @@ def main() -> None:
                  f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}"] for r in results["rows"]]
         md = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
               f"`python scripts/bench_serve_http.py --clients {args.clients} --pace {args.pace:g} --seconds {args.seconds:g} "
-              f"--workers {args.workers} --lm-workers {args.lm_workers} --client-procs {args.client_procs} "
-              f"--max-streams {args.max_streams} --max-batch {args.max_batch}"
-              f"{' --shared-engine' if args.shared_engine else ''}{' --engine-thread' if args.engine_thread else ''}"
-              f"{' --engine-event-loop' if args.engine_event_loop else ''}"
-              f"{f' --max-wait-ms {args.max_wait_ms:g}' if args.max_wait_ms else ''}`: fake LM at "
+              f"--lm-workers {args.lm_workers} --client-procs {args.client_procs} {' '.join(serve_options(args))}`: fake LM at "
               f"{args.pace:g}x real time (1-4 tokens a chunk), {frames} frames per request, int16 PCM over HTTP.\n\n"
               "- TTFA added: first audio byte at the client after the LM sent the token completing the first 4 frames.\n"
               "- Chunk added: each audio chunk's arrival at the client after the LM sent the token that completed the "
