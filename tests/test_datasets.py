@@ -487,7 +487,7 @@ def test_gpu_engine_replays_graphs_for_full_batches(cuda, tmp_path, monkeypatch)
         made.append(ds.batching.corpus_graphs(codec))
         return made[-1]
 
-    monkeypatch.setattr(ds.encode, "corpus_graphs", spy)
+    monkeypatch.setattr(ds.local_engine, "corpus_graphs", spy)  # where the engine looks it up
     run = dict(files_per_shard=3, batch_seconds=6.2, progress=False)  # 6, 3 and 2 rows a batch
     graphed = FastSNAC(synthetic_model("snac_24khz"), device=cuda, dtype=torch.float16, source="synthetic:snac_24khz")
     eager = FastSNAC(synthetic_model("snac_24khz"), device=cuda, dtype=torch.float16, source="synthetic:snac_24khz",
