@@ -237,8 +237,9 @@ def main() -> None:
     lm = start_fake_lm(lm_port, args.pace, frames, logs / "fake_lm.log", "--workers", str(args.lm_workers),
                        "--stats-dir", stats_dir)
     t0 = time.monotonic()
-    server = start([sys.executable, "-m", "snac_fast.cli", "serve", "--model", args.model, "--port", str(port),
-                    "--lm-url", f"http://127.0.0.1:{lm_port}/v1", *serve_options(args)], f"http://127.0.0.1:{port}/health", logs / "server.log")
+    serve = [sys.executable, "-m", "snac_fast.cli", "serve", "--model", args.model, "--port", str(port),
+             "--lm-url", f"http://127.0.0.1:{lm_port}/v1", *serve_options(args)]
+    server = start(serve, f"http://127.0.0.1:{port}/health", logs / "server.log")
     print(f"server up in {time.monotonic() - t0:.1f} s; logs in {logs}", flush=True)
     results = {"args": vars(args), "server_start_s": time.monotonic() - t0, "rows": []}
     geometry = stream_geometry()

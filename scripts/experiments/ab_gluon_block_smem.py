@@ -104,8 +104,8 @@ if HAS_GLUON:
     @gluon.jit
     def _depthwise_slab(xs, hs, SLAB: gl.constexpr, alpha_in_ptr, dw_w_ptr, dw_b_ptr, alpha2_ptr, C,
                         D: gl.constexpr, TW: gl.constexpr, ROUND_S: gl.constexpr, ABLATE: gl.constexpr):
-        """h = snake(dwconv7(snake(y, alpha_in)) + b, alpha2) for channels [8 SLAB, 8 SLAB + 8) of the
-        tile: y from xs, h to hs (both [C_P, TW] shared memory)."""
+        """h = snake(dwconv7(snake(y, alpha_in)) + b, alpha2) for the slab's channels (one a warp:
+        [W SLAB, W SLAB + W) with W warps) over the tile: y from xs, h to hs (both [C_P, TW] shared memory)."""
         num_warps: gl.constexpr = gl.num_warps()
         R: gl.constexpr = TW // 32  # steps a lane
         LA2: gl.constexpr = gl.BlockedLayout([1, R], [1, 32], [num_warps, 1], [1, 0])
@@ -359,11 +359,8 @@ def profile_once(C: int, gen: torch.Generator, configs) -> None:
 def compile_only() -> None:
     """Compile for sm_90 without a GPU and print registers, spills, shared memory and SASS counts."""
     os.environ["TRITON_INTERPRET"] = "0"
-    import collections
-    import re
-
     import triton
-    from sass_counts import _cuobjdump
+    from sass_counts import _cuobjdump, opcodes
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
@@ -390,11 +387,7 @@ def compile_only() -> None:
     usage = _cuobjdump(k.asm["cubin"], "-res-usage")
     print(usage.strip().splitlines()[-1])
     print("shared bytes", k.metadata.shared)
-    ops = collections.Counter()
-    for line in _cuobjdump(k.asm["cubin"], "-sass").splitlines():  # addresses of 4-5 hex digits
-        m = re.match(r"\s+/\*[0-9a-f]{4,5}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
-        if m:
-            ops[m.group(1).split(".")[0]] += 1
+    ops = opcodes(k.asm["cubin"])
     per_thread = 3 * 64 * TW // (32 * warps)  # element-units of a tile a thread computes
     print(f"SASS a tile: {sum(ops.values())} instructions a thread, {sum(ops.values()) / per_thread:.1f} an element-unit"
           f" ({sum(ops.values()) / per_thread * TW / (TW - 2 * HALO):.1f} a useful one);", ops.most_common(14))

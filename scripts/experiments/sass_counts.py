@@ -55,7 +55,8 @@ def compile_unit(c_p: int, dilation: int):
 def opcodes(cubin: bytes) -> collections.Counter:
     ops = collections.Counter()
     for line in _cuobjdump(cubin, "-sass").splitlines():
-        m = re.match(r"\s+/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
+        # addresses grow past 4 hex digits in kernels over 4,096 instructions
+        m = re.match(r"\s+/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)
         if m:
             ops[m.group(1).split(".")[0]] += 1
     return ops
