@@ -30,10 +30,18 @@ import soundfile
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import MachineLoad, environment, markdown_table, timed_call, write_results  # noqa: E402
+from bench_common import (  # noqa: E402
+    MachineLoad,
+    environment,
+    markdown_table,
+    timed_call,
+    write_results,
+)
 
-from snac_fast import FastSNAC  # noqa: E402
-from snac_fast import datasets  # noqa: E402
+from snac_fast import (
+    FastSNAC,  # noqa: E402
+    datasets,  # noqa: E402
+)
 from snac_fast.configs import published_config  # noqa: E402
 from snac_fast.encoding import padding_unit  # noqa: E402
 from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
@@ -182,7 +190,7 @@ def bench_corpus(name: str, files: int, batch_seconds: float, ray_gpus: list[int
             timed[-1]["load"] = load.summary()
         summary = min(timed, key=lambda r: r["wall_seconds"])
         items = datasets.list_inputs(folder)
-        with datasets.readers._Readers(16, codec.sampling_rate, datasets.batching._batch_dtype(codec)) as readers:
+        with datasets.readers.Readers(16, codec.sampling_rate, datasets.batching.batch_dtype(codec)) as readers:
             clips = readers.collect(items, readers.submit(items))
         shards = list(enumerate(clips[k:k + per_shard] for k in range(0, len(clips), per_shard)))
         own = []  # (seconds, machine load) per run

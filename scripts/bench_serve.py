@@ -9,7 +9,7 @@ stream that falls behind pushes at once to catch up), for ``--seconds``; then fl
 - ``ids``: ``AsyncStreamBatcher.push_ids`` (the README's path: engine calls on the event loop),
   ``ids-thread``: the same with ``engine_thread=True`` (an engine thread runs them), ``codes``:
   ``AsyncStreamBatcher.push``, ``threads``: ``StreamBatcher.push_ids`` from one thread per stream;
-- ``engine``: one :class:`snac_fast.engine_process.EngineProcess` for the GPU, fed by ``--processes``
+- ``engine``: one :class:`snac_fast.serve.EngineProcess` for the GPU, fed by ``--processes``
   front-end processes through ``EngineClient.push_ids`` (CPU cores: the front-ends' only; the engine
   process's is not counted).
 
@@ -56,7 +56,7 @@ from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
 from snac_fast.metrics import snr_db  # noqa: E402
 from snac_fast.orpheus import ORPHEUS  # noqa: E402
-from snac_fast.serving import AsyncStreamBatcher, StreamBatcher  # noqa: E402
+from snac_fast.serve import AsyncStreamBatcher, StreamBatcher  # noqa: E402
 
 POOL = 32  # distinct code sequences; stream i plays sequence i % POOL with its own seed
 
@@ -308,7 +308,7 @@ def pin_process(pid: int, cpus: set[int]) -> None:
 
 def engine_front_end(args, address, streams, pace, index, ready, go, out) -> None:
     """A front-end process of the ``engine`` path: its share of the streams through one EngineClient."""
-    from snac_fast.engine_process import EngineClient
+    from snac_fast.serve import EngineClient
 
     if args.front_cpus:
         os.sched_setaffinity(0, cpu_list(args.front_cpus))  # before any thread: they inherit it
@@ -442,7 +442,7 @@ def main() -> None:
                         help="a process without torch beside each load, counting its 1 ms sleeps that woke over 4 ms late "
                              "(per second: a host-wide stall shows there too)")
     parser.add_argument("--engine-event-loop", action="store_true",
-                        help="the engine path's engine process on one event loop (EngineProcess(event_loop=True)), not threads")
+                        help="the engine path's engine process on one event loop (ServeSettings(engine_event_loop=True)), not threads")
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default=None)
     args = parser.parse_args()
@@ -467,20 +467,21 @@ def main() -> None:
         print("warm-up", warm, flush=True)
     engine_processes = []
     if "engine" in paths:
-        from snac_fast.engine_process import EngineProcess
+        from snac_fast.serve import EngineProcess, ServeSettings
 
         if args.processes % args.gpus:
             parser.error("--processes must be a multiple of --gpus on the engine path")
         t0 = time.perf_counter()
         devices = [args.device] if args.gpus == 1 else [f"cuda:{g}" for g in range(args.gpus)]
-        engine_processes = [EngineProcess(f"synthetic:{args.model}", device=d, max_streams=-(-max(sizes) // args.gpus),
-                                          max_batch=args.max_batch, output=args.output, event_loop=args.engine_event_loop,
-                                          max_wait_ms=args.max_wait_ms)
+        engine_processes = [EngineProcess(ServeSettings(model=f"synthetic:{args.model}", device=d,
+                                                        max_streams=-(-max(sizes) // args.gpus), max_batch=args.max_batch,
+                                                        max_wait_ms=args.max_wait_ms, shared_engine=True,
+                                                        engine_event_loop=args.engine_event_loop), output=args.output)
                             for d in devices]
         results["engine_process_start_s"] = time.perf_counter() - t0
         if args.engine_cpus:
             for engine_process in engine_processes:
-                pin_process(engine_process._process.pid, cpu_list(args.engine_cpus))
+                pin_process(engine_process.pid, cpu_list(args.engine_cpus))
         print(f"engine process up in {results['engine_process_start_s']:.1f} s", flush=True)
         if args.processes != 1 or paths == ["engine"]:  # the offline decodes the audio is checked against
             codec = FastSNAC.from_pretrained(f"synthetic:{args.model}", device=args.device)

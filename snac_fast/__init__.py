@@ -12,7 +12,7 @@ from snac_fast.surgery import SurgeryReport, accelerate
 _LAZY = {
     "ORPHEUS": "snac_fast.orpheus", "TokenLayout": "snac_fast.orpheus",
     "DecoderStream": "snac_fast.streaming", "StreamEngine": "snac_fast.streaming",
-    "AsyncStreamBatcher": "snac_fast.serving", "StreamBatcher": "snac_fast.serving",
+    "AsyncStreamBatcher": "snac_fast.serve", "StreamBatcher": "snac_fast.serve",
 }
 
 __all__ = [

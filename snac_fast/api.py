@@ -18,7 +18,8 @@ from snac_fast.encoding import GraphedEncode, encode_padded, encoder_reach, padd
 from snac_fast.graphs import GraphedDecode
 from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
 from snac_fast.noise import check_seed, injected_noise, keyed_noise
-from snac_fast.ops._runtime import device_scope, finish_runtime_warmup, start_runtime_warmup
+from snac_fast.ops.device import device_scope
+from snac_fast.ops.warm_start import finish_runtime_warmup, start_runtime_warmup
 from snac_fast.surgery import SurgeryReport, accelerate
 
 DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,

@@ -126,52 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_serve_parser(sub, fmt) -> None:
+    from snac_fast.serve.settings import add_arguments
+
     p = sub.add_parser("serve", help="HTTP/WebSocket server: Orpheus-style TTS audio, batched across connections",
                        epilog=EPILOG, formatter_class=fmt,
                        description="POST /v1/audio/speech (OpenAI's speech API) asks the language model at --lm-url "
                                    "(an OpenAI-compatible completions server: vLLM, SGLang, llama.cpp, LM Studio) for "
                                    "audio tokens and streams PCM back; WS /v1/audio/stream takes token ids; /health, "
                                    "/metrics. Needs: pip install 'snac-fast[serve]'.")
-    p.add_argument("--lm-url", help="the LM server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
-    p.add_argument("--lm-model", help="model name for the LM's completions requests (default: the request's 'model')")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8880)
-    p.add_argument("--workers", type=int, default=1, help="worker processes, each with its own engine; without --device they take the host's GPUs in turn")
-    p.add_argument("--shared-engine", action="store_true",
-                   help="one engine process on the device that every worker feeds: all connections in one batch "
-                        "(--max-streams is then the engine's, for all workers)")
-    p.add_argument("--max-streams", type=int, default=256, help="concurrent streams per worker (per engine)")
-    p.add_argument("--max-batch", type=int, default=256, help="streams per engine call")
-    p.add_argument("--max-wait-ms", type=float, default=0.0,
-                   help="an engine call waits up to this long after its first push for --max-batch pushes: fuller, "
-                        "fewer calls (default 0: whatever is pending when the engine is free; docs/serving.md)")
-    p.add_argument("--engine-event-loop", action="store_true",
-                   help="with --shared-engine: the engine process reads, decodes and answers on one asyncio event "
-                        "loop instead of threads (docs/serving.md)")
-    p.add_argument("--idle-timeout", type=float, default=60.0, help="seconds before an idle stream is released")
-    p.add_argument("--voice", default="tara", help="voice when a request names none")
-    p.add_argument("--engine-thread", action="store_true",
-                   help="run the engine calls on a thread of their own instead of the event loop (docs/serving.md)")
-    p.add_argument("--lookahead", default="exact",
-                   help="streams' lookahead: 'exact' (the receptive field, 5124 samples at 24 kHz), 'fp16' (the least "
-                        "closer to float32 than an fp16 decode), or samples below the exact: earlier first audio, "
-                        "approximate (docs/streaming.md)")
-    _add_model_args(p)
-
-
-def _lookahead(text: str) -> int | str | None:
-    if text in ("exact", "fp16"):
-        return None if text == "exact" else text
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise UsageError(f"--lookahead must be 'exact', 'fp16' or a number of samples >= 0, got {text!r}")
-    return value
+    add_arguments(p)  # one flag per ServeSettings field, with its default
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    from snac_fast.serve.settings import ServeSettings
+
+    settings = ServeSettings.from_arguments(args)  # checked: a bad value is a ValueError, exit 2
     try:
         import aiohttp  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -179,25 +148,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UsageError(f"serve needs its extra: pip install 'snac-fast[serve]' ({e})") from None
-    from snac_fast.engine_process import EngineLostError
-    from snac_fast.server import serve
+    from snac_fast.serve.engine_client import EngineLostError
+    from snac_fast.serve.run import serve
 
-    if args.max_streams < 1 or args.max_batch < 1 or args.workers < 1 or args.idle_timeout <= 0:
-        raise UsageError("--max-streams, --max-batch and --workers must be >= 1, --idle-timeout > 0")
-    if args.max_wait_ms < 0:
-        raise UsageError(f"--max-wait-ms must be >= 0, got {args.max_wait_ms:g}")
-    if args.engine_event_loop and not args.shared_engine:
-        raise UsageError("--engine-event-loop is a setting of the shared engine process: add --shared-engine")
-    if args.lm_url is not None and not args.lm_url.startswith(("http://", "https://")):
-        raise UsageError(f"--lm-url must be an http(s) URL, got {args.lm_url!r}")
-    settings = {"model": args.model or DEFAULT_MODEL, "device": args.device, "dtype": args.dtype,
-                "local_files_only": args.local_files_only, "lm_url": args.lm_url, "lm_model": args.lm_model,
-                "max_streams": args.max_streams, "max_batch": args.max_batch, "idle_timeout_s": args.idle_timeout,
-                "voice": args.voice, "lookahead": _lookahead(args.lookahead), "engine_thread": args.engine_thread,
-                "max_wait_ms": args.max_wait_ms}
     try:
-        serve(settings, host=args.host, port=args.port, workers=args.workers, shared_engine=args.shared_engine,
-              engine_event_loop=args.engine_event_loop)
+        serve(settings)
     except EngineLostError as e:  # logged as it happened; the status tells a supervisor to restart
         print(f"snac-fast serve: error: {e}", file=sys.stderr)
         return 1

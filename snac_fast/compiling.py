@@ -25,7 +25,7 @@ import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
-from snac_fast.ops._runtime import HAS_TRITON, TRITON_INTERPRET
+from snac_fast.ops.device import HAS_TRITON, TRITON_INTERPRET
 
 # a forked child runs only the compiler (no CUDA, no locks of other threads); Python 3.12 warns on
 # any fork of a multi-threaded process

@@ -19,8 +19,8 @@ different shapes.
 
 from __future__ import annotations
 
-import math
 import contextlib
+import math
 from collections import OrderedDict
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from snac_fast.compiling import compiling_concurrently
 from snac_fast.graphs import GraphCache
-from snac_fast.ops._runtime import device_scope
+from snac_fast.ops.device import device_scope
 from snac_fast.ops.row_tails import clear_row_tails
 
 

@@ -30,7 +30,7 @@ from snac_fast.codes import validate_codes
 from snac_fast.loading import Checkpoint, build_upstream
 from snac_fast.metrics import max_abs_error, rms, snr_db
 from snac_fast.noise import seeded_noise
-from snac_fast.ops._runtime import true_float32
+from snac_fast.ops.device import true_float32
 from snac_fast.surgery import to_device_dtype
 
 # Thresholds per fast dtype, set 8-12 dB under the lowest SNR of the GPU fidelity matrix and 5-7x over

@@ -32,9 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.codes import check_code_ids
-from snac_fast.noise import draw, keyed_noise, patched_noise
-from snac_fast.ops._runtime import cuda_index, device_scope
 from snac_fast.compiling import compiling_concurrently
+from snac_fast.noise import draw, keyed_noise, patched_noise
+from snac_fast.ops.device import cuda_index, device_scope
 
 
 @dataclass

@@ -98,8 +98,8 @@ def hub_reachable(timeout: float = HUB_PROBE_SECONDS) -> bool:
 
 
 def _from_hub(repo_id: str, revision: str | None, cache_dir: str | None, local_files_only: bool, token: str | bool | None) -> Checkpoint:
-    from huggingface_hub import hf_hub_download
     from huggingface_hub import errors as hf_errors
+    from huggingface_hub import hf_hub_download
 
     if not local_files_only and not hub_reachable():
         local_files_only = True  # the hub cache may still hold it; else the offline error below, at once

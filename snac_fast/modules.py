@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from snac_fast.ops._runtime import exact_float32_cudnn
+from snac_fast.ops.device import exact_float32_cudnn
 from snac_fast.ops.snake import snake
 
 
@@ -50,7 +50,7 @@ class FastSnake1d(nn.Module):
 
 # --- absorbed layers --------------------------------------------------------------------------
 
-class _Absorbed:
+class Absorbed:
     """Mixin: the layer's computation runs inside the kernel of ``absorbed_by``; forward is identity."""
 
     absorbed_by = ""
@@ -62,16 +62,16 @@ class _Absorbed:
         return f"absorbed by {self.absorbed_by}"
 
 
-class AbsorbedSnake1d(_Absorbed, FastSnake1d):
+class AbsorbedSnake1d(Absorbed, FastSnake1d):
     """A decoder Snake1d applied in the epilogue of the fused layer before it (or the prologue of the
     one after it). Keeps ``alpha``."""
 
 
-class AbsorbedConv1d(_Absorbed, nn.Conv1d):
+class AbsorbedConv1d(Absorbed, nn.Conv1d):
     """The decoder's input 1x1 conv, computed by the DepthwisePointwiseConv1d before it."""
 
 
-class AbsorbedTanh(_Absorbed, nn.Tanh):
+class AbsorbedTanh(Absorbed, nn.Tanh):
     """The decoder's final tanh, computed by OutputConvTanh."""
 
 
@@ -81,7 +81,7 @@ _ABSORBED = ((FastSnake1d, AbsorbedSnake1d), (nn.Conv1d, AbsorbedConv1d), (nn.Ta
 def absorb(module: nn.Module, by: str) -> nn.Module:
     """The same module (same parameters, same attributes) as an Absorbed* whose forward is identity."""
     for base, cls in _ABSORBED:
-        if isinstance(module, base) and not isinstance(module, _Absorbed):
+        if isinstance(module, base) and not isinstance(module, Absorbed):
             absorbed = cls.__new__(cls)
             absorbed.__dict__.update(module.__dict__)
             absorbed.absorbed_by = by
@@ -89,7 +89,7 @@ def absorb(module: nn.Module, by: str) -> nn.Module:
     raise ValueError(f"cannot absorb a {type(module).__name__}")
 
 
-class _SnakeOut:
+class SnakeOut:
     """Mixin for fused layers that can apply the next Snake1d in their epilogue: instead of their
     output (:meth:`absorb_next_snake`, when the next layer needs only the snake), or beside it
     (:meth:`pair_next_snake`, for a residual unit, which needs both: the layer then returns the
@@ -134,7 +134,7 @@ def is_pointwise(conv: nn.Module) -> bool:
     return type(conv) is nn.Conv1d and conv.kernel_size[0] == 1 and conv.groups == 1 and conv.stride[0] == 1
 
 
-class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
+class FusedResidualUnit(SnakeOut, _upstream_layers()[1]):
     """A residual unit (Snake -> dilated depthwise conv7 -> Snake -> 1x1 conv, plus x) in two
     kernels: depthwise conv + bias + snake; 1x1 conv + bias + residual add, whose epilogue also
     writes the next unit's input snake (or applies the next layer's snake) once surgery set that up.
@@ -181,7 +181,7 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
             # Inductor's reinplacing can hand an in-place output the memory of h: fresh ones there
             out, snake_out = (None, None) if torch.compiler.is_compiling() else (x, s)
         else:
-            s = snake(x, snake1.alpha) if isinstance(snake1, _Absorbed) else snake1(x)
+            s = snake(x, snake1.alpha) if isinstance(snake1, Absorbed) else snake1(x)
             out = snake_out = None
         if (unit_applies(x, dw.in_channels, dw.dilation[0]) and dw.kernel_size[0] == KERNEL_SIZE and not torch.compiler.is_compiling()
                 and x.is_contiguous() and s.is_contiguous()):
@@ -206,7 +206,7 @@ class FusedResidualUnit(_SnakeOut, _upstream_layers()[1]):
         return pointwise_conv(h, pw.weight, pw.bias, residual=x, alpha_out=self.alpha_out, out=out)
 
 
-class DepthwisePointwiseConv1d(_SnakeOut, nn.Conv1d):
+class DepthwisePointwiseConv1d(SnakeOut, nn.Conv1d):
     """The decoder's first two layers, depthwise conv7 then 1x1 conv (+ the first block's snake
     once absorbed), as two Triton kernels under one module. It is the depthwise conv (same
     parameters and name); the 1x1 conv stays in the tree as AbsorbedConv1d."""
@@ -268,7 +268,7 @@ class DepthwiseConv1d(_FromConv, nn.Conv1d):
         return depthwise_conv_snake(x, self.weight, self.bias, self.dilation[0])
 
 
-class _PackedWeights:
+class PackedWeights:
     """Mixin: the weight in the layouts a kernel reads (``_layouts(weight, dtype)``), cached while
     the weight is unchanged.
 
@@ -301,7 +301,7 @@ class _PackedWeights:
         self.kernel_weights(self.weight.dtype)
 
 
-class FusedDenseConv1d(_FromConv, _PackedWeights, _SnakeOut, nn.Conv1d):
+class FusedDenseConv1d(_FromConv, PackedWeights, SnakeOut, nn.Conv1d):
     """A dense Conv1d (groups 1, dilation 1; any kernel, stride, zero padding) on the Triton implicit
     GEMM (:func:`snac_fast.ops.dense_conv.dense_conv1d`): the encoder's input conv and strided
     downsampling convs. With :meth:`pair_next_snake` it returns (y, snake(y)) for the residual unit
@@ -329,7 +329,7 @@ class FusedDenseConv1d(_FromConv, _PackedWeights, _SnakeOut, nn.Conv1d):
                             packed=self.kernel_weights(x.dtype))
 
 
-class FusedConvTranspose1d(_FromConv, _PackedWeights, nn.ConvTranspose1d):
+class FusedConvTranspose1d(_FromConv, PackedWeights, nn.ConvTranspose1d):
     """The decoder block's upsampling ConvTranspose1d (and the block's input Snake1d, when no layer
     before could absorb it, as after attention: one snake kernel before either path).
 
@@ -414,7 +414,7 @@ class OutputConvTanh(_FromConv, nn.Conv1d):
         return conv_tanh(x, self.weight, self.bias)
 
 
-class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
+class FusedNoiseBlock(SnakeOut, _upstream_layers()[0]):
     """NoiseBlock ``x + noise * conv1x1(x)`` in one kernel (GEMM with noise-scale and residual
     epilogue; with :meth:`pair_next_snake` it returns (y, snake(y)) for the residual unit after it).
 
@@ -443,7 +443,7 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
     def folded_bias(self, input_bias: Tensor) -> Tensor:
         """The GEMM bias that adds ``input_bias`` to the input (``bias + W @ input_bias``, float32
         [C]), cached while the weight and the bias are unchanged; under ``torch.compile`` read, or
-        made per call (the rules of :class:`_PackedWeights`)."""
+        made per call (the rules of :class:`PackedWeights`)."""
         from snac_fast.ops.pointwise import fold_input_bias
 
         w, b = self.linear.weight, self.linear.bias
@@ -483,70 +483,6 @@ class FusedNoiseBlock(_SnakeOut, _upstream_layers()[0]):
         if self._snake_pair is not None:
             return pointwise_conv_pair(*args, alpha=self._snake_pair.alpha, residual_bias=input_bias)
         return pointwise_conv(*args, residual_bias=input_bias)
-
-
-def _upstream_attention():
-    from snac.attention import LocalMHA
-
-    return LocalMHA
-
-
-class HalfLocalMHA(_SnakeOut, _upstream_attention()):
-    """Upstream's LocalMHA (32/44 kHz: windows of ``window_size`` steps, rotary embedding, softmax)
-    in the model's half dtype, which upstream cannot run (its rotary scale makes q and k float32
-    while v stays half). LayerNorm on half input (float32 statistics inside); the QKV projection a
-    half GEMM (float32 accumulation); the rotation, scores, softmax and weighted sum of every
-    (window, head) in one kernel (:func:`snac_fast.ops.attention.local_attention`: rotary and
-    softmax in float32 registers); the output projection a GEMM whose epilogue adds the residual
-    (:func:`snac_fast.ops.pointwise.pointwise_conv`) and, in the decoder, applies the next block's
-    Snake1d and writes [B, T, C] memory for its transposed conv. Same parameters and module names;
-    set by surgery on a half model (a class swap). Input and output: [B, C, T], T a multiple of
-    ``window_size``.
-    """
-
-    def forward(self, x: Tensor) -> Tensor:
-        from snac_fast.ops.attention import local_attention
-        from snac_fast.ops.pointwise import pointwise_conv
-
-        B, C, T = x.shape
-        n = self.window_size
-        if T % n:
-            raise ValueError(f"local attention needs a length divisible by its window {n}, got {T}")
-        h = F.layer_norm(x.transpose(1, 2), (C,), self.norm.weight, self.norm.bias, self.norm.eps)
-        cos, sin = self._rotary_table(n, C // self.heads, x.device)
-        out = local_attention(F.linear(h, self.to_qkv.weight), self.heads, n, cos, sin)  # [B, T, C]
-        return pointwise_conv(out.transpose(1, 2), self.to_out.weight.unsqueeze(2), residual=x,
-                              alpha_out=self.alpha_out, channels_last=self.channels_last_out)
-
-    def _rotary_table(self, n: int, d: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        """float32 cos and sin [n, d / 2] of upstream's SinusoidalEmbeddings for a window of n steps
-        (which repeats them for the second half of d); without a rotary embedding, the identity."""
-        key = (n, d, device)
-        cached = self.__dict__.get("_rotary")
-        if cached is None or cached[0] != key:
-            if self.rel_pos is None:
-                freqs = torch.zeros((n, d // 2), device=device)
-            else:
-                t = torch.arange(n, device=device, dtype=torch.float32)
-                freqs = torch.outer(t, self.rel_pos.inv_freq.to(device=device, dtype=torch.float32))
-            self.__dict__["_rotary"] = cached = (key, (freqs.cos(), freqs.sin()))
-        return cached[1]
-
-    @classmethod
-    def convert(cls, module: nn.Module) -> "HalfLocalMHA":
-        """Turn an upstream LocalMHA into this class in place (its rotary embedding without xpos)."""
-        if type(module) is not _upstream_attention() or getattr(module.rel_pos, "use_xpos", False):
-            raise ValueError("needs an upstream LocalMHA whose rotary embedding has no xpos scale")
-        module.__class__ = cls
-        return module
-
-    def take_snake_of(self, conv: "FusedConvTranspose1d", name: str) -> None:
-        """Apply the snake that ``conv`` (the next layer) would run on its input, and write that
-        input [B, T, C] in memory as ``conv`` reads it fastest. name: this module's qualified name."""
-        snake_module, conv._snake_in = conv._snake_in, None
-        snake_module.absorbed_by = name
-        self.absorb_next_snake(snake_module)
-        self.write_channels_last()
 
 
 def _upstream_quantizer():

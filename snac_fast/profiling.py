@@ -201,10 +201,10 @@ def _hooked_runs(model, codes, clock, runs, warmup, top_only):
     marks: dict[str, list] = {}
     shapes: dict[str, list[int]] = {}
     handles = []
-    from snac_fast.modules import _Absorbed
+    from snac_fast.modules import Absorbed
 
     # absorbed layers run inside a neighbour's kernel: no row of their own (they would time nothing)
-    selected = [(n, m, d) for n, m, d in _timed_modules(model) if (d == 0 or not top_only) and not isinstance(m, _Absorbed)]
+    selected = [(n, m, d) for n, m, d in _timed_modules(model) if (d == 0 or not top_only) and not isinstance(m, Absorbed)]
     for name, module, _ in selected:
         def pre(mod, args, name=name):
             marks.setdefault(name, []).append(clock.mark())

@@ -12,10 +12,24 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from snac_fast.modules import (DepthwiseConv1d, DepthwisePointwiseConv1d, FastSnake1d, FusedConvTranspose1d,
-                               FusedDenseConv1d, FusedNoiseBlock, FusedResidualUnit, FusedResidualVectorQuantize,
-                               HalfLocalMHA, OutputConvTanh, _Absorbed, _PackedWeights, _SnakeOut,
-                               _upstream_attention, absorb, is_pointwise, is_same_padding_depthwise)
+from snac_fast.local_attention import HalfLocalMHA, upstream_attention
+from snac_fast.modules import (
+    Absorbed,
+    DepthwiseConv1d,
+    DepthwisePointwiseConv1d,
+    FastSnake1d,
+    FusedConvTranspose1d,
+    FusedDenseConv1d,
+    FusedNoiseBlock,
+    FusedResidualUnit,
+    FusedResidualVectorQuantize,
+    OutputConvTanh,
+    PackedWeights,
+    SnakeOut,
+    absorb,
+    is_pointwise,
+    is_same_padding_depthwise,
+)
 
 
 @dataclass
@@ -95,8 +109,8 @@ def keep_attention_float32(model: nn.Module, dtype: torch.dtype) -> list[str]:
     scale, so they become float32 while v stays half and scaled_dot_product_attention refuses the
     mix. This is how upstream baselines run in half (the fidelity check's plain upstream, the
     benchmarks' folded peer) and what ``accelerate(fuse=False)`` does; fused half models run
-    :class:`~snac_fast.modules.HalfLocalMHA` instead (20-37% faster 32 kHz decodes and encodes,
-    `benchmarks/logs/attention_ab_h100.md`).
+    :class:`~snac_fast.local_attention.HalfLocalMHA` instead (20-37% faster 32 kHz decodes and encodes,
+    `attention_ab_h100.md` (3f9392a)).
     """
     from snac.attention import LocalMHA
 
@@ -193,7 +207,7 @@ def _fuse_layers(order: list[tuple[str, nn.Sequential, int]], done: dict[str, li
     for k, (name, parent, i) in enumerate(order):
         layer = parent[i]
         if type(layer) is FastSnake1d:
-            if previous is not None and isinstance(previous[1], _SnakeOut) and previous[1].alpha_out is None:
+            if previous is not None and isinstance(previous[1], SnakeOut) and previous[1].alpha_out is None:
                 parent[i] = absorb(layer, previous[0])  # the tree's module: .to() and loading reach it
                 previous[1].absorb_next_snake(parent[i])
                 done["absorbed"].append(name)
@@ -204,7 +218,7 @@ def _fuse_layers(order: list[tuple[str, nn.Sequential, int]], done: dict[str, li
                 next_parent[j].absorb_previous_snake(parent[i])
                 done["absorbed"].append(name)
                 continue
-        if not isinstance(layer, _Absorbed):
+        if not isinstance(layer, Absorbed):
             previous = (name, layer)
     # a residual unit's first snake: written by the layer before it, beside that layer's output
     for (name, parent, i), (next_name, next_parent, j) in zip(order, order[1:]):
@@ -217,8 +231,8 @@ def _fuse_layers(order: list[tuple[str, nn.Sequential, int]], done: dict[str, li
     # transposed and dense convs read [B, T, C] memory fastest (aligned shifted loads; cuDNN without
     # layout transforms), and the attention's LayerNorm reads it without a transposing copy: the
     # layer before writes that layout
-    computing = [parent[i] for _, parent, i in order if not isinstance(parent[i], _Absorbed)]
-    reads_channels_last = (FusedConvTranspose1d, FusedDenseConv1d, _upstream_attention())
+    computing = [parent[i] for _, parent, i in order if not isinstance(parent[i], Absorbed)]
+    reads_channels_last = (FusedConvTranspose1d, FusedDenseConv1d, upstream_attention())
     for layer, after in zip(computing, computing[1:]):
         if (isinstance(after, reads_channels_last) and isinstance(layer, (FusedResidualUnit, DepthwisePointwiseConv1d))
                 and layer._snake_pair is None):
@@ -276,7 +290,7 @@ def accelerate(
     ``fold_weights=False``, fuses the decoder (:func:`fuse_decoder`) and, with ``encoder``, the
     encoder (:func:`fuse_encoder`) unless ``fuse=False`` (needs folded weights), then moves the model
     to ``device``/``dtype`` when given. In float16 and bfloat16 the 32/44 kHz attention becomes
-    :class:`~snac_fast.modules.HalfLocalMHA` (fused models) or stays float32 (``fuse=False``, see
+    :class:`~snac_fast.local_attention.HalfLocalMHA` (fused models) or stays float32 (``fuse=False``, see
     :func:`keep_attention_float32`).
     Raises ValueError when the model is not a SNAC or its Snake1d count is not the architecture's.
     """
@@ -308,7 +322,7 @@ def accelerate(
             report.fused.update({f"encoder_{kind}": names for kind, names in encoder_fused.items()})
     if fuse and dtype in (torch.float16, torch.bfloat16):
         model.to(device=device, dtype=dtype)
-        report.half_attention = [name for name, m in model.named_modules() if type(m) is _upstream_attention()]
+        report.half_attention = [name for name, m in model.named_modules() if type(m) is upstream_attention()]
         for name in report.half_attention:
             HalfLocalMHA.convert(model.get_submodule(name))
         if fuse:
@@ -316,6 +330,6 @@ def accelerate(
     elif device is not None or dtype is not None:
         report.float32_attention = to_device_dtype(model, device, dtype)
     for module in model.modules():  # on the final device and dtype, outside torch.compile
-        if isinstance(module, (_PackedWeights, FusedNoiseBlock)):
+        if isinstance(module, (PackedWeights, FusedNoiseBlock)):
             module.pack()
     return report

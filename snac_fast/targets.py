@@ -1,7 +1,7 @@
 """Do the kernels fit the GPUs users have? Checked on a machine without them.
 
 The launch rules choose tiles, warps and pipeline stages from the device's limits
-(:class:`~snac_fast.ops._runtime.GpuLimits`: capability, SM count, shared memory a block). This
+(:class:`~snac_fast.ops.device.GpuLimits`: capability, SM count, shared memory a block). This
 module runs a workload on CPU tensors with the rules of another card (:func:`record_launches`,
 under ``TRITON_INTERPRET=1``): every kernel launch is recorded, not run. Each distinct launch is
 then compiled ahead of time for that card's architecture (:func:`check_fits`, in a process without
@@ -31,8 +31,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from snac_fast.ops import _runtime
-from snac_fast.ops._runtime import GPUS, GpuLimits, emulate_gpu
+from snac_fast.ops import device as ops_device
+from snac_fast.ops.device import GPUS, GpuLimits, emulate_gpu
 
 MODELS = ("snac_24khz", "snac_32khz", "snac_44khz")
 REGISTERS_PER_THREAD = 255  # every architecture since sm_35
@@ -108,7 +108,7 @@ def record_launches(run: Callable[[], object], limits: GpuLimits) -> list[Launch
     order first made. Needs ``TRITON_INTERPRET=1`` (set before Triton is imported) and CPU tensors;
     kernels are not run: their integer tensors are zeroed (valid indices for what follows), floats
     keep whatever they held, so the audio is meaningless and only shapes and configurations count."""
-    if not _runtime.TRITON_INTERPRET:
+    if not ops_device.TRITON_INTERPRET:
         raise RuntimeError("record_launches needs TRITON_INTERPRET=1 before Triton is imported")
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -269,7 +269,7 @@ def main() -> None:
     if args.compile:
         _compile_main(args.compile, args.workers)
         return
-    if not _runtime.TRITON_INTERPRET:
+    if not ops_device.TRITON_INTERPRET:
         sys.exit("run with TRITON_INTERPRET=1 (the launches are recorded through Triton's interpreter)")
     report = {}
     for gpu in args.gpus.split(","):

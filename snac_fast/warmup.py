@@ -31,7 +31,7 @@ import torch
 
 from snac_fast.compiling import compiling_concurrently
 from snac_fast.graphs import KEYED
-from snac_fast.ops._runtime import device_scope
+from snac_fast.ops.device import device_scope
 
 
 def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | None = None, engine=None,

@@ -148,6 +148,7 @@ def short_tokens(tmp_path):
     """Two frames for a narrow 24 kHz checkpoint (helpers.NARROW) in a folder the file names: the
     commands' plumbing is under test, not the model's widths."""
     from helpers import NARROW, random_codes
+
     from snac_fast import save_tokens
     from snac_fast.configs import published_config
     from snac_fast.synthetic import make_checkpoint
@@ -172,7 +173,8 @@ def test_fidelity_command(short_tokens):
 
 
 def test_fidelity_command_exits_1_on_failure(short_tokens, monkeypatch, capsys):
-    from snac_fast import FastSNAC, cli as cli_module
+    from snac_fast import FastSNAC
+    from snac_fast import cli as cli_module
     from snac_fast.fidelity import FidelityReport, judge
 
     def failing(self, codes, **kwargs):

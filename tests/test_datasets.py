@@ -218,7 +218,7 @@ def test_decode_names_outputs_after_their_sources_and_records_failed_rows(codec,
     codes = [np.zeros(4 * 4 // s, np.int64) for s in (4, 2, 1)]  # 4 frames: 0.34 s of audio
     clips = [ds.Clip(ds.AudioInput(name, name), None, 0.3, 24000, None) for name in ("good.wav", "bad.wav")]
     table = ds.shard_table(clips, [codes, [c + 5000 for c in codes]], "in-memory", 3)  # 5000: past the codebook
-    ds.shards._write_atomically(table, tmp_path / "s.parquet")
+    ds.shards.write_atomically(table, tmp_path / "s.parquet")
     summary = ds.decode_dataset(tmp_path / "s.parquet", tmp_path / "out", codec, progress=False)
     assert summary["written"] == 1 and summary["errors"] == 1
     error = json.loads((tmp_path / "out" / "_errors.jsonl").read_text())
@@ -235,9 +235,9 @@ def test_local_engine_reads_while_the_model_loads(corpus, tmp_path, monkeypatch)
     from snac_fast.datasets import local_engine, readers
 
     events = []
-    submit, load, resolve = readers._Readers.submit, local_engine._load, snac_fast.loading.resolve_checkpoint
-    monkeypatch.setattr(readers._Readers, "submit", lambda self, items: events.append("read") or submit(self, items))
-    monkeypatch.setattr(local_engine, "_load", lambda **options: events.append("load") or load(**options))
+    submit, load, resolve = readers.Readers.submit, local_engine.load_codec, snac_fast.loading.resolve_checkpoint
+    monkeypatch.setattr(readers.Readers, "submit", lambda self, items: events.append("read") or submit(self, items))
+    monkeypatch.setattr(local_engine, "load_codec", lambda **options: events.append("load") or load(**options))
     for module in (snac_fast.loading, snac_fast.api):
         monkeypatch.setattr(module, "resolve_checkpoint", lambda *a, **k: events.append("resolve") or resolve(*a, **k))
     options = dict(model=str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), device="cpu",
@@ -317,7 +317,7 @@ def test_reader_tasks_spool_their_audio_or_send_it_inline(corpus, tmp_path):
     cannot take it, the arrays come back themselves. Both give the clips read_clip gives."""
     items = [ds.AudioInput(n, str(corpus / n)) for n in ("a.wav", "d_empty.wav", "g.wav")]
     expected = [ds.read_clip(i, 24000) for i in items]
-    readers = ds.readers._Readers.__new__(ds.readers._Readers)
+    readers = ds.readers.Readers.__new__(ds.readers.Readers)
     readers.dtype = "float32"
     for spool in (tmp_path, tmp_path / "missing"):
         path, meta = ds.readers._read_clips(items, 24000, "float32", str(spool))
@@ -391,10 +391,10 @@ def test_readers_run_at_the_lowest_priority():
     # the launching thread must not queue behind a reader for a CPU (see _start_reader): neither the
     # reader process nor its reading threads
     lowest = min(19, os.nice(0) + 19)
-    with ds.readers._Readers(1, 24000) as readers:
+    with ds.readers.Readers(1, 24000) as readers:
         assert readers.threads == 1 and readers.pool.submit(os.nice, 0).result() == lowest
     threads = ds.readers.THREADS_PER_READER
-    with ds.readers._Readers(2 * threads, 24000) as readers:
+    with ds.readers.Readers(2 * threads, 24000) as readers:
         assert readers.processes == 2 and readers.threads == threads
         assert readers.pool.submit(_read_threads_niceness).result() == [lowest] * threads
 

@@ -1,19 +1,14 @@
-"""The fused encoder: its dense-conv and nearest-codeword kernels against float64 references, the
-encoder end to end against upstream, the receptive field, chunked long-audio encodes equal to
-whole ones, CUDA graphs."""
+"""snac_fast.encoding: the fused encoder end to end against upstream, the receptive field, chunked
+long-audio encodes equal to whole ones, CUDA graphs (its kernels: tests/ops/test_dense_conv.py,
+tests/ops/test_codebook.py)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
-
 from helpers import NARROW
+
 from snac_fast import FastSNAC
 from snac_fast.encoding import Chunk, encoder_reach, padding_unit, plan_chunks
 from snac_fast.modules import DepthwiseConv1d, FusedDenseConv1d, FusedResidualUnit
-from snac_fast.ops.codebook import _nearest_codeword, nearest_codeword_reference, quantize
-from snac_fast.ops.dense_conv import dense_conv1d
-from snac_fast.ops.snake import snake_reference
-from snac_fast.surgery import fold_weight_norm
 from snac_fast.synthetic import speech_like, synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
@@ -29,90 +24,6 @@ def tiny_model(name: str, dtype=torch.float32) -> FastSNAC:
     return FastSNAC(synthetic_model(name, **TINY, **extra), device="cpu", dtype=dtype)
 
 
-# (B, C_in, C_out, T, kernel, stride, padding): the input conv (one channel in), SNAC's strided
-# convs (kernel 2s, padding ceil(s/2)) at odd lengths, a plain unpadded conv
-CONV_SHAPES = [(2, 1, 48, 203, 7, 1, 3), (3, 24, 48, 101, 4, 2, 1), (1, 40, 80, 77, 16, 8, 4),
-               (2, 16, 32, 61, 6, 3, 2), (1, 5, 7, 9, 3, 1, 0)]
-
-
-@pytest.mark.parametrize("dtype", list(TOLERANCE))
-@pytest.mark.parametrize("shape", CONV_SHAPES)
-def test_dense_conv_matches_float64(shape, dtype):
-    B, C_in, C_out, T, K, S, P = shape
-    gen = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(B, C_in, T, generator=gen).to(dtype)
-    w = (torch.randn(C_out, C_in, K, generator=gen) / (C_in * K) ** 0.5).to(dtype)
-    b = torch.randn(C_out, generator=gen).to(dtype)
-    alpha = (torch.rand(C_out, generator=gen) * 4 + 0.2).to(dtype)
-    expected = F.conv1d(x.double(), w.double(), b.double(), S, P)  # from the rounded inputs: only the kernel's error counts
-    expected_snake = snake_reference(expected, alpha.double())
-    scale = expected.abs().max().item()
-    channels_last = x.transpose(1, 2).contiguous().transpose(1, 2)
-    for given in (x, channels_last):
-        y, s = dense_conv1d(given, w, b, S, P, pair_alpha=alpha)
-        assert y.dtype == s.dtype == dtype and y.is_contiguous() and s.is_contiguous()
-        torch.testing.assert_close(y.double(), expected, rtol=0, atol=TOLERANCE[dtype] * scale)
-        torch.testing.assert_close(s.double(), expected_snake, rtol=0, atol=TOLERANCE[dtype] * 2 * scale)
-        assert torch.equal(dense_conv1d(given, w, b, S, P), y)
-    torch.testing.assert_close(dense_conv1d(x, w, None, S, P).double(), expected - b.double()[:, None],
-                               rtol=0, atol=TOLERANCE[dtype] * scale)
-
-
-@pytest.mark.parametrize("call, message", [
-    (lambda x, w: dense_conv1d(x, w[:, :3]), "weight must be"),
-    (lambda x, w: dense_conv1d(x[..., :2], w), "shorter than the kernel"),
-    (lambda x, w: dense_conv1d(x, w, torch.zeros(5)), "bias needs 8"),
-    (lambda x, w: dense_conv1d(x, w, stride=0), "stride >= 1"),
-    (lambda x, w: dense_conv1d(x.long(), w), "floating"),
-])
-def test_dense_conv_rejects_bad_input(call, message):
-    with pytest.raises(ValueError, match=message):
-        call(torch.randn(1, 4, 10), torch.randn(8, 4, 3))
-
-
-@pytest.mark.parametrize("rows, codes, splits", [(1, 4096, 16), (37, 4096, 5), (130, 384, 3), (33, 256, 1)])
-def test_nearest_codeword_matches_float64(rows, codes, splits):
-    """Codebook slices across programs (splits) and rows in several blocks give the float64 argmax."""
-    gen = torch.Generator().manual_seed(rows)
-    e = F.normalize(torch.randn(rows, 8, generator=gen))
-    table = F.normalize(torch.randn(codes, 8, generator=gen))
-    assert torch.equal(_nearest_codeword(e, table, splits=splits), nearest_codeword_reference(e.double(), table.double()))
-
-
-@pytest.mark.parametrize("splits", [1, 4])
-def test_nearest_codeword_first_of_equal_scores(splits):
-    """Codewords repeated across lanes, tiles and slices: the lowest index wins, as upstream's max."""
-    gen = torch.Generator().manual_seed(7)
-    table = F.normalize(torch.randn(512, 8, generator=gen))
-    e = F.normalize(torch.randn(20, 8, generator=gen))
-    for i, row in enumerate(e):  # row i's own codeword sits at 3 + i, 3 + i + 130 and 3 + i + 400
-        for at in (3 + i + 400, 3 + i + 130, 3 + i):
-            table[at] = row
-    expected = torch.arange(3, 23)
-    assert torch.equal(nearest_codeword_reference(e, table), expected)
-    assert torch.equal(_nearest_codeword(e, table, splits=splits), expected)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_quantize_computes_in_float32(dtype):
-    """Given a half latent and half weights, the codes are upstream float32's on the same values,
-    and the quantized latent is upstream's."""
-    model = synthetic_model("snac_24khz", **NARROW)
-    fold_weight_norm(model)
-    quantizer = model.quantizer
-    gen = torch.Generator().manual_seed(1)
-    z = (torch.randn(2, model.latent_dim, 64, generator=gen) * 3).to(dtype)
-    with torch.no_grad():
-        for p in quantizer.parameters():
-            p.copy_(p.to(dtype))  # upstream float32 on the half values
-        expected_zq, expected = quantizer(z.float())
-        qs = quantizer.quantizers
-        z_q, codes = quantize(z, [q.in_proj.weight.to(dtype) for q in qs], [q.in_proj.bias.to(dtype) for q in qs],
-                              [q.codebook.weight.to(dtype) for q in qs], [q.out_proj.weight.to(dtype) for q in qs],
-                              [q.out_proj.bias.to(dtype) for q in qs], None, None, [q.stride for q in qs])
-    assert z_q.dtype == dtype and z_q.shape == z.shape
-    assert all(torch.equal(a, b) for a, b in zip(codes, expected))
-    torch.testing.assert_close(z_q.float(), expected_zq, rtol=0, atol=TOLERANCE[dtype] * expected_zq.abs().max().item())
 
 
 @pytest.mark.heavy
@@ -308,31 +219,6 @@ def test_gpu_padded_batch_rows_agree_with_each_clip_alone(cuda):
     replayed = fast.encode(batch, lengths=shorter, cuda_graphs=True)
     assert len(fast.encode_graphs) == 1
     assert all(torch.equal(a, b) for a, b in zip(replayed, fast.encode(batch, lengths=shorter, cuda_graphs=False)))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_gpu_dense_conv_encoder_shapes(cuda, dtype):
-    """The 24 kHz encoder's strided convs at B=2, a 10 s input's lengths, channels-last input."""
-    gen = torch.Generator(device=cuda).manual_seed(0)
-    for C_in, stride, T in [(48, 2, 240000), (96, 4, 120000), (192, 8, 30000), (384, 8, 3750)]:
-        x = torch.randn(2, T, C_in, device=cuda, generator=gen).to(dtype).transpose(1, 2)
-        w = (torch.randn(2 * C_in, C_in, 2 * stride, device=cuda, generator=gen) / (2 * stride * C_in) ** 0.5).to(dtype)
-        b = torch.randn(2 * C_in, device=cuda, generator=gen).to(dtype)
-        pad = -(-stride // 2)
-        expected = F.conv1d(x.double(), w.double(), b.double(), stride, pad)
-        y = dense_conv1d(x, w, b, stride, pad)
-        torch.testing.assert_close(y.double(), expected, rtol=0, atol=TOLERANCE[dtype] * expected.abs().max().item())
-
-
-@pytest.mark.gpu
-def test_gpu_nearest_codeword_slices(cuda):
-    gen = torch.Generator(device=cuda).manual_seed(1)
-    table = F.normalize(torch.randn(4096, 8, device=cuda, generator=gen))
-    for rows in (1, 117, 15000):
-        e = F.normalize(torch.randn(rows, 8, device=cuda, generator=gen))
-        expected = nearest_codeword_reference(e.double(), table.double())
-        assert (_nearest_codeword(e, table) == expected).float().mean().item() >= 0.999
 
 
 @pytest.mark.gpu

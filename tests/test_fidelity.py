@@ -4,10 +4,15 @@ import math
 
 import pytest
 import torch
-
 from helpers import NARROW, random_codes
+
 from snac_fast import FastSNAC
-from snac_fast.fidelity import FidelityReport, decode_with_noise, judge, log_mel_distance_db
+from snac_fast.fidelity import (
+    FidelityReport,
+    decode_with_noise,
+    judge,
+    log_mel_distance_db,
+)
 from snac_fast.metrics import max_abs_error, rms, snr_db
 from snac_fast.synthetic import synthetic_model
 

@@ -8,11 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from helpers import PERTURBATIONS, perturb, random_codes
+
 from snac_fast import CheckpointError, FastSNAC
 from snac_fast.configs import published_config
-from snac_fast.synthetic import fill_hub_cache, make_checkpoint, state_dict_sha256, synthetic_model
+from snac_fast.synthetic import (
+    fill_hub_cache,
+    make_checkpoint,
+    state_dict_sha256,
+    synthetic_model,
+)
 
 REPO = "hubertsiuzdak/snac_24khz"
 

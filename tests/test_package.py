@@ -9,11 +9,11 @@ def test_package_exports_what_readme_imports():
 
     import snac_fast
     from snac_fast.orpheus import ORPHEUS
-    from snac_fast.serving import AsyncStreamBatcher
+    from snac_fast.serve import AsyncStreamBatcher
 
     assert snac_fast.ORPHEUS is ORPHEUS and snac_fast.AsyncStreamBatcher is AsyncStreamBatcher
     assert set(snac_fast.__all__) >= {"FastSNAC", "ORPHEUS", "AsyncStreamBatcher", "StreamBatcher", "DecoderStream"}
-    probe = "import sys, snac_fast; print('snac_fast.serving' in sys.modules)"
+    probe = "import sys, snac_fast; print('snac_fast.serve.batchers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 
@@ -27,3 +27,16 @@ def test_every_environment_switch_is_in_the_readme():
     assert {"SNAC_FAST_GPU_LIMITS", "SNAC_FAST_PDL", "SNAC_FAST_COMPILE_FORK"} <= names
     readme = (root / "README.md").read_text()
     assert [n for n in sorted(names) if n not in readme] == []
+
+
+def test_readme_is_short_and_its_speed_table_is_the_figures_of_record():
+    """README.md stays a user's page (at most 8,000 bytes), and its speed table and
+    benchmarks/figures.json are what scripts/figures.py reads from the reports under benchmarks/."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    assert len((root / "README.md").read_bytes()) <= 8000
+    check = subprocess.run([sys.executable, str(root / "scripts" / "figures.py"), "--check"], capture_output=True, text=True)
+    assert check.returncode == 0, check.stderr

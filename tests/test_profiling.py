@@ -3,8 +3,8 @@
 import json
 
 import pytest
-
 from helpers import NARROW, random_codes
+
 from snac_fast import FastSNAC
 from snac_fast.profiling import _timed_modules
 from snac_fast.synthetic import synthetic_model

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import soundfile
 import torch
-
 from helpers import PERTURBATIONS, perturb
+
 from snac_fast import FastSNAC, load_tokens
 from snac_fast.fidelity import decode_with_noise
 from snac_fast.metrics import max_abs_error, snr_db

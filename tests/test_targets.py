@@ -9,19 +9,13 @@ import warnings
 import pytest
 import torch
 
-from snac_fast.ops import _runtime
-from snac_fast.ops._runtime import (
-    GPUS,
-    GpuLimits,
-    emulate_gpu,
-    gpu_limits,
-    has_tma,
-    launch_flags,
-    wave_programs,
-)
+from snac_fast.ops import device as ops_device
+from snac_fast.ops import launch as ops_launch
 from snac_fast.ops.conv_transpose import conv_transpose, conv_transpose_reference
+from snac_fast.ops.device import GPUS, GpuLimits, emulate_gpu, gpu_limits
+from snac_fast.ops.launch import has_tma, launch_flags, wave_programs
 
-pytestmark = pytest.mark.skipif(not _runtime.TRITON_INTERPRET, reason="records launches through Triton's interpreter")
+pytestmark = pytest.mark.skipif(not ops_device.TRITON_INTERPRET, reason="records launches through Triton's interpreter")
 CPU = torch.device("cpu")
 
 
@@ -47,18 +41,18 @@ def test_rules_read_the_emulated_devices_limits(monkeypatch):
 
 def test_gpus_before_ampere_take_the_reference_path_with_one_warning(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "Tesla T4")
-    _runtime._supported.cache_clear()
+    ops_device._supported.cache_clear()
     try:
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (7, 5))
         with pytest.warns(RuntimeWarning, match=r"Tesla T4 \(sm_75\) is older than Ampere"):
-            assert not _runtime._supported(0)
+            assert not ops_device._supported(0)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            assert not _runtime._supported(0)  # once
+            assert not ops_device._supported(0)  # once
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: (8, 6))
-        assert _runtime._supported(1)
+        assert ops_device._supported(1)
     finally:
-        _runtime._supported.cache_clear()
+        ops_device._supported.cache_clear()
 
 
 def test_a_configuration_the_device_refuses_falls_back_to_a_smaller_one(monkeypatch):
@@ -81,7 +75,7 @@ def test_a_configuration_the_device_refuses_falls_back_to_a_smaller_one(monkeypa
             return launch
 
     monkeypatch.setattr(module, "_conv_transpose_kernel", SmallCard())
-    monkeypatch.setattr(_runtime, "_fitted", {})
+    monkeypatch.setattr(ops_launch, "_fitted", {})
     gen = torch.Generator().manual_seed(3)
     x, w, b = torch.randn(2, 64, 9, generator=gen), torch.randn(64, 32, 8, generator=gen) / 8, torch.randn(32, generator=gen)
     ref = conv_transpose_reference(x.double(), w.double(), b.double(), 4)
@@ -220,7 +214,7 @@ def test_stream_steps_of_up_to_8_rows_take_the_one_row_steps_tiles():
     rows choose the depthwise and 1x1-conv tiles of the 1-row step (the rules see a launch that many
     times smaller), in every step kind; 16 rows choose their own again."""
     from snac_fast import FastSNAC
-    from snac_fast.streaming.engine import FLUSH, PREFILL, STEP
+    from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP
     from snac_fast.synthetic import synthetic_model
     from snac_fast.targets import record_launches
 
@@ -243,7 +237,7 @@ def test_a_recorded_launch_choice_is_reused_where_it_fits():
     """launches_as_recorded: recording launches keep their own choices (the first of a key is
     kept); the others take the recorded choice where it fits, else choose their own (as do the
     interpreter's launches, which compile nothing)."""
-    from snac_fast.ops._runtime import launch_choice, launches_as_recorded
+    from snac_fast.ops.launch import launch_choice, launches_as_recorded
 
     memo: dict = {}
     assert launch_choice("layer", lambda: "own") == "own"  # outside any scope: nothing recorded
@@ -266,7 +260,7 @@ def test_prefills_and_flushes_launch_their_buckets_step_tiles():
     so choices of their own were variants of their own), except where the step's tile needs an
     alignment their length lacks; warm-up runs each bucket's step first."""
     from snac_fast import FastSNAC
-    from snac_fast.streaming.engine import FLUSH, PREFILL, STEP
+    from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP
     from snac_fast.synthetic import synthetic_model
     from snac_fast.targets import record_launches
 

@@ -2,8 +2,8 @@
 
 import pytest
 import torch
-
 from helpers import random_codes
+
 from snac_fast import load_tokens, save_tokens
 from snac_fast.configs import published_config
 

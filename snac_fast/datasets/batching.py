@@ -72,7 +72,7 @@ class Launched:
 def build_batch(codec, rows: list, arrays: Sequence[np.ndarray], length: int) -> Batch:
     """A batch of ``arrays`` (one clip's samples each, at most ``length``) zero-padded to ``length``."""
     # pinned: the copy to the GPU neither waits for the queued batches nor holds up the launching thread
-    audio = torch.empty((len(arrays), 1, length), dtype=_batch_dtype(codec), pin_memory=codec.device.type == "cuda")
+    audio = torch.empty((len(arrays), 1, length), dtype=batch_dtype(codec), pin_memory=codec.device.type == "cuda")
     out = audio.numpy()
     for row, samples in enumerate(arrays):
         out[row, 0, :samples.size] = samples
@@ -211,14 +211,14 @@ def launch_clips(codec, clips: Sequence[Clip], pad_seconds: float, batch_seconds
     return launch_batches(codec, batch_audio(codec, clips, pad_seconds, batch_seconds))
 
 
-def _batch_dtype(codec) -> torch.dtype:
+def batch_dtype(codec) -> torch.dtype:
     """The dtype batches are built in: the codec's where numpy has it (the model casts to it first
     thing; numpy rounds to float16 as torch does), else float32."""
     return torch.float16 if codec.dtype == torch.float16 else torch.float32
 
 
-def _batch_dtype_of(load: dict, device: str | None = None) -> torch.dtype:
-    """:func:`_batch_dtype` of the codec ``runs._load(**load)`` will make, known before it loads;
+def batch_dtype_of(load: dict, device: str | None = None) -> torch.dtype:
+    """:func:`batch_dtype` of the codec ``runs.load_codec(**load)`` will make, known before it loads;
     ``device``: where it will load if ``load`` names no device (default: this machine's default)."""
     from snac_fast.api import default_device, parse_dtype
 

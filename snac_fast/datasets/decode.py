@@ -11,12 +11,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from snac_fast.datasets.runs import _load, _progress
+from snac_fast.datasets.runs import load_codec, progress_bar
 from snac_fast.datasets.shards import (
-    _require_pyarrow,
-    _write_atomically,
     read_shards,
+    require_pyarrow,
     shard_name,
+    write_atomically,
 )
 
 
@@ -34,13 +34,13 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     Returns a summary: rows, written, skipped (already there), errors, wall seconds."""
     if format not in ("wav", "flac", "parquet"):
         raise ValueError(f"format must be wav, flac or parquet, got {format!r}")
-    _require_pyarrow()
+    require_pyarrow()
     rows = list(read_shards(source))
     names = {r.get("model") for r in rows if r.get("error") is None}
     if codec is None:
         if model is None and len(names) > 1:
             raise ValueError(f"{source} mixes models {sorted(names)}: pass model=")
-        codec = _load(model or next(iter(names), None), device, dtype, **(model_options or {}))
+        codec = load_codec(model or next(iter(names), None), device, dtype, **(model_options or {}))
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     levels = codec.n_levels
@@ -48,7 +48,7 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     start = time.perf_counter()
     errors, table_rows = [], []
     names = _output_names([r.get("id") for r in rows if r.get("id") is not None], format)
-    with _progress(len(rows), progress) as bar:
+    with progress_bar(len(rows), progress) as bar:
         for n, row in enumerate(rows):
             bar.update()
             if row.get("error") is not None or any(row.get(f"codes_{i}") is None for i in range(levels)):
@@ -121,4 +121,4 @@ def _write_audio_shards(rows: list[dict], out: Path, rows_per_shard: int) -> Non
         table = pa.table({"id": pa.array([r["id"] for r in part], pa.string()),
                           "sampling_rate": pa.array([r["sampling_rate"] for r in part], pa.int32()),
                           "audio": pa.array([r["audio"] for r in part], pa.list_(pa.float32()))})
-        _write_atomically(table, out / shard_name(n))
+        write_atomically(table, out / shard_name(n))

@@ -12,13 +12,19 @@ from typing import Iterable, Iterator, Sequence
 import numpy as np
 
 from snac_fast.configs import DEFAULT_MODEL
-from snac_fast.datasets.batching import _batch_dtype, _batch_dtype_of, batch_audio, finish_clips, launched_one_ahead
+from snac_fast.datasets.batching import (
+    batch_audio,
+    batch_dtype,
+    batch_dtype_of,
+    finish_clips,
+    launched_one_ahead,
+)
 from snac_fast.datasets.inputs import Clip, list_inputs
-from snac_fast.datasets.local_engine import _encode_here, _load_batching_in, _start_reading
-from snac_fast.datasets.ray_engine import _encode_with_ray
-from snac_fast.datasets.readers import _Readers
-from snac_fast.datasets.runs import _checkpoint, _model_name
-from snac_fast.datasets.shards import _check_run, _require_pyarrow, shard_name
+from snac_fast.datasets.local_engine import encode_here, load_batching_in, start_reading
+from snac_fast.datasets.ray_engine import encode_with_ray
+from snac_fast.datasets.readers import Readers
+from snac_fast.datasets.runs import find_checkpoint, model_name
+from snac_fast.datasets.shards import check_run, require_pyarrow, shard_name
 
 
 def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
@@ -41,7 +47,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     running cluster, else a local one is started. Both engines write the same shards."""
     if engine not in ("local", "ray"):
         raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
-    _require_pyarrow()
+    require_pyarrow()
     loaders_per_ray_actor = loaders or 16  # and at most its CPUs: this machine's count is not the actors'
     loaders = loaders or min(16, os.cpu_count() or 1)
     if files_per_shard < 1 or batch_seconds <= 0 or pad_seconds < 0 or loaders < 1:
@@ -54,30 +60,30 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
             raise ValueError("engine='ray' loads the model in its actors: pass model=, not a codec")
         name = load["model"]
     elif codec is None:  # loaded below, once the readers are at work
-        checkpoint = _checkpoint(load)
+        checkpoint = find_checkpoint(load)
         name = checkpoint.source
     else:
-        name = _model_name(codec)
+        name = model_name(codec)
     out = Path(out)
     ids = hashlib.sha256("\n".join(i.id for i in inputs).encode()).hexdigest()
-    _check_run(out, {"model": name, "inputs": len(inputs), "ids_sha256": ids, "files_per_shard": files_per_shard,
+    check_run(out, {"model": name, "inputs": len(inputs), "ids_sha256": ids, "files_per_shard": files_per_shard,
                      "pad_seconds": pad_seconds})
     shards = [inputs[k:k + files_per_shard] for k in range(0, len(inputs), files_per_shard)]
     todo = [n for n in range(len(shards)) if not (out / shard_name(n)).exists()]
     start = time.perf_counter()
     settings = {"out": str(out), "pad_seconds": pad_seconds, "batch_seconds": batch_seconds}
     if engine == "ray":
-        done = _encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor, progress)
+        done = encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor, progress)
     elif todo:
         rate = codec.sampling_rate if codec is not None else int(checkpoint.config["sampling_rate"])
-        dtype = _batch_dtype(codec) if codec is not None else _batch_dtype_of(load)
-        with _Readers(loaders, rate, dtype) as readers:
+        dtype = batch_dtype(codec) if codec is not None else batch_dtype_of(load)
+        with Readers(loaders, rate, dtype) as readers:
             # the model loads while the first shards are read (and after the forks: a process without
             # a CUDA context forks several times faster)
-            reads = _start_reading(readers, shards, todo)
+            reads = start_reading(readers, shards, todo)
             # the checkpoint found above: no second hub lookup
-            codec = codec if codec is not None else _load_batching_in({**load, "model": checkpoint}, dtype)
-            done = _encode_here(shards, todo, codec, settings, readers, progress, start, reads)
+            codec = codec if codec is not None else load_batching_in({**load, "model": checkpoint}, dtype)
+            done = encode_here(shards, todo, codec, settings, readers, progress, start, reads)
     else:
         done = []
     return {"files": len(inputs), "shards": len(shards), "shards_skipped": len(shards) - len(todo),

@@ -18,54 +18,54 @@ from snac_fast.datasets.batching import (
     BatchQueues,
     Launched,
     PendingShard,
-    _batch_dtype,
+    batch_dtype,
     corpus_graphs,
     launch_batches,
     launched_codes,
 )
 from snac_fast.datasets.inputs import Clip
-from snac_fast.datasets.readers import READ_AHEAD, _Readers
-from snac_fast.datasets.runs import _load, _model_name, _progress
-from snac_fast.datasets.shards import _write_atomically, shard_name, shard_table
+from snac_fast.datasets.readers import READ_AHEAD, Readers
+from snac_fast.datasets.runs import load_codec, model_name, progress_bar
+from snac_fast.datasets.shards import shard_name, shard_table, write_atomically
 
 
 def write_shard(codec, clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], index: int, settings: dict) -> dict:
     """Write one shard's file; returns what it held (audio seconds, errors)."""
-    table = shard_table(clips, codes, _model_name(codec), codec.n_levels)
-    _write_atomically(table, Path(settings["out"]) / shard_name(index))
+    table = shard_table(clips, codes, model_name(codec), codec.n_levels)
+    write_atomically(table, Path(settings["out"]) / shard_name(index))
     return {"shard": index, "audio_seconds": sum(c.duration or 0.0 for c in clips),
             "errors": sum(c.error is not None for c in clips), "finished_at": time.time()}
 
 
-def _load_batching_in(load: dict, dtype: torch.dtype):
-    """``_load(**load)``, checked to build its batches in ``dtype``, the dtype its readers were
-    started with (:func:`_batch_dtype_of` must agree with what ``from_pretrained`` made)."""
-    codec = _load(**load)
-    if _batch_dtype(codec) != dtype:  # the readers' samples would be converted again, or rounded differently
-        raise RuntimeError(f"the readers made {dtype} samples, the codec batches {_batch_dtype(codec)}")
+def load_batching_in(load: dict, dtype: torch.dtype):
+    """``load_codec(**load)``, checked to build its batches in ``dtype``, the dtype its readers were
+    started with (:func:`batch_dtype_of` must agree with what ``from_pretrained`` made)."""
+    codec = load_codec(**load)
+    if batch_dtype(codec) != dtype:  # the readers' samples would be converted again, or rounded differently
+        raise RuntimeError(f"the readers made {dtype} samples, the codec batches {batch_dtype(codec)}")
     return codec
 
 
-def _start_reading(readers: _Readers, shards, todo) -> dict[int, list[Future]]:
+def start_reading(readers: Readers, shards, todo) -> dict[int, list[Future]]:
     """The reads of the first ``READ_AHEAD`` shards to do, submitted (by position in ``todo``)."""
     return {k: readers.submit(shards[todo[k]]) for k in range(min(READ_AHEAD, len(todo)))}
 
 
-def _encode_here(shards, todo, codec, settings, readers: _Readers, progress, start,
+def encode_here(shards, todo, codec, settings, readers: Readers, progress, start,
                  reads: dict[int, list[Future]] | None = None) -> list[dict]:
     """The local engine (the Ray engine's actors run it too). This thread only launches encodes; one
     helper thread collects each shard's audio from ``readers`` (reading ``READ_AHEAD`` shards ahead) and queues its
     clips for batches across shards (:class:`BatchQueues`: the batches of a length have one shape and
     replay a CUDA graph), another fetches the codes and writes each shard once all its clips are
     back. With all of that in it, the launching thread was the bottleneck (docs/datasets.md).
-    ``reads``: the first shards' reads if already submitted (:func:`_start_reading`)."""
+    ``reads``: the first shards' reads if already submitted (:func:`start_reading`)."""
     done: list[dict] = []
     queues = BatchQueues(codec, settings["pad_seconds"], settings["batch_seconds"])
     graphs = corpus_graphs(codec)
     open_shards: list[PendingShard] = []  # the writer thread's: shards with codes still out
-    with _progress(sum(len(shards[n]) for n in todo), progress) as bar, \
+    with progress_bar(sum(len(shards[n]) for n in todo), progress) as bar, \
             ThreadPoolExecutor(1, "snac-fast-batches") as batcher, ThreadPoolExecutor(1, "snac-fast-writer") as writer:
-        reads = reads if reads is not None else _start_reading(readers, shards, todo)
+        reads = reads if reads is not None else start_reading(readers, shards, todo)
 
         def read(k: int) -> None:
             if k < len(todo):

@@ -20,28 +20,28 @@ from typing import Iterator, NamedTuple
 
 import torch
 
-from snac_fast.datasets.batching import _batch_dtype_of
-from snac_fast.datasets.local_engine import _encode_here, _load_batching_in
-from snac_fast.datasets.readers import _Readers
-from snac_fast.datasets.runs import _checkpoint, _progress
+from snac_fast.datasets.batching import batch_dtype_of
+from snac_fast.datasets.local_engine import encode_here, load_batching_in
+from snac_fast.datasets.readers import Readers
+from snac_fast.datasets.runs import find_checkpoint, progress_bar
 from snac_fast.datasets.shards import shard_name
 
 
 class _EncodeShare:
-    """A Ray actor, one per GPU: the local engine (``local_engine._encode_here``) over the shards it is
+    """A Ray actor, one per GPU: the local engine (``local_engine.encode_here``) over the shards it is
     handed. Its reader processes are forked before the model loads: a process without a CUDA
     context forks several times faster."""
 
     def __init__(self, shards: list, load: dict, settings: dict, rate: int, dtype: torch.dtype, loaders: int) -> None:
         self.reader_args = (loaders, rate, dtype)
-        self.readers: _Readers | None = _Readers(*self.reader_args)
-        self.codec, self.shards, self.settings = _load_batching_in(load, dtype), shards, settings
+        self.readers: Readers | None = Readers(*self.reader_args)
+        self.codec, self.shards, self.settings = load_batching_in(load, dtype), shards, settings
 
     def __call__(self, row: dict) -> list[dict]:
         start = time.perf_counter()
         readers, self.readers = self.readers, None  # one share per actor; a second call forks its own
-        with readers or _Readers(*self.reader_args) as readers:
-            return _encode_here(self.shards, [int(n) for n in row["share"]], self.codec, self.settings, readers,
+        with readers or Readers(*self.reader_args) as readers:
+            return encode_here(self.shards, [int(n) for n in row["share"]], self.codec, self.settings, readers,
                                 False, start)
 
 
@@ -74,7 +74,7 @@ def _files_written(out: Path, shards: list, todo: list[int]) -> int:
 def _watching(out: Path, shards: list, todo: list[int], enabled: bool) -> Iterator[None]:
     """A progress bar over the inputs of ``todo``, moved by the shard files the actors write into
     ``out`` (an actor returns only when its whole share is done)."""
-    with _progress(sum(len(shards[n]) for n in todo), enabled) as bar:
+    with progress_bar(sum(len(shards[n]) for n in todo), enabled) as bar:
         stop = threading.Event()
 
         def watch() -> None:
@@ -91,7 +91,7 @@ def _watching(out: Path, shards: list, todo: list[int], enabled: bool) -> Iterat
             bar.update(_files_written(out, shards, todo) - bar.n)
 
 
-def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, loaders: int,
+def encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, loaders: int,
                      progress: bool = False) -> list[dict]:
     """The shards ``todo`` of ``shards`` encoded on a Ray cluster (``address``, else a local one
     started here); each actor reads up to ``loaders`` files at a time. Returns what each shard
@@ -103,7 +103,7 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
         raise ImportError("engine='ray' needs Ray Data: pip install 'snac-fast[ray]'") from error
     if not todo:
         return []
-    rate = int(_checkpoint(load).config["sampling_rate"])
+    rate = int(find_checkpoint(load).config["sampling_rate"])
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, log_to_driver=False)
@@ -112,7 +112,7 @@ def _encode_with_ray(shards, todo, load: dict, settings: dict, address: str | No
         actors = min(actors, len(todo))
         shares = [todo[k::actors] for k in range(actors)]
         settings_of_actor = {"shards": shards, "load": load, "settings": settings, "rate": rate,
-                             "dtype": _batch_dtype_of(load, "cuda" if gpus else "cpu"),
+                             "dtype": batch_dtype_of(load, "cuda" if gpus else "cpu"),
                              "loaders": max(1, min(loaders, int(cpus)))}
         data = ray.data.from_items([{"share": share} for share in shares], override_num_blocks=actors)
         # one share per actor: by default Ray queues several blocks on the first actor ready

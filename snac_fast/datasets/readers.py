@@ -75,7 +75,7 @@ def _start_reader(threads: int = 1) -> None:
     _threads = ThreadPoolExecutor(threads, "snac-fast-read") if threads > 1 else None
 
 
-class _Readers:
+class Readers:
     """Worker processes reading audio (see the module docstring), a shard's files in small tasks,
     ``readers`` reads at a time: ``THREADS_PER_READER`` threads in each process.
 
@@ -86,7 +86,7 @@ class _Readers:
 
     def __init__(self, readers: int, rate: int, dtype: torch.dtype = torch.float32) -> None:
         """readers: files read at a time, in ceil(readers / THREADS_PER_READER) processes of equal
-        threads (an odd count rounds up by one); dtype: the audio's on the way back (:func:`_batch_dtype`)."""
+        threads (an odd count rounds up by one); dtype: the audio's on the way back (:func:`batch_dtype`)."""
         self.processes = math.ceil(readers / THREADS_PER_READER)
         self.threads = math.ceil(readers / self.processes)
         self.rate = rate
@@ -103,7 +103,7 @@ class _Readers:
         return ProcessPoolExecutor(self.processes, mp_context=self.context, initializer=_start_reader,
                                    initargs=(self.threads,))
 
-    def __enter__(self) -> "_Readers":
+    def __enter__(self) -> "Readers":
         return self
 
     def __exit__(self, *exc) -> None:

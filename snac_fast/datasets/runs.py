@@ -8,11 +8,11 @@ from snac_fast.configs import DEFAULT_MODEL
 HUB_OPTIONS = ("revision", "cache_dir", "local_files_only", "token")
 
 
-def _model_name(codec) -> str:
+def model_name(codec) -> str:
     return codec.source or "in-memory model"
 
 
-def _load(model, device: str | None = None, dtype: str | None = None, **options):
+def load_codec(model, device: str | None = None, dtype: str | None = None, **options):
     """``FastSNAC.from_pretrained`` of ``model`` (a name, default the default model, or a
     :class:`snac_fast.loading.Checkpoint` already found: the hub options are then left out)."""
     from snac_fast.api import FastSNAC
@@ -23,15 +23,15 @@ def _load(model, device: str | None = None, dtype: str | None = None, **options)
     return FastSNAC.from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, **options)
 
 
-def _checkpoint(load: dict):
-    """The checkpoint ``_load(**load)`` will load (its config, its source's name), found without
+def find_checkpoint(load: dict):
+    """The checkpoint ``load_codec(**load)`` will load (its config, its source's name), found without
     building the model."""
     from snac_fast.loading import resolve_checkpoint
 
     return resolve_checkpoint(load["model"] or DEFAULT_MODEL, **{k: v for k, v in load.items() if k in HUB_OPTIONS})
 
 
-def _progress(total: int, enabled: bool):
+def progress_bar(total: int, enabled: bool):
     from tqdm import tqdm
 
     return tqdm(total=total, unit="file", disable=not enabled or None, dynamic_ncols=True)

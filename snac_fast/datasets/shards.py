@@ -29,7 +29,7 @@ def shard_table(clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None],
     return pa.table(columns)
 
 
-def _write_atomically(table, path: Path) -> None:
+def write_atomically(table, path: Path) -> None:
     import pyarrow.parquet as pq
 
     partial = path.with_name(path.name + ".partial")
@@ -37,7 +37,7 @@ def _write_atomically(table, path: Path) -> None:
     os.replace(partial, path)  # a crash leaves no half shard that a resumed run would trust
 
 
-def _check_run(out: Path, settings: dict) -> None:
+def check_run(out: Path, settings: dict) -> None:
     """Record this run's settings in out/_run.json, or refuse a different run into the same folder."""
     record = out / "_run.json"
     if record.exists():
@@ -54,7 +54,7 @@ def shard_name(index: int) -> str:
     return f"shard-{index:05d}.parquet"
 
 
-def _require_pyarrow() -> None:
+def require_pyarrow() -> None:
     """ImportError naming the extra, at the start of a dataset job rather than at its first shard."""
     try:
         import pyarrow.parquet  # noqa: F401

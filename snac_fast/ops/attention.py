@@ -6,7 +6,7 @@ embedding), and attends within each window. In torch that core is about twenty l
 float32 rotation of q and k, permuted copies, SDPA, the merge of the heads). Here it is one kernel,
 a program per (window, head, batch row): it reads q, k and v straight from the QKV projection's
 output, rotates q and k in float32 registers and rounds them once to the input dtype (as
-:class:`~snac_fast.modules.HalfLocalMHA`'s torch path does), computes the n x n scores with float32
+:class:`~snac_fast.local_attention.HalfLocalMHA`'s torch path does), computes the n x n scores with float32
 accumulation, the softmax in float32 with each row's max and sum kept in registers, and writes the
 heads already merged, [B, T, C], where the output projection reads them.
 """
@@ -19,14 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
-    HAS_TRITON,
-    TRITON_INTERPRET,
-    await_previous_kernel,
-    launch_flags,
-    runs_triton,
-    through_op,
-)
+from snac_fast.ops.device import HAS_TRITON, TRITON_INTERPRET, runs_triton, through_op
+from snac_fast.ops.launch import await_previous_kernel, launch_flags
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -34,7 +28,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops.common import _dot_accumulate
+    from snac_fast.ops.common import dot_accumulate
 
     @triton.jit
     def _local_attention_kernel(qkv_ptr, cos_ptr, sin_ptr, out_ptr, C, s_b, s_t, o_b, o_t, scale,
@@ -57,16 +51,16 @@ if HAS_TRITON:
         # t * cos + rotate_half(t) * sin, rotate_half(t) = [-t2, t1]; rounded once, like the torch path
         q1, q2 = (q1 * cos - q2 * sin).to(dtype), (q2 * cos + q1 * sin).to(dtype)
         k1, k2 = (k1 * cos - k2 * sin).to(dtype), (k2 * cos + k1 * sin).to(dtype)
-        scores = _dot_accumulate(tl.zeros((N, N), tl.float32), q1, tl.trans(k1), IEEE, UPCAST)
-        scores = _dot_accumulate(scores, q2, tl.trans(k2), IEEE, UPCAST) * scale
+        scores = dot_accumulate(tl.zeros((N, N), tl.float32), q1, tl.trans(k1), IEEE, UPCAST)
+        scores = dot_accumulate(scores, q2, tl.trans(k2), IEEE, UPCAST) * scale
         top = tl.max(scores, 1)
         p = tl.exp(scores - top[:, None])
         total = tl.sum(p, 1)
         p = p.to(dtype)
         out = out_ptr + b.to(tl.int64) * o_b + steps * o_t + head * 2 * HALF + j
         zero = tl.zeros((N, HALF), tl.float32)
-        tl.store(out, (_dot_accumulate(zero, p, tl.load(v), IEEE, UPCAST) / total[:, None]).to(dtype))
-        tl.store(out + HALF, (_dot_accumulate(zero, p, tl.load(v + HALF), IEEE, UPCAST) / total[:, None]).to(dtype))
+        tl.store(out, (dot_accumulate(zero, p, tl.load(v), IEEE, UPCAST) / total[:, None]).to(dtype))
+        tl.store(out + HALF, (dot_accumulate(zero, p, tl.load(v + HALF), IEEE, UPCAST) / total[:, None]).to(dtype))
 
 
 def _check(qkv: Tensor, heads: int, window: int, cos: Tensor, sin: Tensor) -> None:

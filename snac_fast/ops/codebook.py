@@ -15,16 +15,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
+from snac_fast.ops.common import check_same_device
+from snac_fast.ops.device import (
     HAS_TRITON,
-    first_filling,
     interpreter_configs,
-    launch_flags,
     runs_triton,
     through_op,
-    wave_programs,
 )
-from snac_fast.ops.common import check_same_device
+from snac_fast.ops.launch import first_filling, launch_flags, wave_programs
 from snac_fast.ops.snake import KERNEL_DTYPES
 
 MAX_LEVELS = 4
@@ -33,8 +31,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.common import _program_tile
+    from snac_fast.ops.common import program_tile
+    from snac_fast.ops.launch import await_previous_kernel
 
     @triton.jit
     def _add_level(acc, codes_ptr, table_ptr, w_ptr, b_ptr, batch, L, offs_c, c_ok, offs_t, t_ok, N,
@@ -57,7 +55,7 @@ if HAS_TRITON:
         D: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr, FLAG_BAD: tl.constexpr, PDL: tl.constexpr,
     ):
         await_previous_kernel(PDL)
-        batch, c_block, t_block = _program_tile(tl.program_id(0), n_c_blocks, n_t_blocks)
+        batch, c_block, t_block = program_tile(tl.program_id(0), n_c_blocks, n_t_blocks)
         offs_c = c_block * BLOCK_C + tl.arange(0, BLOCK_C)
         offs_t = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
         c_ok = offs_c < C

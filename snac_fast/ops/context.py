@@ -12,11 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
-    HAS_TRITON,
-    interpreter_configs,
-    runs_triton,
-)
+from snac_fast.ops.device import HAS_TRITON, interpreter_configs, runs_triton
 
 if HAS_TRITON:
     import triton

@@ -12,29 +12,27 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
+from snac_fast.ops.common import (
+    check_floating,
+    check_per_channel,
+    check_same_device,
+    compute_dtype,
+)
+from snac_fast.ops.device import (
     HAS_TRITON,
     TRITON_INTERPRET,
-    first_filling,
     interpreter_configs,
-    launch_flags,
     through_op,
-    wave_programs,
 )
-from snac_fast.ops.common import (
-    _check_per_channel,
-    _compute_dtype,
-    check_floating,
-    check_same_device,
-)
+from snac_fast.ops.launch import first_filling, launch_flags, wave_programs
 from snac_fast.ops.snake import kernel_applies
 
 if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.common import _dot_accumulate, _program_tile
+    from snac_fast.ops.common import dot_accumulate, program_tile
+    from snac_fast.ops.launch import await_previous_kernel
 
     @triton.jit
     def _conv_taps(acc, tile, w_row, ch_ok, cols, T, K: tl.constexpr, MASKED: tl.constexpr):
@@ -56,7 +54,7 @@ if HAS_TRITON:
         C_IN_FULL: tl.constexpr, HAS_BIAS: tl.constexpr, PDL: tl.constexpr,
     ):
         await_previous_kernel(PDL)
-        batch, co, t_block = _program_tile(tl.program_id(0), C_out, n_t_blocks)
+        batch, co, t_block = program_tile(tl.program_id(0), C_out, n_t_blocks)
         cols = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
         x_base = x_ptr + batch.to(tl.int64) * C_in * T
         halo = (K - 1) // 2
@@ -91,7 +89,7 @@ if HAS_TRITON:
         """y[b, o*K + k, t] = sum_c w[o, c, k] * x[b, c, t] (fp32): every tap of a conv as one GEMM
         over aligned, unshifted tiles of x. ROWS = C_out * K."""
         await_previous_kernel(PDL)
-        batch, _, t_block = _program_tile(tl.program_id(0), 1, n_t_blocks)
+        batch, _, t_block = program_tile(tl.program_id(0), 1, n_t_blocks)
         rows = tl.arange(0, BLOCK_R)
         cols = t_block * BLOCK_T + tl.arange(0, BLOCK_T)
         row_ok, col_ok = rows < ROWS, cols < T
@@ -103,7 +101,7 @@ if HAS_TRITON:
             ch_ok = ch < C_in
             a = tl.load(w_rows[:, None] + ch[None, :] * K, mask=row_ok[:, None] & ch_ok[None, :], other=0.0)
             b = tl.load(x_base + ch[:, None].to(tl.int64) * T + cols[None, :], mask=ch_ok[:, None] & col_ok[None, :], other=0.0)
-            acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
+            acc = dot_accumulate(acc, a, b, IEEE, UPCAST)
         y_offs = (batch.to(tl.int64) * ROWS + rows[:, None]) * T + cols[None, :]
         tl.store(y_ptr + y_offs, acc, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -128,7 +126,7 @@ if HAS_TRITON:
 
 def conv_tanh_reference(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """``tanh(conv1d(x, weight, bias, padding=(K-1)//2))`` in float32 (float64 for float64 input)."""
-    compute = _compute_dtype(x)
+    compute = compute_dtype(x)
     y = F.conv1d(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute),
                  padding=(weight.shape[-1] - 1) // 2)
     return torch.tanh(y).to(x.dtype)
@@ -236,6 +234,6 @@ def conv_tanh(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     check_floating(weight, "weight")
     if weight.shape[1] != x.shape[1] or weight.shape[2] % 2 == 0:
         raise ValueError(f"weight must be [C_out, {x.shape[1]}, K] with K odd, got {tuple(weight.shape)}")
-    _check_per_channel(weight.shape[0], bias=bias)
+    check_per_channel(weight.shape[0], bias=bias)
     check_same_device(x.device, weight, bias)
     return (_conv_tanh_op if through_op(x, weight, bias) else _conv_tanh)(x, weight, bias)

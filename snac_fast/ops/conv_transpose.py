@@ -24,24 +24,26 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
+from snac_fast.ops.common import (
+    check_floating,
+    check_same_device,
+    compute_dtype,
+    is_channels_last,
+    maybe_snake,
+)
+from snac_fast.ops.device import (
     HAS_TRITON,
     TRITON_INTERPRET,
+    interpreter_configs,
+    through_op,
+)
+from snac_fast.ops.launch import (
     dependent_launch,
     first_filling,
-    interpreter_configs,
     launch_choice,
     launch_fitting,
     launch_flags,
-    through_op,
     wave_programs,
-)
-from snac_fast.ops.common import (
-    _compute_dtype,
-    _maybe_snake,
-    check_floating,
-    check_same_device,
-    is_channels_last,
 )
 from snac_fast.ops.snake import kernel_applies, snake
 
@@ -49,8 +51,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.common import _dot_accumulate, _program_tile
+    from snac_fast.ops.common import dot_accumulate, program_tile
+    from snac_fast.ops.launch import await_previous_kernel
 
     @triton.jit
     def _shifted_input(x_rows, col_offset, offs_j, shift: tl.constexpr, time_stride, ch_ok, col_ok, T_in):
@@ -76,7 +78,7 @@ if HAS_TRITON:
         PDL: tl.constexpr,
     ):
         await_previous_kernel(PDL)
-        batch, m_block, j_block = _program_tile(tl.program_id(0), n_m_blocks, n_j_blocks)
+        batch, m_block, j_block = program_tile(tl.program_id(0), n_m_blocks, n_j_blocks)
         # packed row = out channel * PER_CHANNEL + phase (P/2 phases per accumulator when SPLIT, else P)
         rows = m_block * (BLOCK_M * PER_CHANNEL) + tl.arange(0, BLOCK_M * PER_CHANNEL)
         n_rows = C_out * PER_CHANNEL
@@ -108,14 +110,14 @@ if HAS_TRITON:
             w2 = _tap_weights(w_ptr, 2, rows, n_rows, rows_ok, ch, ch_ok, C_in)
             if SPLIT:  # low phases take x[j - 1] and x[j], high phases x[j] and x[j + 1]
                 w3 = _tap_weights(w_ptr, 3, rows, n_rows, rows_ok, ch, ch_ok, C_in)
-                acc = _dot_accumulate(acc, w0, prev, IEEE, UPCAST)
-                acc = _dot_accumulate(acc, w1, here, IEEE, UPCAST)
-                acc_hi = _dot_accumulate(acc_hi, w2, here, IEEE, UPCAST)
-                acc_hi = _dot_accumulate(acc_hi, w3, after, IEEE, UPCAST)
+                acc = dot_accumulate(acc, w0, prev, IEEE, UPCAST)
+                acc = dot_accumulate(acc, w1, here, IEEE, UPCAST)
+                acc_hi = dot_accumulate(acc_hi, w2, here, IEEE, UPCAST)
+                acc_hi = dot_accumulate(acc_hi, w3, after, IEEE, UPCAST)
             else:  # every phase takes all three, with zero taps where one does not apply
-                acc = _dot_accumulate(acc, w0, prev, IEEE, UPCAST)
-                acc = _dot_accumulate(acc, w1, here, IEEE, UPCAST)
-                acc = _dot_accumulate(acc, w2, after, IEEE, UPCAST)
+                acc = dot_accumulate(acc, w0, prev, IEEE, UPCAST)
+                acc = dot_accumulate(acc, w1, here, IEEE, UPCAST)
+                acc = dot_accumulate(acc, w2, after, IEEE, UPCAST)
         # rows (channel, phase) x columns j  ->  [channel, j * PHASES + phase]
         if SPLIT:
             halves = tl.join(tl.reshape(acc, (BLOCK_M, PER_CHANNEL, BLOCK_J)),
@@ -194,9 +196,9 @@ def conv_transpose_reference(x: Tensor, weight: Tensor, bias: Tensor | None, str
                              alpha_in: Tensor | None = None) -> Tensor:
     """``conv_transpose1d(snake(x, alpha_in), weight, bias)`` with SNAC's padding, in float32
     (float64 for float64 x); returns x's dtype."""
-    compute = _compute_dtype(x)
+    compute = compute_dtype(x)
     pad, out_pad = upsampling_padding(stride)
-    y = F.conv_transpose1d(_maybe_snake(x.to(compute), alpha_in), weight.to(compute),
+    y = F.conv_transpose1d(maybe_snake(x.to(compute), alpha_in), weight.to(compute),
                            None if bias is None else bias.to(compute), stride=stride, padding=pad,
                            output_padding=out_pad)
     return y.to(x.dtype)

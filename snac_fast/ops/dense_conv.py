@@ -17,21 +17,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
-    HAS_TRITON,
-    TRITON_INTERPRET,
-    first_filling,
-    interpreter_configs,
-    launch_fitting,
-    launch_flags,
-    through_op,
-    wave_programs,
-)
 from snac_fast.ops.common import (
-    _compute_dtype,
     check_floating,
     check_same_device,
+    compute_dtype,
     is_channels_last,
+)
+from snac_fast.ops.device import (
+    HAS_TRITON,
+    TRITON_INTERPRET,
+    interpreter_configs,
+    through_op,
+)
+from snac_fast.ops.launch import (
+    first_filling,
+    launch_fitting,
+    launch_flags,
+    wave_programs,
 )
 from snac_fast.ops.snake import kernel_applies, snake_reference
 
@@ -39,8 +41,8 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.common import _dot_accumulate, _gemm_tile, _store_with_pair
+    from snac_fast.ops.common import dot_accumulate, gemm_tile, store_with_pair
+    from snac_fast.ops.launch import await_previous_kernel
 
     @triton.jit
     def _dense_conv_kernel(
@@ -53,7 +55,7 @@ if HAS_TRITON:
         """x: [B, T_in, C_IN] memory. Output column t reads the KS * C_IN contiguous values from
         x[t * STRIDE - PAD, 0]: a GEMM whose K axis is (tap, channel), loaded as plain vectors."""
         await_previous_kernel(PDL)
-        batch, offs_m, offs_n, offs_k, m_ok, n_ok = _gemm_tile(n_m_blocks, n_t_blocks, C_out, T_out, BLOCK_M, BLOCK_N,
+        batch, offs_m, offs_n, offs_k, m_ok, n_ok = gemm_tile(n_m_blocks, n_t_blocks, C_out, T_out, BLOCK_M, BLOCK_N,
                                                               BLOCK_K)
         x_base = x_ptr + batch.to(tl.int64) * T_in * C_IN
         first = (offs_n.to(tl.int64) * STRIDE - PAD) * C_IN  # flat index of each column's first input value
@@ -64,12 +66,12 @@ if HAS_TRITON:
             a = tl.load(w_ptr + offs_m[:, None] * (KS * C_IN) + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             flat = first[None, :] + k[:, None]  # inside the signal exactly when 0 <= flat < T_in * C_IN
             b = tl.load(x_base + flat, mask=k_ok[:, None] & n_ok[None, :] & (flat >= 0) & (flat < T_in.to(tl.int64) * C_IN), other=0.0)
-            acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
+            acc = dot_accumulate(acc, a, b, IEEE, UPCAST)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         out_offs = batch.to(tl.int64) * C_out * T_out + offs_m[:, None].to(tl.int64) * T_out + offs_n[None, :]
         mask = m_ok[:, None] & n_ok[None, :]
-        _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
+        store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
 
 
 def output_length(T_in: int, kernel: int, stride: int, padding: int) -> int:
@@ -85,7 +87,7 @@ def dense_conv_reference(x: Tensor, weight: Tensor, bias: Tensor | None, stride:
                          pair_alpha: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """``conv1d(x, weight, bias, stride, padding)`` in float32 (float64 for float64 x), rounded to
     x's dtype; with ``pair_alpha`` the pair (y, snake(y)) both from the unrounded y."""
-    compute = _compute_dtype(x)
+    compute = compute_dtype(x)
     y = F.conv1d(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute), stride, padding)
     if pair_alpha is None:
         return y.to(x.dtype)

@@ -17,21 +17,19 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
-    HAS_TRITON,
+from snac_fast.ops.common import (
+    check_floating,
+    check_per_channel,
+    check_same_device,
+    compute_dtype,
+    maybe_snake,
+)
+from snac_fast.ops.device import HAS_TRITON, interpreter_configs, through_op
+from snac_fast.ops.launch import (
     dependent_launch,
-    interpreter_configs,
     launch_choice,
     launch_flags,
-    through_op,
     wave_programs,
-)
-from snac_fast.ops.common import (
-    _check_per_channel,
-    _compute_dtype,
-    _maybe_snake,
-    check_floating,
-    check_same_device,
 )
 from snac_fast.ops.snake import kernel_applies
 
@@ -39,11 +37,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops._runtime import await_previous_kernel
-    from snac_fast.ops.common import _snake_broadcast
+    from snac_fast.ops.common import snake_broadcast
+    from snac_fast.ops.launch import await_previous_kernel
 
     @triton.jit
-    def _lanes(v):
+    def lanes_of(v):
         """v [R, N, 8] (the last axis inside one thread) -> its 8 slices [R, N], in order: register
         renaming, no data movement."""
         R: tl.constexpr = v.shape[0]
@@ -58,7 +56,7 @@ if HAS_TRITON:
         return e0, e1, e2, e3, e4, e5, e6, e7
 
     @triton.jit
-    def _window(lanes, START: tl.constexpr):
+    def window_of(lanes, START: tl.constexpr):
         """lanes[START : START + 8] (a tuple of [R, N] slices) stacked back into [R, N, 8]."""
         R: tl.constexpr = lanes[0].shape[0]
         N: tl.constexpr = lanes[0].shape[1]
@@ -78,7 +76,7 @@ if HAS_TRITON:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows % C, mask=row_ok, other=0.0).to(tl.float32)
         if SNAKE:
-            acc = _snake_broadcast(acc, tl.load(alpha_ptr + rows % C, mask=row_ok, other=1.0).to(tl.float32),
+            acc = snake_broadcast(acc, tl.load(alpha_ptr + rows % C, mask=row_ok, other=1.0).to(tl.float32),
                                    out_ptr.dtype.element_ty)
         tl.store(out_ptr + rows.to(tl.int64) * T + cols, acc.to(out_ptr.dtype.element_ty), mask=row_ok & (cols < T))
 
@@ -106,14 +104,14 @@ if HAS_TRITON:
             ptrs = x_ptr + row_base[:, None, None] + src[None, :, :]
             # zero padding outside [0, T): whole chunks are in or out
             chunk = tl.load(ptrs, mask=row_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :], other=0.0)
-            lanes = lanes + _lanes(chunk.to(tl.float32))
+            lanes = lanes + lanes_of(chunk.to(tl.float32))
         taps = ()
         for k in tl.static_range(K):
             taps = taps + (tl.load(w_ptr + chan * K + k, mask=row_ok, other=0.0).to(tl.float32)[:, None, None],)
         for j in tl.static_range(RUN):
             acc = tl.zeros((rows.shape[0], runs.shape[0], 8), dtype=tl.float32)
             for k in tl.static_range(K):
-                acc += taps[k] * _window(lanes, (k - (K - 1) // 2) * DILATION + 8 * (CHUNKS + j))
+                acc += taps[k] * window_of(lanes, (k - (K - 1) // 2) * DILATION + 8 * (CHUNKS + j))
             _bias_snake_store(acc, bias_ptr, alpha_ptr, out_ptr, rows[:, None, None], (pos + 8 * j)[None, :, :],
                               n_rows, C, T, HAS_BIAS, SNAKE)
 
@@ -175,11 +173,11 @@ def depthwise_conv_snake_reference(x: Tensor, weight: Tensor, bias: Tensor | Non
                                    alpha: Tensor | None) -> Tensor:
     """``snake(conv1d(x, weight, bias, padding=(K-1)*dilation//2, dilation, groups=C), alpha)`` in
     float32 (float64 for float64 input), returned in x's dtype. weight: [C, 1, K]."""
-    compute = _compute_dtype(x)
+    compute = compute_dtype(x)
     K = weight.shape[-1]
     y = F.conv1d(x.to(compute), weight.to(compute), None if bias is None else bias.to(compute),
                  padding=(K - 1) * dilation // 2, dilation=dilation, groups=x.shape[1])
-    return _maybe_snake(y, alpha).to(x.dtype)
+    return maybe_snake(y, alpha).to(x.dtype)
 
 
 # --- launcher --------------------------------------------------------------------------------
@@ -283,7 +281,7 @@ def depthwise_conv_snake(x: Tensor, weight: Tensor, bias: Tensor | None = None, 
     C = x.shape[1]
     if weight.shape[0] != C or weight.shape[1] != 1 or weight.shape[2] % 2 == 0:
         raise ValueError(f"depthwise weight must be [{C}, 1, K] with K odd, got {tuple(weight.shape)}")
-    _check_per_channel(C, bias=bias, alpha=alpha)
+    check_per_channel(C, bias=bias, alpha=alpha)
     if dilation < 1:
         raise ValueError(f"dilation must be >= 1, got {dilation}")
     check_same_device(x.device, weight, bias, alpha)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, runs_triton
+from snac_fast.ops.device import HAS_TRITON, runs_triton
 
 _MASK32 = 0xFFFFFFFF
 _PHILOX_ROUND_A, _PHILOX_ROUND_B = 0xD2511F53, 0xCD9E8D57

@@ -25,27 +25,29 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
+from snac_fast.ops.common import (
+    check_floating,
+    check_per_channel,
+    check_same_device,
+    compute_dtype,
+    is_channels_last,
+    maybe_snake,
+    with_layout,
+)
+from snac_fast.ops.device import (
     HAS_TRITON,
     TRITON_INTERPRET,
+    interpreter_configs,
+    through_op,
+)
+from snac_fast.ops.launch import (
     dependent_launch,
     first_filling,
     has_tma,
-    interpreter_configs,
     launch_choice,
     launch_fitting,
     launch_flags,
-    through_op,
     wave_programs,
-)
-from snac_fast.ops.common import (
-    _check_per_channel,
-    _compute_dtype,
-    _maybe_snake,
-    _with_layout,
-    check_floating,
-    check_same_device,
-    is_channels_last,
 )
 from snac_fast.ops.snake import kernel_applies, snake_reference
 
@@ -54,14 +56,14 @@ if HAS_TRITON:
     import triton.language as tl
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from snac_fast.ops._runtime import await_previous_kernel
     from snac_fast.ops.common import (
-        _dot_accumulate,
-        _gemm_tile,
-        _program_tile,
-        _snake_rows,
-        _store_with_pair,
+        dot_accumulate,
+        gemm_tile,
+        program_tile,
+        snake_rows,
+        store_with_pair,
     )
+    from snac_fast.ops.launch import await_previous_kernel
 
     # T's alignment is a hint (ALIGNED: T % 8 == 0, 16-byte rows in half precision) rather than
     # Triton's divisible-by-16 specialization: lengths that are multiples of 8 but not of 16 compiled
@@ -80,7 +82,7 @@ if HAS_TRITON:
         await_previous_kernel(PDL)
         if ALIGNED:
             T = T // 8 * 8  # the same value, known to the compiler as a multiple of 8 (multiple_of on an argument is not)
-        batch, offs_m, offs_n, offs_k, m_ok, n_ok = _gemm_tile(n_m_blocks, n_t_blocks, C_out, T, BLOCK_M, BLOCK_N, BLOCK_K,
+        batch, offs_m, offs_n, offs_k, m_ok, n_ok = gemm_tile(n_m_blocks, n_t_blocks, C_out, T, BLOCK_M, BLOCK_N, BLOCK_K,
                                                                ROWS_FASTEST)
         h_stride_c, h_stride_t = _layout_strides(H_CL, C_in, T)
         res_stride_c, res_stride_t = _layout_strides(RES_CL, C_out, T)
@@ -93,7 +95,7 @@ if HAS_TRITON:
             a = tl.load(w_ptr + offs_m[:, None] * C_in + k[None, :], mask=m_ok[:, None] & k_ok[None, :], other=0.0)
             b = tl.load(h_base + k[:, None].to(tl.int64) * h_stride_c + offs_n[None, :].to(tl.int64) * h_stride_t,
                         mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
+            acc = dot_accumulate(acc, a, b, IEEE, UPCAST)
         if HAS_BIAS:
             acc += tl.load(bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
         if HAS_SCALE:
@@ -108,9 +110,9 @@ if HAS_TRITON:
                 res += tl.load(res_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
             acc += res
         if SNAKE_OUT:
-            acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
+            acc = snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
                               out_ptr.dtype.element_ty)
-        _store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
+        store_with_pair(acc, out_ptr, pair_out_ptr, pair_alpha_ptr, out_offs, mask, offs_m, m_ok, PAIR)
 
     @triton.jit(do_not_specialize_on_alignment=["T"])
     def _pointwise_conv_tma_kernel(
@@ -126,7 +128,7 @@ if HAS_TRITON:
         columns load as zeros and are never stored, so no masks but on the per-channel vectors."""
         await_previous_kernel(PDL)
         T = T // 8 * 8  # the same value (the descriptors' 16-byte rows need T % 8 == 0: _tma_tile), known as a multiple of 8
-        batch, m_block, t_block = _program_tile(tl.program_id(0), n_m_blocks, n_t_blocks, ROWS_FASTEST)
+        batch, m_block, t_block = program_tile(tl.program_id(0), n_m_blocks, n_t_blocks, ROWS_FASTEST)
         m0 = m_block * BLOCK_M
         n0 = t_block * BLOCK_N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -138,7 +140,7 @@ if HAS_TRITON:
             else:
                 b = h_desc.load([batch, k0, n0]).reshape(BLOCK_K, BLOCK_N)
             if IEEE or UPCAST:
-                acc = _dot_accumulate(acc, a, b, IEEE, UPCAST)
+                acc = dot_accumulate(acc, a, b, IEEE, UPCAST)
             else:  # accumulated inside the MMA (see _tma_tile)
                 acc = tl.dot(a, b, acc)
         offs_m = m0 + tl.arange(0, BLOCK_M)
@@ -157,11 +159,11 @@ if HAS_TRITON:
                 res += tl.load(res_bias_ptr + offs_m, mask=m_ok, other=0.0).to(tl.float32)[:, None]
             acc += res
         if SNAKE_OUT:
-            acc = _snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
+            acc = snake_rows(acc, tl.load(alpha_out_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
                               out_desc.dtype)
         _tma_store(out_desc, acc, batch, m0, n0, OUT_CL, BLOCK_M, BLOCK_N)
         if PAIR:
-            pair = _snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
+            pair = snake_rows(acc, tl.load(pair_alpha_ptr + offs_m, mask=m_ok, other=1.0).to(tl.float32),
                                pair_desc.dtype)
             _tma_store(pair_desc, pair, batch, m0, n0, OUT_CL, BLOCK_M, BLOCK_N)
 
@@ -185,7 +187,7 @@ if HAS_TRITON:
 # --- references ------------------------------------------------------------------------------
 
 def _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias, residual_bias=None) -> Tensor:
-    compute = _compute_dtype(h)
+    compute = compute_dtype(h)
     hc = h.to(compute)
     if input_bias is not None:
         ib = input_bias.to(compute).reshape(1, -1, 1)
@@ -208,7 +210,7 @@ def pointwise_conv_reference(h: Tensor, weight: Tensor, bias: Tensor | None = No
     """``snake((residual + ib + rb) + scale * (conv1d(h + ib, weight) + bias), alpha_out)`` in
     float32 (float64 for float64 input); ib = input_bias, rb = residual_bias, per channel."""
     y = _pointwise_conv_compute(h, weight, bias, residual, scale, input_bias, residual_bias)
-    return _maybe_snake(y, alpha_out).to(h.dtype)
+    return maybe_snake(y, alpha_out).to(h.dtype)
 
 
 def pointwise_conv_pair_reference(h: Tensor, weight: Tensor, bias: Tensor | None = None,
@@ -287,9 +289,9 @@ def _pointwise_conv_triton(h, weight, bias, residual, scale, residual_bias, alph
     C_out = weight.shape[0]
     if out.numel() == 0:
         return
-    h = _with_layout(h)
+    h = with_layout(h)
     w = weight.reshape(C_out, C_in).contiguous()
-    residual = None if residual is None else _with_layout(residual)
+    residual = None if residual is None else with_layout(residual)
     h_cl, res_cl = is_channels_last(h), residual is not None and is_channels_last(residual)
     pdl, aligned_t = None, T % 8 == 0
     if config is None:
@@ -399,8 +401,8 @@ def _check_pointwise(h, weight, bias, residual, scale, input_bias, residual_bias
         raise ValueError(f"residual must be {(B, C_out, T)}, got {tuple(residual.shape)}")
     if scale is not None and tuple(scale.shape) != (B, 1, T):
         raise ValueError(f"scale must be {(B, 1, T)}, got {tuple(scale.shape)}")
-    _check_per_channel(C_out, bias=bias, residual_bias=residual_bias, **alphas)
-    _check_per_channel(C_in, input_bias=input_bias)
+    check_per_channel(C_out, bias=bias, residual_bias=residual_bias, **alphas)
+    check_per_channel(C_in, input_bias=input_bias)
     if input_bias is not None and residual is not None and C_in != C_out:
         raise ValueError("input_bias with a residual needs C_in == C_out")
     if residual_bias is not None and (residual is None or input_bias is not None):

@@ -28,8 +28,8 @@ import os
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import HAS_TRITON, gpu_limits
 from snac_fast.ops.depthwise import depthwise_conv_snake_reference
+from snac_fast.ops.device import HAS_TRITON, gpu_limits
 from snac_fast.ops.pointwise import pointwise_conv_reference
 from snac_fast.ops.snake import snake_reference
 
@@ -60,8 +60,8 @@ if HAS_TRITON:
 
 if HAS_GLUON:
     # the Triton helpers of ops/depthwise and ops/common run inside Gluon kernels as they are
-    from snac_fast.ops.common import _snake_broadcast
-    from snac_fast.ops.depthwise import _lanes, _window
+    from snac_fast.ops.common import snake_broadcast
+    from snac_fast.ops.depthwise import lanes_of, window_of
 
     @gluon.jit
     def _weights_to_shared(w_ptr, C, C_P: gl.constexpr, layout: gl.constexpr):
@@ -117,7 +117,7 @@ if HAS_GLUON:
         y += gl.load(x_ptr + xo[None, :] + t[:, None], mask=m2, other=0.0).to(gl.float32)
         if PAIR or SNAKE_OUT:
             alpha_out = gl.load(alpha_out_ptr + o, mask=o_ok, other=1.0).to(gl.float32)[None, :]
-            ys = _snake_broadcast(y, alpha_out, gl.float16)
+            ys = snake_broadcast(y, alpha_out, gl.float16)
         if SNAKE_OUT:
             result = ys.to(gl.float16)
         else:
@@ -165,15 +165,15 @@ if HAS_GLUON:
         for q in gl.static_range(-CH, 1 + CH):  # whole chunks are in [0, T) or out (zero padding)
             src = pos + q * 8
             m = c_ok[:, None, None] & ((src >= 0) & (src < T))[None, :, :]
-            lanes = lanes + _lanes(gl.load(base + src[None, :, :], mask=m, other=0.0).to(gl.float32))
+            lanes = lanes + lanes_of(gl.load(base + src[None, :, :], mask=m, other=0.0).to(gl.float32))
         acc3 = gl.zeros([C_P, NR, 8], gl.float32, L3)
         for k in gl.static_range(7):
             wk = gl.load(dw_w_ptr + c * 7 + k, mask=c_ok, other=0.0).to(gl.float32)
-            tap = gl.convert_layout(_window(lanes, (k - 3) * DILATION + 8 * CH), L3, assert_trivial=True)
+            tap = gl.convert_layout(window_of(lanes, (k - 3) * DILATION + 8 * CH), L3, assert_trivial=True)
             acc3 += wk[:, None, None] * tap
         acc3 += gl.load(dw_b_ptr + c, mask=c_ok, other=0.0).to(gl.float32)[:, None, None]
         alpha2 = gl.load(alpha2_ptr + c, mask=c_ok, other=1.0).to(gl.float32)[:, None, None]
-        h = gl.reshape(_snake_broadcast(acc3, alpha2, gl.float16).to(gl.float16), (C_P, BT))
+        h = gl.reshape(snake_broadcast(acc3, alpha2, gl.float16).to(gl.float16), (C_P, BT))
 
         _unit_tail(h, x_ptr, w_ptr, pw_b_ptr, alpha_out_ptr, out_ptr, snake_out_ptr, b, t0, T, C,
                    out_stride_b, out_stride_c, out_stride_t, C_P, BT, WARPS_M, PAIR, SNAKE_OUT, CHANNELS_LAST)
@@ -212,7 +212,7 @@ def unit_applies(x: Tensor, channels: int, dilation: int) -> bool:
     """Whether :func:`residual_unit` runs the Gluon kernel for x ([B, C, T]); else callers keep
     the two kernels. Where :func:`unit_is_faster`, on Hopper only (wgmma: compute capability 9.x), as
     the launch rules see the device (``SNAC_FAST_GPU_LIMITS`` and
-    :func:`~snac_fast.ops._runtime.emulate_gpu` included)."""
+    :func:`~snac_fast.ops.device.emulate_gpu` included)."""
     if not (HAS_GLUON and x.is_cuda and x.dtype == torch.float16 and unit_is_faster(channels, dilation)
             and os.environ.get("SNAC_FAST_GLUON", "1") != "0"):
         return False

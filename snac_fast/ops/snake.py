@@ -16,14 +16,14 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from snac_fast.ops._runtime import (
+from snac_fast.ops.device import (
     HAS_TRITON,
     TRITON_INTERPRET,
     interpreter_configs,
-    launch_flags,
     runs_triton,
     through_op,
 )
+from snac_fast.ops.launch import launch_flags
 
 EPS = 1e-9  # upstream's guard in 1 / (alpha + 1e-9)
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,7 +32,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from snac_fast.ops._runtime import await_previous_kernel
+    from snac_fast.ops.launch import await_previous_kernel
 
     _INV_PI = tl.constexpr(0.3183098861837907)
     _PI_A = tl.constexpr(3.140625)  # pi split in 12-bit pieces: k * piece is exact in float32
@@ -49,7 +49,7 @@ if HAS_TRITON:
     _C2 = tl.constexpr(0.04166358709335327)
     _C3 = tl.constexpr(-0.001385372132062912)
     _C4 = tl.constexpr(2.3154247173806652e-05)
-    _EPS = tl.constexpr(EPS)
+    SNAKE_EPS = tl.constexpr(EPS)
     # fp16/bf16 outputs take the sine from the SFU (below); Triton's interpreter cannot run inline PTX
     _SFU = tl.constexpr(not TRITON_INTERPRET)
 
@@ -80,7 +80,7 @@ if HAS_TRITON:
                                          pack=1)
 
     @triton.jit
-    def _snake_sine(y, STORED: tl.constexpr):
+    def snake_sine(y, STORED: tl.constexpr):
         """sin(y) for a snake whose result is stored as STORED (a dtype): from the SFU for fp16/bf16,
         the exact range reduction and polynomial for float32 (float32 decodes stay >= 100 dB)."""
         if STORED.primitive_bitwidth < 32 and _SFU:
@@ -122,11 +122,11 @@ if HAS_TRITON:
             tl.program_id(0), n_rows, C, T, n_t_blocks, ROWS, BLOCK_T
         )
         alpha = tl.load(alpha_ptr + chan, mask=row_ok, other=1.0).to(tl.float32)
-        inv_alpha = 1.0 / (alpha + _EPS)
+        inv_alpha = 1.0 / (alpha + SNAKE_EPS)
         x_row = batch.to(tl.int64) * stride_xb + chan.to(tl.int64) * stride_xc
         x = tl.load(x_ptr + x_row[:, None] + (cols * stride_xt)[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        s = _snake_sine(alpha[:, None] * x, out_ptr.dtype.element_ty)
+        s = snake_sine(alpha[:, None] * x, out_ptr.dtype.element_ty)
         y = x + inv_alpha[:, None] * (s * s)
         out_row = rows.to(tl.int64) * T
         tl.store(out_ptr + out_row[:, None] + cols[None, :], y.to(out_ptr.dtype.element_ty), mask=mask)
@@ -143,7 +143,7 @@ if HAS_TRITON:
             tl.program_id(0), n_rows, C, T, n_t_blocks, ROWS, BLOCK_T
         )
         alpha = tl.load(alpha_ptr + chan, mask=row_ok, other=1.0).to(tl.float32)
-        inv_alpha = 1.0 / (alpha + _EPS)
+        inv_alpha = 1.0 / (alpha + SNAKE_EPS)
         dx_scale = alpha * inv_alpha  # d/dx of sin^2(ax)/(a+eps) is sin(2ax) * a/(a+eps)
         b64 = batch.to(tl.int64)
         c64 = chan.to(tl.int64)

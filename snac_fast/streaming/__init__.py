@@ -21,14 +21,16 @@ A stream that ends before its prefill is decoded whole. The local attention of t
 sees whole windows of ``attn_window_size`` latent steps, aligned as in a whole decode: those models
 step in groups of ``window / vq_strides[0]`` frames. Design notes: docs/streaming.md.
 
-Modules: :mod:`.geometry` (stages, contexts, where every sample sits), :mod:`.pending` (codes pushed but
+Modules: :mod:`.geometry` (stages, contexts, where every sample sits), :mod:`.shapes` (step kinds, batch
+buckets), :mod:`.pending` (codes pushed but
 not decoded yet), :mod:`.engine` (the batched engine), :mod:`.step_graph` (a step captured as a CUDA
 graph), :mod:`.stream` (one stream, the public :class:`DecoderStream`).
 """
 
-from snac_fast.streaming.engine import FLUSH, PREFILL, STEP, StreamEngine, StreamSlot
+from snac_fast.streaming.engine import StreamEngine, StreamSlot
 from snac_fast.streaming.geometry import Geometry, Stage, build_stages
 from snac_fast.streaming.pending import CheckedCodes
+from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP
 from snac_fast.streaming.stream import DecoderStream
 
 __all__ = ["FLUSH", "PREFILL", "STEP", "CheckedCodes", "DecoderStream", "Geometry", "Stage", "StreamEngine",

@@ -1,63 +1,40 @@
-"""The batched stream engine: state rows for many streams, prefill / step / flush runs, CUDA graphs."""
+"""The batched stream engine: state rows for many streams, prefill / step / flush runs, CUDA graphs.
+
+:class:`StreamEngine` is the engine's state and scheduling; its other parts live beside it, each a
+mixin of one concern: :mod:`.lookahead` (facts of time, approximate emission), :mod:`.code_checks`
+(its inputs' checks), :mod:`.step_shapes` (step sizes and the warm-up), :mod:`.stage_forward` (the
+step through the stages, what a CUDA graph captures)."""
 
 from __future__ import annotations
 
 import secrets
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 import torch
 from torch import Tensor, nn
 
-from snac_fast.compiling import compiling_concurrently
 from snac_fast.graphs import out_of_memory_explained
-from snac_fast.noise import check_seed, patched_noise
-from snac_fast.ops._runtime import device_scope, launches_as_recorded, tiles_as_for_fewer_rows
-from snac_fast.ops.context import context_step
-from snac_fast.ops.noise import keyed_normal
-from snac_fast.streaming.geometry import Geometry, _align_contexts, build_stages
-from snac_fast.streaming.pending import CheckedCodes, _PendingCodes
-from snac_fast.streaming.step_graph import NoiseCall, StepGraph
-
-PREFILL, STEP, FLUSH = "prefill", "step", "flush"
-TAIL = "tail"  # an approximate stream's flush, cut to the audio its emission needs
-_CODELESS = (FLUSH, TAIL)  # the kinds that take no new codes
-# steps of up to this many rows take the 1-row step's tiles: warming 256 streams compiles 153 kernels
-# instead of 207 (cold start 16.3 -> 13.3 s on an H100) for 8-30% more GPU time at 2-8 rows
-# (0.05-0.1 ms a step; docs/serving.md)
-ONE_ROW_TILES_UP_TO = 8
-_INTEGER_DTYPES = frozenset({torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8})
-
-
-def bucket_rows(n: int) -> int:
-    """Rows of the step graph that runs ``n`` streams: the next power of two up to 32, then the
-    next of 2^k and 1.5 * 2^k (48, 64, 96, 128, 192, ...). A step's GPU time grows about linearly
-    past ~64 rows, so a call of 65 streams padded to 128 rows spent half its time on padding."""
-    top = 1 << (n - 1).bit_length()
-    return top if top <= 32 or n > 3 * top // 4 else 3 * top // 4
-
-
-def warmup_buckets(max_batch: int) -> list[int]:
-    """The step-graph rows of every batch of 1 to ``max_batch`` streams (what a warm-up captures)."""
-    sizes = [1 << i for i in range(max_batch.bit_length() + 1)] + [3 << i for i in range(max_batch.bit_length())]
-    return sorted({bucket_rows(min(size, max_batch)) for size in sizes})
-
-
-# lookahead="fp16": per sampling rate, the least lookahead (samples) whose approximate stream is
-# closer to the whole float32 decode than an fp16 decode is (scripts/lookahead_curve.py, docs/streaming.md)
-FP16_LOOKAHEAD = {24000: 3456, 32000: 12032, 44100: 12032}
-
-
-def preset_lookahead(config: dict, name: str) -> int | None:
-    """A named lookahead for a model's ``config``: ``"fp16"`` (:data:`FP16_LOOKAHEAD`; None, the
-    exact stream, for a sampling rate it was not measured at) or ``"exact"`` (None)."""
-    if name == "exact":
-        return None
-    if name != "fp16":
-        raise ValueError(f"lookahead must be samples (an int), None, 'fp16' or 'exact'; got {name!r}")
-    return FP16_LOOKAHEAD.get(int(config["sampling_rate"]))
+from snac_fast.noise import check_seed
+from snac_fast.ops.device import device_scope
+from snac_fast.streaming.code_checks import CodeChecks, host_numpy
+from snac_fast.streaming.geometry import Geometry, align_contexts, build_stages
+from snac_fast.streaming.lookahead import LookaheadGeometry, preset_lookahead
+from snac_fast.streaming.pending import CheckedCodes, PendingCodes
+from snac_fast.streaming.shapes import (
+    CODELESS,
+    FLUSH,
+    PREFILL,
+    STEP,
+    bucket_rows,
+    joined_audio,
+    slots_of,
+)
+from snac_fast.streaming.stage_forward import StageForward
+from snac_fast.streaming.step_graph import StepGraph
+from snac_fast.streaming.step_shapes import StepShapes
 
 
 @dataclass(eq=False)
@@ -92,7 +69,7 @@ class _StepBatch:
     started: bool
 
 
-class StreamEngine:
+class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
     """Stateful streaming decode for many streams at once (one state row per stream) of a SNAC
     ``model`` (snac-fast's tree after surgery, or upstream's) with its ``config``, on ``device`` in
     ``dtype`` (the model's). Build it with :meth:`snac_fast.FastSNAC.stream_engine`.
@@ -128,7 +105,7 @@ class StreamEngine:
             raise ValueError(f"lookahead must be an int of 0..{exact.lookahead_samples} samples (exact), got {lookahead!r}")
         # lookahead < exact: approximate streams, emitted from a flush of a copy of the exact state
         self.approximate_lookahead = lookahead if lookahead is not None and lookahead < exact.lookahead_samples else None
-        _align_contexts(stages, exact)  # its a and group: neither depends on the contexts
+        align_contexts(stages, exact)  # its a and group: neither depends on the contexts
         self.geometry = Geometry.of(stages, self.strides[0], window)
         self._tail_keep = self._tail_lengths(window) if self.approximate_lookahead is not None else None
         self.max_streams = max_streams
@@ -138,7 +115,7 @@ class StreamEngine:
                           for s in self.geometry.stages]
         self._free = list(range(max_streams - 1, -1, -1))
         self._ratios = [self.strides[0] // s for s in self.strides]
-        self._pending = _PendingCodes(max_streams, self._ratios)
+        self._pending = PendingCodes(max_streams, self._ratios)
         # per slot, the key rows of a step (frames consumed, seed, row): one gather for all three
         self._slot_keys = np.zeros((3, max_streams + 1), np.int64)
         self._consumed, self._seeds, self._rows = self._slot_keys
@@ -155,153 +132,13 @@ class StreamEngine:
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, StepGraph] = {}
         # per batch bucket, the one-frame step's launch choices, which that bucket's prefills and
-        # flushes reuse (ops._runtime.launches_as_recorded): no kernel variants of their own to compile
+        # flushes reuse (ops.launch.launches_as_recorded): no kernel variants of their own to compile
         self._launches: dict[int, dict] = {}
         # after a warm-up: the step shapes (STEP, bucket, frames) warmed. A step of more frames than
         # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
         # audio of a server's first streams for 85-250 ms (H200, docs/serving.md)
         self._warmed_steps: set[tuple] | None = None
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None  # graphs replay one at a time
-
-    def _tail_lengths(self, window: int | None) -> list[int]:
-        """Per stage, the outputs past its exact point that a tail run keeps: those the emission,
-        L samples before the stream's end, needs, traced back through the stages: k outputs past a
-        stage's exact point read ceil(k / upsample) inputs past its state (its right context covers
-        their reach), whole attention windows where a stage ends in one. The later stages never read
-        what is cut (tests: equal to whole decodes to 1e-10 in float64; 3 samples fewer fail)."""
-        need = self.exact_lookahead_samples - self.approximate_lookahead  # audio past the exact end
-        keep = [0] * len(self.geometry.stages)
-        for l in reversed(range(len(self.geometry.stages))):
-            stage = self.geometry.stages[l]
-            if stage.post and window:
-                need = -(-need // window) * window
-            keep[l] = need
-            need = -(-need // stage.upsample)
-        return keep
-
-    # -- facts ---------------------------------------------------------------------------------
-
-    @property
-    def frames_per_group(self) -> int:
-        """Frames a step takes at a time (1 at 24 kHz; an attention window's worth at 32/44 kHz)."""
-        return self.geometry.group
-
-    @property
-    def prefill_frames(self) -> int:
-        """Frames a stream collects before its first audio."""
-        return self.geometry.prefill_frames
-
-    @property
-    def samples_per_frame(self) -> int:
-        return self.geometry.a[-1]
-
-    @property
-    def lookahead_samples(self) -> int:
-        """Audio a stream's output trails its newest frame by (the exact receptive field, or the
-        approximate lookahead asked for)."""
-        if self.approximate_lookahead is not None:
-            return self.approximate_lookahead
-        return self.geometry.lookahead_samples
-
-    @property
-    def first_audio_frames(self) -> int:
-        """Frames a stream must push before its first audio: the prefill for exact streams; for
-        approximate ones the fewest whole attention windows (groups) whose audio passes the lookahead."""
-        if self.approximate_lookahead is None:
-            return self.prefill_frames
-        frames = self.approximate_lookahead // self.samples_per_frame + 1
-        return -(-frames // self.frames_per_group) * self.frames_per_group
-
-    @property
-    def first_audio_ms(self) -> float:
-        """Audio time of :attr:`first_audio_frames` (what an LM generating in real time waits for)."""
-        return self._ms(self.first_audio_frames * self.samples_per_frame)
-
-    @property
-    def lookahead_ms(self) -> float:
-        return self._ms(self.lookahead_samples)
-
-    def _ms(self, samples: int) -> float:
-        return 1000.0 * samples / int(self.config["sampling_rate"])
-
-    @property
-    def lookahead_frames(self) -> float:
-        return self.lookahead_samples / self.samples_per_frame
-
-    @property
-    def state_bytes_per_stream(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.state)
-
-    @property
-    def open_streams(self) -> int:
-        return self.max_streams - len(self._free)
-
-    def warmup(self, max_batch: int | None = None, frames: Sequence[int] = (), compiled: bool = False) -> int:
-        """Capture the CUDA graphs (and compile the kernels) of every step a server will run, so
-        that no stream pays for them later: prefill, one-group step and flush at every batch bucket
-        up to ``max_batch`` (default max_streams), plus steps of the given ``frames`` counts. Runs on
-        the scratch state row; open streams are untouched. From then on a stream holding more frames
-        than a warmed step takes runs several one-group steps (the same audio) rather than wait for
-        a new graph. ``compiled``: :meth:`compile_steps` ran already for these shapes. Returns the
-        number of graphs captured (0 without CUDA graphs)."""
-        if not self.cuda_graphs:
-            return 0
-        shapes = self._warmup_shapes(max_batch, frames)
-        inputs = self._warmup_inputs(shapes)
-        with self._lock, torch.inference_mode(), device_scope(self.device):
-            if not compiled:
-                self._launch_shapes(inputs)
-            for shape, (keys, codes) in inputs.items():
-                graph = self._graphs[shape] = self._step_graph(shape[0], keys, codes, shape[2], compiled=True)
-                graph(keys, codes)  # a first replay uploads the graph: the first stream's step does not wait for it
-            # the first launches of what a batch of mixed prefills and steps adds (lazily loaded kernels)
-            joined_audio([self.empty_audio(), torch.zeros(3, device=self.device, dtype=self.dtype)])
-        torch.cuda.synchronize(self.device)
-        self._warmed_steps = (self._warmed_steps or set()) | {shape for shape in shapes if shape[0] == STEP}
-        return len(inputs)
-
-    def compile_steps(self, max_batch: int | None = None, frames: Sequence[int] = ()) -> None:
-        """Compile the kernels of the steps :meth:`warmup` captures for these arguments, without
-        capturing: one shapes-only pass in which every kernel compiles concurrently. Inside a caller's
-        :func:`~snac_fast.compiling.compiling_concurrently` block they join that block's compiles
-        (:func:`snac_fast.warmup.warmup` compiles the decode shapes and the steps in one pass)."""
-        if not self.cuda_graphs:
-            return
-        inputs = self._warmup_inputs(self._warmup_shapes(max_batch, frames))
-        with self._lock, torch.inference_mode(), device_scope(self.device):
-            self._launch_shapes(inputs)
-
-    def _warmup_shapes(self, max_batch: int | None, frames: Sequence[int]) -> list[tuple[str, int, int]]:
-        top = min(max_batch or self.max_streams, self.max_streams)
-        buckets = sorted({self._bucket(b) for b in warmup_buckets(top)})
-        more = sorted({self._step_frames(int(k)) for k in frames} - {0, self.frames_per_group})
-        # each bucket's one-frame step first: it records the launches the others reuse
-        shapes = [(kind, b, k) for b in buckets for kind, k in
-                  [(STEP, k) for k in [self.frames_per_group, *more]] + [(PREFILL, self.prefill_frames), (FLUSH, 0)]
-                  + ([(TAIL, 0)] if self.approximate_lookahead is not None else [])]
-        if len(shapes) > self.max_graphs:
-            raise ValueError(f"warmup needs {len(shapes)} graphs but the engine keeps {self.max_graphs}: "
-                             "raise max_graphs or warm fewer shapes")
-        return shapes
-
-    def _warmup_inputs(self, shapes: list[tuple[str, int, int]]) -> dict:
-        """Scratch-row keys and zero codes for each shape not captured yet."""
-        inputs = {}
-        for kind, bucket, k in shapes:
-            if (kind, bucket, k) in self._graphs:
-                continue
-            keys = np.zeros((4, bucket), np.int64)
-            keys[0] = self.max_streams  # the scratch row
-            inputs[kind, bucket, k] = keys, [] if kind in _CODELESS else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
-        return inputs
-
-    def _launch_shapes(self, inputs: dict) -> None:
-        """One shapes-only pass over every step first: all their kernels compile at once, instead of
-        each graph's compiling while the others wait (an empty Triton cache)."""
-        with compiling_concurrently():
-            for (kind, bucket, k), (keys, codes) in inputs.items():
-                self._forward(kind, torch.from_numpy(keys).to(self.device),
-                              [torch.from_numpy(c).to(self.device) for c in codes], k)
 
     # -- streams -------------------------------------------------------------------------------
 
@@ -330,56 +167,6 @@ class StreamEngine:
                 self._pending.clear(stream.slot)
                 self._free.append(stream.slot)
 
-    def check_codes(self, codes: Sequence[Tensor]) -> CheckedCodes:
-        """One stream's codes for k >= 1 new frames: per level [L_i] or [1, L_i] integers (any
-        device) with L_i = k * vq_strides[0] / vq_strides[i], ids in [0, codebook_size). Returns
-        them as int64 numpy [L_i] (:class:`CheckedCodes`, which :meth:`advance` takes unchecked)."""
-        checked = self._check_shapes(codes)
-        if not checked.ids_checked:
-            self._check_ids([checked])
-            checked.ids_checked = True
-        return checked
-
-    def _check_shapes(self, codes: Sequence[Tensor]) -> CheckedCodes:
-        if isinstance(codes, CheckedCodes):
-            return codes
-        n = len(self.strides)
-        if not isinstance(codes, (list, tuple)) or not all(isinstance(c, Tensor) for c in codes):
-            raise ValueError(f"codes must be a list of {n} tensors, one per level")
-        if len(codes) != n:
-            raise ValueError(f"this model has {n} code levels (vq_strides {self.strides}), got {len(codes)}")
-        checked = CheckedCodes()
-        for i, c in enumerate(codes):
-            if c.dtype not in _INTEGER_DTYPES:
-                raise ValueError(f"codes level {i} must be an integer tensor, got {c.dtype}")
-            a = _int64_numpy(c)
-            if a.ndim == 2 and a.shape[0] == 1:
-                a = a[0]
-            if a.ndim != 1:
-                raise ValueError(f"codes level {i} must be [L] or [1, L] for one stream, got {tuple(c.shape)}")
-            checked.append(a)
-        frames = len(checked[0])
-        want = [frames * r for r in self._ratios]
-        if frames == 0 or [len(c) for c in checked] != want:
-            raise ValueError(f"code lengths {[len(c) for c in checked]} do not follow vq_strides {self.strides}: "
-                             f"for {max(frames, 1)} frames expect {[max(frames, 1) * r for r in self._ratios]}")
-        checked.frames = frames
-        return checked
-
-    def _check_ids(self, streams: list[CheckedCodes]) -> None:
-        """Every id of every stream in [0, codebook_size): one numpy pass over all of them."""
-        if not streams:
-            return
-        flat = np.concatenate([c.ravel() for codes in streams for c in codes])
-        if flat.min() >= 0 and flat.max() < self.codebook_size:
-            return
-        for codes in streams:
-            for i, c in enumerate(codes):
-                bad = c[(c < 0) | (c >= self.codebook_size)]
-                if bad.size:
-                    raise ValueError(f"codes level {i} holds id {bad[0]}, outside [0, {self.codebook_size}) "
-                                     "of this model's codebook")
-
     def advance(self, pushes: Mapping[StreamSlot, Sequence[Tensor]] | None = None,
                 finish: Iterable[StreamSlot] = ()) -> dict[StreamSlot, Tensor]:
         """Take new codes for some streams (each checked before any kernel runs) and end others
@@ -405,7 +192,7 @@ class StreamEngine:
                                      f"(its attention windows); this one ends with {s.frames + held}")
             streams = list(checked)
             codes = list(checked.values())
-            slots = _slots_of(streams)
+            slots = slots_of(streams)
             if (all_started and not finish and len({c.frames for c in codes}) == 1
                     and self._in_steady_state(len(streams), slots, codes[0].frames)):
                 arrays = [level[None] for level in codes[0]] if len(codes) == 1 else [np.stack(c) for c in zip(*codes)]
@@ -431,7 +218,7 @@ class StreamEngine:
 
     def _step(self, streams: tuple, codes: Sequence[Tensor]) -> list[Tensor]:
         self._check_step_shapes(codes, len(streams))
-        arrays = [_host_numpy(c) for c in codes]  # [B, L_i], any integer dtype
+        arrays = [host_numpy(c) for c in codes]  # [B, L_i], any integer dtype
         frames = arrays[0].shape[1] // self._ratios[0]
         with self._lock:
             batch = self._step_batch(streams)
@@ -467,7 +254,7 @@ class StreamEngine:
             raise ValueError(f"rows {rows.shape} for {n} streams of {frames} frames: expected {(n, start)}")
         with self._lock:
             started = self._check_streams(list(streams))
-            slots = _slots_of(streams)
+            slots = slots_of(streams)
             if len(set(slots.tolist())) != n:
                 raise ValueError("step_rows got the same stream twice")
             if started and self._in_steady_state(n, slots, frames):
@@ -476,47 +263,6 @@ class StreamEngine:
             self._pending.put_rows(slots, levels, frames)
             pieces = self._decode_pending(list(streams), [])
         return joined_audio([pieces[s] for s in streams])
-
-    def _emit(self, streams: list[StreamSlot], exact: list[Tensor], finishing: set) -> list[Tensor]:
-        """Approximate streams, under the lock, after an exact call: each stream's exact new audio
-        (``exact[j]``, continuing its earlier exact audio) -> the audio it emits now. A stream's
-        output runs to L samples before its newest decoded frame, from the decode of all its codes
-        as if it ended there: its exact audio, then a flush of a copy of its state (restored after);
-        before its prefill, a whole decode of the codes it holds. A flush emits all that is left."""
-        L, per_frame, group = self.approximate_lookahead, self.samples_per_frame, self.frames_per_group
-        running = [s for s in streams if s not in finishing and s.started]
-        tails: dict[StreamSlot, Tensor] = {}
-        if running:
-            slots = _slots_of(running)
-            with torch.inference_mode(), device_scope(self.device):
-                index = torch.from_numpy(slots).to(self.device)
-                saved = [state.index_select(0, index) for state in self.state]
-                tails = dict(zip(running, self._run(TAIL, slots, 0).unbind(0)))
-                for state, rows in zip(self.state, saved):
-                    state.index_copy_(0, index, rows)
-        out = []
-        for s, piece in zip(streams, exact):
-            before, emitted = int(self._exact_out[s.slot]), int(self._emitted[s.slot])
-            self._exact_out[s.slot] = before + piece.numel()
-            if s in finishing:
-                out.append(piece[emitted - before:])
-                continue
-            if s in tails:  # exact audio from `before`, then the tail from `after` to the last frame decoded
-                after, end = before + piece.numel(), max(emitted, s.frames * per_frame - L)  # end >= after
-                if emitted >= after:  # all in the tail (pushes shorter than the exact lookahead less L)
-                    out.append(tails[s][emitted - after:end - after])
-                else:
-                    out.append(torch.cat([piece[emitted - before:], tails[s][:end - after]]))
-            else:  # not started: the whole decode of what it holds, in whole attention windows
-                frames = s.pending_frames
-                if not frames or frames % group:
-                    out.append(self.empty_audio())
-                    continue
-                end = max(emitted, frames * per_frame - L)
-                with torch.inference_mode(), device_scope(self.device):
-                    out.append(self._decode_whole(s, take=False)[emitted:end])
-            self._emitted[s.slot] = end
-        return out
 
     def row_of(self, codes: CheckedCodes) -> np.ndarray:
         """One stream's checked codes as the level-major row :meth:`step_rows` takes."""
@@ -533,7 +279,7 @@ class StreamEngine:
         if batch is not None:
             return batch
         started = self._check_streams(list(streams))
-        slots = _slots_of(streams)
+        slots = slots_of(streams)
         if len(set(slots.tolist())) != len(streams):
             raise ValueError("step got the same stream twice")
         keys = np.empty((4, self._bucket(len(slots))), np.int64)
@@ -544,24 +290,6 @@ class StreamEngine:
                 self._step_batches.clear()
             self._step_batches[streams] = batch
         return batch
-
-    def _check_step_shapes(self, codes: Sequence[Tensor], rows: int) -> None:
-        """:func:`validate_codes`' checks of ``step``'s codes (ids aside), run once per distinct
-        (type, dtype, shape) of the levels: a server sends the same shapes every step."""
-        signature = None
-        if type(codes) in (list, tuple):
-            try:
-                signature = tuple((type(c), c.dtype, c.shape) for c in codes)
-            except AttributeError:
-                pass
-        if signature is None or signature not in self._step_signatures:
-            from snac_fast.codes import validate_codes
-
-            validate_codes(codes, self._step_config, check_ids=False)  # [B, L_i] following vq_strides
-            if signature is not None and len(self._step_signatures) < 64:
-                self._step_signatures.add(signature)
-        if codes[0].shape[0] != rows:
-            raise ValueError(f"codes hold {codes[0].shape[0]} rows for {rows} streams")
 
     def _in_steady_state(self, streams: int, slots: np.ndarray, frames: int) -> bool:
         """A server's steady state, under the lock, for ``streams`` started streams (``slots``):
@@ -638,32 +366,14 @@ class StreamEngine:
 
     def _run_prefills(self, streams: list[StreamSlot], pieces) -> None:
         for chunk in self._chunks(streams):
-            audio = self._run(PREFILL, _slots_of(chunk), self.prefill_frames).unbind(0)
+            audio = self._run(PREFILL, slots_of(chunk), self.prefill_frames).unbind(0)
             for s, a in zip(chunk, audio):
                 s.started = True
                 pieces[s].append(a)
 
-    def _step_frames(self, pending: int) -> int:
-        """The largest step of a power-of-two number of groups that fits what a stream holds."""
-        groups = min(int(pending), self.max_frames_per_step) // self.frames_per_group
-        return (1 << groups.bit_length() - 1) * self.frames_per_group if groups > 0 else 0
-
-    def _runnable_frames(self, streams: int, frames: int) -> int:
-        """The frames a step of ``streams`` streams holding ``frames`` takes: all of them, unless a
-        warm-up fixed the step shapes and theirs is not among them (then one group)."""
-        if self._warmed_steps is None or frames == self.frames_per_group:
-            return frames
-        return frames if (STEP, self._bucket(streams), frames) in self._warmed_steps else self.frames_per_group
-
-    def _step_frames_of(self, pending: np.ndarray) -> np.ndarray:
-        """:meth:`_step_frames` of every entry of an int array (0 where not a group is held)."""
-        groups = np.minimum(pending, self.max_frames_per_step) // self.frames_per_group
-        bits = np.frexp(groups.astype(np.float64))[1]  # bit_length, exact for these small counts
-        return np.where(groups > 0, np.left_shift(1, np.maximum(bits - 1, 0)) * self.frames_per_group, 0)
-
     def _run_steps(self, streams: list[StreamSlot], pieces) -> None:
         while streams:
-            slots = _slots_of(streams)
+            slots = slots_of(streams)
             frames = self._step_frames_of(self._pending.tail[slots] - self._pending.head[slots])
             # the distinct step sizes, without np.unique: its first call imports numpy.ma (a stall,
             # seen as the first prefills' slow pushes under load; docs/measurements.md)
@@ -672,7 +382,7 @@ class StreamEngine:
                 group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
                 for chunk in self._chunks(group):
                     step = self._runnable_frames(len(chunk), k)
-                    for s, a in zip(chunk, self._run(STEP, _slots_of(chunk), step).unbind(0)):
+                    for s, a in zip(chunk, self._run(STEP, slots_of(chunk), step).unbind(0)):
                         pieces[s].append(a)
             # streams that pushed more than one step's frames go round again
             more = (frames > 0) & (self._pending.tail[slots] - self._pending.head[slots] >= self.frames_per_group)
@@ -681,7 +391,7 @@ class StreamEngine:
     def _run_finishes(self, streams: list[StreamSlot], pieces) -> None:
         started = [s for s in streams if s.started]
         for chunk in self._chunks(started):
-            for s, a in zip(chunk, self._run(FLUSH, _slots_of(chunk), 0).unbind(0)):
+            for s, a in zip(chunk, self._run(FLUSH, slots_of(chunk), 0).unbind(0)):
                 pieces[s].append(a)
         for s in streams:
             if not s.started and s.pending_frames:  # shorter than a prefill: decode it whole
@@ -727,7 +437,7 @@ class StreamEngine:
         bucket = self._bucket(n)
         keys = np.empty((4, bucket), np.int64)
         self._write_keys(keys, slots)
-        if kind not in _CODELESS:
+        if kind not in CODELESS:
             codes = self._pending.take(slots, frames) if codes is None else codes  # n rows
             self._consumed[slots] += frames
         else:
@@ -745,89 +455,3 @@ class StreamEngine:
             return graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
         return self._forward(kind, torch.from_numpy(keys).to(self.device),
                              [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]
-
-    def _step_graph(self, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
-                    compiled: bool = False) -> StepGraph:
-        return StepGraph(self._forward, self.draw_noise, self.state, self._pool, kind, keys, codes, frames, compiled)
-
-    def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
-                 noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:
-        """The step itself, on device tensors only (what a CUDA graph captures). keys: int64
-        [4, B] (state slot, frames consumed, seed, row); codes: per level [B, L_i] (not for flush).
-        noise_for: where NoiseBlocks get their noise (default: :meth:`draw_noise`)."""
-        rows = keys.shape[1]
-        recording = kind == STEP and frames == self.frames_per_group
-        with tiles_as_for_fewer_rows(rows if rows <= ONE_ROW_TILES_UP_TO else 1), \
-                launches_as_recorded(self._launches.setdefault(rows, {}), recording):
-            return self._forward_rows(kind, keys, codes, frames, noise_for)
-
-    def _forward_rows(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
-                      noise_for: Callable[[NoiseCall], Tensor] | None) -> Tensor:
-        geo = self.geometry
-        slots = keys[0]
-        new = self.model.quantizer.from_codes(codes) if kind not in _CODELESS else None
-        offsets: dict[int, tuple[int, int]] = {}  # NoiseBlock index -> (samples per frame, start)
-        noise_for = noise_for or (lambda call: self.draw_noise(keys, call))
-
-        def noise(index: int, x: Tensor) -> Tensor:
-            return noise_for(NoiseCall(index, *offsets[index], x.shape[2], x.dtype))
-
-        with patched_noise(self.model, noise):
-            for l, (stage, state) in enumerate(zip(geo.stages, self.state)):
-                a, b, H = geo.a[l], geo.b[l], stage.context
-                n = new.shape[2] if new is not None else 0
-                if kind == PREFILL:  # the buffer starts at sample 0: the layers pad the left edge
-                    buffer, start = new, 0
-                    valid = (0, n - stage.right)
-                    state.index_copy_(0, slots, new[:, :, n - H:])  # a prefill holds at least H samples
-                elif new is None:  # flush, first stage: the context alone, up to the stream's last sample
-                    buffer, start = state.index_select(0, slots), b - H
-                    valid = (H - stage.right, H)
-                else:  # [context | new], from position P - H, with P = a * F + b; the state keeps the last H
-                    buffer = context_step(state, slots, new, channels_last=new.stride(1) == 1 and new.shape[1] > 1)
-                    start = b - H
-                    valid = (H - stage.right, H + n - stage.right if kind == STEP else H + n)
-                for index, scale in stage.noise:
-                    offsets[index] = (a * scale if kind != PREFILL else 0, start * scale)
-                x = buffer
-                for layer in stage.layers:
-                    x = layer(x)
-                s = stage.upsample
-                x = x[:, :, valid[0] * s:valid[1] * s]
-                if kind == TAIL:
-                    x = x[:, :, :self._tail_keep[l]]
-                for layer in stage.post:
-                    x = layer(x.contiguous())
-                new = x
-        return new
-
-    @staticmethod
-    def draw_noise(keys: Tensor, call: "NoiseCall") -> Tensor:
-        """A step's keyed noise for one NoiseBlock (keys as in :meth:`_forward`): [B, 1, length]."""
-        return keyed_normal(keys[2], keys[3], keys[1], call.per_frame, call.start, call.length, call.index,
-                            dtype=call.dtype)
-
-
-def joined_audio(pieces: Sequence[Tensor]) -> tuple[Tensor, np.ndarray]:
-    """1-D audio pieces -> (one buffer, offsets int64 [len(pieces) + 1]) as :meth:`StreamEngine.step_rows` returns."""
-    offsets = np.zeros(len(pieces) + 1, np.int64)
-    np.cumsum([p.numel() for p in pieces], out=offsets[1:])
-    return torch.cat(list(pieces)), offsets
-
-
-def _host_numpy(codes: Tensor) -> np.ndarray:
-    """A tensor's values as a numpy array of its dtype (a view on the CPU)."""
-    return codes.numpy() if codes.is_cpu else codes.cpu().numpy()
-
-
-def _int64_numpy(codes: Tensor) -> np.ndarray:
-    """An integer tensor's values as an int64 numpy array (a view where it already is one on the CPU)."""
-    a = _host_numpy(codes)
-    return a if a.dtype == np.int64 else a.astype(np.int64)
-
-
-def _slots_of(streams: Sequence[StreamSlot]) -> np.ndarray:
-    """The state slots of ``streams``, int64 [len(streams)]."""
-    return np.fromiter((s.slot for s in streams), np.int64, len(streams))
-
-

@@ -17,7 +17,7 @@ def _context(layer: nn.Module, reach: int) -> int:
     context on each side (zero-padded 'same' convs, SNAC's transposed convs, pointwise layers)."""
     from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
 
-    from snac_fast.modules import FastSnake1d, _Absorbed
+    from snac_fast.modules import Absorbed, FastSnake1d
 
     if isinstance(layer, (DecoderBlock, nn.Sequential)):
         children = layer.block if isinstance(layer, DecoderBlock) else layer
@@ -28,12 +28,12 @@ def _context(layer: nn.Module, reach: int) -> int:
         return _context(layer.block, reach)
     if isinstance(layer, nn.ConvTranspose1d):  # SNAC's k = 2s: output j reads inputs floor(j / s) - 1 .. + 1
         return -(-reach // layer.stride[0]) + 1
-    if isinstance(layer, nn.Conv1d) and not isinstance(layer, _Absorbed):
+    if isinstance(layer, nn.Conv1d) and not isinstance(layer, Absorbed):
         k, d, p = layer.kernel_size[0], layer.dilation[0], layer.padding[0]
         if layer.stride[0] != 1 or 2 * p != d * (k - 1):
             raise ValueError(f"cannot stream through {type(layer).__name__}: needs a stride-1 'same'-padded conv")
         return reach + p
-    if isinstance(layer, (NoiseBlock, Snake1d, FastSnake1d, _Absorbed, nn.Tanh, nn.Identity)) or is_pointwise_1x1(layer):
+    if isinstance(layer, (NoiseBlock, Snake1d, FastSnake1d, Absorbed, nn.Tanh, nn.Identity)) or is_pointwise_1x1(layer):
         return reach
     raise ValueError(f"cannot stream through {type(layer).__name__}")
 
@@ -136,7 +136,7 @@ class Geometry:
 ALIGN = 16
 
 
-def _align_contexts(stages: list[Stage], geometry: "Geometry") -> None:
+def align_contexts(stages: list[Stage], geometry: "Geometry") -> None:
     """Widen each stage's left context so that in a one-group step the outputs of its upsampling
     (``[context | new]`` times ``upsample``; its input is read channels-last) are a multiple of
     :data:`ALIGN` samples long. Extra left context changes no output: the cropped outputs'

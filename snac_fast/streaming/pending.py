@@ -12,7 +12,7 @@ class CheckedCodes(list):
     ids_checked: bool = False
 
 
-class _PendingCodes:
+class PendingCodes:
     """Codes pushed but not decoded yet, for every state slot at once, so that a step gathers the
     codes of all its streams in one numpy indexing per level (no per-stream tensor work). Level i
     holds ``ratios[i]`` codes per frame in a buffer [slots, capacity * ratios[i]]; a slot's pending

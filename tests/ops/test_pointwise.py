@@ -192,7 +192,7 @@ def test_pointwise_conv_tma_rule():
     large enough for the plain kernel's biggest tile, 16-byte aligned rows and bases; never on
     an sm_89 card."""
     from snac_fast.ops import pointwise
-    from snac_fast.ops._runtime import GPUS, emulate_gpu
+    from snac_fast.ops.device import GPUS, emulate_gpu
 
     def tile(B, C_out, C_in, T, dtype=torch.float16, offset=0, gpu="h100"):
         h = torch.empty(B * C_in * T + offset, dtype=dtype)[offset:].view(B, C_in, T)
@@ -265,7 +265,7 @@ def test_gpu_pointwise_conv_tma(cuda, dtype, C):
     input; the last time tile ragged) against float64 and the plain kernel: a residual unit's tail
     in place, a NoiseBlock's pair from [B, T, C] input, a block's last unit writing [B, T, C]."""
     from snac_fast.ops import pointwise
-    from snac_fast.ops._runtime import has_tma
+    from snac_fast.ops.launch import has_tma
 
     gen = torch.Generator().manual_seed(C)
     T = 16392

@@ -59,7 +59,7 @@ def test_unit_applies_only_to_fp16_cuda_within_limits(monkeypatch):
         xc = x.cuda()
         assert ru.unit_applies(xc, 64, 9) and ru.unit_applies(xc, 48, 3) and ru.unit_applies(xc, 128, 3)
         assert not ru.unit_applies(xc.float(), 64, 1) and not ru.unit_applies(xc, 96, 9)
-        from snac_fast.ops._runtime import GPUS, emulate_gpu
+        from snac_fast.ops.device import GPUS, emulate_gpu
         with emulate_gpu(GPUS["a100"]):  # the launch rules' view of the card decides
             assert not ru.unit_applies(xc, 64, 1)
         monkeypatch.setenv("SNAC_FAST_GLUON", "0")

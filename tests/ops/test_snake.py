@@ -5,7 +5,7 @@ import torch
 
 import snac_fast
 from snac_fast import FastSnake1d, snake, snake_reference
-from snac_fast.ops._runtime import runs_triton
+from snac_fast.ops.device import runs_triton
 from snac_fast.ops.snake import snake_backward_reference
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]

@@ -1,0 +1,165 @@
+"""A stand-in for an Orpheus language model behind an OpenAI-compatible completions API: it answers
+``POST /v1/completions`` (``stream: true``) with the ``<custom_token_N>`` text of codes scripted per
+prompt text, cut into chunks at random places, at a set pace. For tests, the serving benchmark, and
+trying ``snac-fast serve`` without a GPU-hungry LM:
+
+    python -m snac_fast.serve.fake_lm --port 8000 --pace 1      # random codes for any prompt, real time
+
+``GET /stats`` reports, per request tag (the prompt's text), when the token that completed the
+first ``first_frames`` frames was sent (``time.monotonic()``, comparable across processes of one
+host): the start of the time to first audio a server adds. With ``--stats-dir`` each process also
+appends, per finished request, that time and when each chunk left with how many whole tokens sent so
+far (one JSON line), from which the benchmark times every chunk of audio the server adds; with
+``--workers N`` (uvicorn worker processes, for loads one Python process cannot stream) that folder is
+the only full record, since ``/stats`` answers from one worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS, TokenLayout
+
+END_OF_SPEECH_TEXT = "<custom_token_2><custom_token_6>"  # end of speech (128258), end of AI (128262)
+
+
+class FakeLM:
+    """The app (:attr:`app`, Starlette) and its scripts. ``pace``: frames of audio per frame time
+    (1: real time at 24 kHz, 7 tokens per 85.3 ms; 0: as fast as possible). ``frames``: the length of
+    the random codes made for a prompt with no script. ``first_frames``: see :attr:`first_sent`.
+    ``split_tokens``: chunks cut at any character, inside tokens too. ``stats_dir``: a folder where
+    each finished request's first-frames time and chunk times are appended as a JSON line (one file
+    per process)."""
+
+    def __init__(self, pace: float = 0.0, frames: int = 60, frame_seconds: float = 2048 / 24000,
+                 layout: TokenLayout = ORPHEUS, first_frames: int = 4, seed: int = 0, split_tokens: bool = False,
+                 stats_dir: str | None = None) -> None:
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse
+        from starlette.routing import Route
+
+        self.pace, self.frames, self.frame_seconds, self.layout = pace, frames, frame_seconds, layout
+        self.first_frames, self.seed, self.split_tokens = first_frames, seed, split_tokens
+        self.scripts: dict[str, dict] = {}
+        self.prompts: list[str] = []
+        self.first_sent: dict[str, float] = {}  # prompt text -> when its first_frames-th frame's last token left
+        self._stats_path = None
+        if stats_dir is not None:
+            Path(stats_dir).mkdir(parents=True, exist_ok=True)
+            self._stats_path = Path(stats_dir) / f"{os.getpid()}.jsonl"
+
+        async def stats(request):
+            return JSONResponse({"first_sent": self.first_sent})
+        self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
+                                     Route("/stats", stats)])
+
+    def script(self, text: str, codes, bad_at: int | None = None, stop_early: bool = False,
+               delay: float | None = None) -> list[int]:
+        """Answer prompts of ``text`` with ``codes`` (per level [1, L_i]): ``bad_at``: a token of the
+        wrong slot there; ``stop_early``: no end of speech and the last frame cut short; ``delay``:
+        seconds between chunks (default: the pace's). Returns the ids it will send."""
+        ids = self.layout.codes_to_ids(codes).tolist()
+        if bad_at is not None:
+            size = self.layout.frame_size
+            ids[bad_at] = self.layout.offset + ((bad_at + 1) % size) * self.layout.codebook_size + 5
+        if stop_early:
+            ids = ids[:-3]
+        self.scripts[text] = {"ids": ids, "end": not stop_early, "delay": delay}
+        return ids
+
+    def _random_ids(self, text: str) -> list[int]:
+        rng = np.random.default_rng([self.seed, abs(hash(text)) % (1 << 31)])
+        per_frame = self.layout.frame_size
+        codes = rng.integers(0, self.layout.codebook_size, (self.frames, per_frame))
+        return (codes + self.layout.offset + np.arange(per_frame) * self.layout.codebook_size).reshape(-1).tolist()
+
+    async def completions(self, request):
+        from starlette.responses import StreamingResponse
+
+        body = await request.json()
+        prompt = body.get("prompt", "")
+        self.prompts.append(prompt)
+        text = prompt.split(": ", 1)[-1].split("<|eot_id|>")[0]
+        script = self.scripts.get(text) or {"ids": self._random_ids(text), "end": True, "delay": None}
+        size = self.layout.frame_size
+        text_out = "".join(f"<custom_token_{i - CUSTOM_TOKEN_ID}>" for i in script["ids"])
+        token_ends = np.cumsum([len(f"<custom_token_{i - CUSTOM_TOKEN_ID}>") for i in script["ids"]])
+        first_end = token_ends[min(self.first_frames * size, len(token_ends)) - 1] if len(token_ends) else 0
+        token_seconds = self.frame_seconds / size / self.pace if self.pace else 0.0
+        rng = random.Random(len(text_out))
+
+        async def events():
+            start, at = time.monotonic(), 0
+            sends = []  # (when a chunk left, whole tokens sent so far)
+            while at < len(text_out):
+                if self.split_tokens:  # cut anywhere, tokens too: a server must join them again
+                    end = min(at + rng.randint(1, 60), len(text_out))
+                else:  # 1-4 whole tokens a chunk, as LM servers flush them
+                    done = int(np.searchsorted(token_ends, at, side="right"))
+                    end = int(token_ends[min(done + rng.randint(1, 4), len(token_ends)) - 1])
+                whole = int(np.searchsorted(token_ends, end, side="right"))  # tokens complete after this chunk
+                wait = script["delay"] if script["delay"] is not None else start + whole * token_seconds - time.monotonic()
+                if wait > 0:
+                    await asyncio.sleep(wait)
+                yield f"data: {json.dumps({'choices': [{'text': text_out[at:end], 'index': 0}]})}\n\n"
+                sent = time.monotonic()
+                sends.append((sent, whole))
+                if at < first_end <= end:
+                    self.first_sent[text] = sent
+                at = end
+            if self._stats_path is not None:  # one line per request
+                with open(self._stats_path, "a") as f:  # noqa: ASYNC230 (a local file, once a request)
+                    f.write(json.dumps({"text": text, "first_sent": self.first_sent.get(text), "sends": sends}) + "\n")
+            if script["end"]:
+                yield f"data: {json.dumps({'choices': [{'text': END_OF_SPEECH_TEXT, 'index': 0}]})}\n\n"
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+
+ENVIRONMENT = "SNAC_FAST_FAKE_LM"  # FakeLM's settings (JSON) for each uvicorn worker process
+
+
+def app_from_environment():
+    """uvicorn's app factory for ``--workers``: a FakeLM from the settings in ``SNAC_FAST_FAKE_LM``."""
+    return FakeLM(**json.loads(os.environ[ENVIRONMENT])).app
+
+
+def read_stats_dir(stats_dir: str) -> dict[str, dict]:
+    """What every worker appended to ``stats_dir``: prompt text -> {"first_sent": time, "sends":
+    [(time, whole tokens sent), ...]}."""
+    out = {}
+    for path in Path(stats_dir).glob("*.jsonl"):
+        for line in path.read_text().splitlines():
+            if line.strip():
+                entry = json.loads(line)
+                out[entry.pop("text")] = entry
+    return out
+
+
+def main() -> None:
+    import argparse
+
+    import uvicorn
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--pace", type=float, default=1.0, help="real-time factor (0: as fast as possible)")
+    parser.add_argument("--frames", type=int, default=60, help="frames of audio per answer")
+    parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    parser.add_argument("--stats-dir", default=None, help="folder for each worker's first-frames times")
+    args = parser.parse_args()
+    os.environ[ENVIRONMENT] = json.dumps({"pace": args.pace, "frames": args.frames, "stats_dir": args.stats_dir})
+    uvicorn.run("snac_fast.serve.fake_lm:app_from_environment", factory=True, host=args.host, port=args.port,
+                workers=args.workers, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

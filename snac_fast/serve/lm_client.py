@@ -1,0 +1,177 @@
+"""The language model's side of ``snac-fast serve``: an OpenAI-compatible completions stream
+(vLLM, SGLang, llama.cpp, LM Studio) asked for speech in the Orpheus prompt format, and its
+server-sent events turned into audio token ids as they arrive."""
+
+from __future__ import annotations
+
+import asyncio
+import codecs
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from snac_fast.orpheus import CUSTOM_TOKEN_ID, TokenLayout
+
+# The prompt Orpheus-family models were trained on, in text form: start of human (128259), the text
+# as "voice: text" after <|begin_of_text|>, end of text (128009), end of human (128260), start of AI
+# (128261), start of speech (128257). canopyai/Orpheus-TTS, orpheus_tts/engine_class.py, _format_prompt.
+ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
+CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
+END_OF_SPEECH = 128258
+KEEPALIVE_S = 4.0  # how long an idle LM connection stays pooled (LMClient._client)
+
+class LMSettings(Protocol):
+    """What the client reads of its server's settings (:class:`snac_fast.serve.ServeSettings`)."""
+
+    lm_url: str | None
+    lm_model: str | None
+    max_streams: int
+    lm_timeout_s: float
+    max_tokens: int
+    temperature: float
+    top_p: float
+    repetition_penalty: float
+    layout: TokenLayout
+
+
+class LMOutputError(Exception):
+    """The language model's stream could not be turned into audio (a malformed token, an error)."""
+
+
+class LMBusyError(LMOutputError):
+    """The language model answered 429 or 503 (overloaded): worth a retry, after ``retry_after`` s
+    when it said (its Retry-After header in seconds), else None."""
+
+    def __init__(self, message: str, retry_after: str | None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class LMClient:
+    """Streams audio token ids from an OpenAI-compatible completions API (``config.lm_url``), one
+    HTTP connection per stream, on aiohttp: its C parsers read an SSE chunk for about a third of
+    httpx's host time (docs/server.md, "The LM client"), and a server reads one chunk per stream
+    every ~30 ms."""
+
+    def __init__(self, config: LMSettings) -> None:
+        self.config = config
+        self._session = None
+        self._aiohttp = None
+        if config.lm_url is not None:  # imported now: importing it at the first request delayed its audio
+            import aiohttp
+
+            self._aiohttp = aiohttp
+
+    def _client(self):
+        """The session, made in the event loop that uses it (aiohttp binds a session to its loop)."""
+        if self._session is None:
+            aiohttp = self._aiohttp
+            # one connection per stream: a smaller pool would queue the streams past it behind whole
+            # answers. One timeout for connecting too: a loaded host's event loop can take seconds to
+            # see a local connect complete (CI timed out 1 of 32 at 5 s); a dead LM refuses at once
+            # keepalive_timeout under the 5 s that uvicorn-served LMs (vLLM, SGLang) keep an idle
+            # connection: a pooled connection is dropped here before the LM closes it
+            connector = aiohttp.TCPConnector(limit=self.config.max_streams + 8, keepalive_timeout=KEEPALIVE_S)
+            timeout = aiohttp.ClientTimeout(total=None, connect=self.config.lm_timeout_s,
+                                            sock_read=self.config.lm_timeout_s)
+            # trust_env: HTTP(S)_PROXY and NO_PROXY apply, as for any HTTP client a user configures
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True)
+        return self._session
+
+    async def ids(self, text: str, voice: str, model: str | None) -> AsyncIterator[list[int]]:
+        """The LM's audio token ids for a prompt, as they stream in (control tokens dropped; the end
+        of speech ends it). LMOutputError for anything that is not a completions stream, and for an
+        LM that cannot be reached or stops answering."""
+        if self._aiohttp is None:
+            raise LMOutputError("this server has no language model: start it with --lm-url")
+        body = {"model": self.config.lm_model or model, "prompt": ORPHEUS_PROMPT.format(voice=voice, text=text),
+                "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
+                "top_p": self.config.top_p, "repetition_penalty": self.config.repetition_penalty, "stream": True}
+        url = self.config.lm_url.rstrip("/") + "/completions"
+        aiohttp = self._aiohttp
+        for attempt in range(2):
+            answered = False
+            try:
+                async with self._client().post(url, json=body) as response:
+                    answered = True
+                    if response.status != 200:
+                        detail = (await response.read()).decode(errors="replace")[:200]
+                        message = f"the language model at {url} answered {response.status}: {detail}"
+                        if response.status in (429, 503):
+                            retry_after = response.headers.get("Retry-After")
+                            raise LMBusyError(message, retry_after if retry_after and retry_after.isdigit() else None)
+                        raise LMOutputError(message)
+                    async for ids in _ids_of_events(_sse_data(response.content.iter_any()), self.config.layout.offset):
+                        yield ids
+                return
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+                # a pooled connection the LM closed as the request went out (its keep-alive ended, or
+                # a busy loop saw the close late): nothing was answered, so once more on a new one
+                stale = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and \
+                    not isinstance(e, aiohttp.ClientConnectorError)
+                if stale and not answered and attempt == 0:
+                    continue
+                raise LMOutputError(f"the language model at {url} failed: {type(e).__name__}: {e}") from None
+
+    async def warm_up(self) -> None:
+        """Before the first request: the session made, and one completions event parsed (JSON, the
+        token pattern), so that no request's first audio waits for their first use."""
+        if self._aiohttp is not None:
+            self._client()
+            codecs.lookup("idna")  # aiohttp loads it for the LM's host name at the first request
+
+        async def events():
+            yield b'data: {"choices": [{"text": "<custom_token_10>"}]}\n\ndata: [DONE]\n\n'
+
+        async for _ in _ids_of_events(_sse_data(events()), self.config.layout.offset):
+            pass
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+
+async def _ids_of_events(events: AsyncIterator[str], offset: int) -> AsyncIterator[list[int]]:
+    """Audio token ids (>= ``offset``) from a completions stream's ``data:`` fields, a list per chunk
+    that completes any; ends at ``[DONE]`` or the end of speech. LMOutputError for a chunk that is
+    not a completion."""
+    tail = ""  # text after the last whole token: a token can be cut between two chunks
+    async for data in events:
+        if data == "[DONE]":
+            return
+        try:
+            text_piece = json.loads(data)["choices"][0].get("text") or ""
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise LMOutputError(f"the language model sent a chunk that is not a completion: {data[:120]!r}") from None
+        tail += text_piece
+        ids, end, cut = [], False, 0
+        for match in CUSTOM_TOKEN.finditer(tail):
+            cut = match.end()
+            token = CUSTOM_TOKEN_ID + int(match.group(1))
+            if token == END_OF_SPEECH:
+                end = True
+                break
+            if token >= offset:
+                ids.append(token)
+        tail = tail[cut:]
+        start = tail.rfind("<")
+        tail = tail[start:] if start >= 0 and len(tail) - start < 32 else ""  # keep only a token's beginning
+        if ids:
+            yield ids
+        if end:
+            return
+
+
+async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The ``data:`` fields of a server-sent-event stream, read from raw bytes as they arrive (text
+    and line decoders cost a fifth of the event loop at 256 streams)."""
+    buffer = b""
+    async for raw in chunks:
+        buffer += raw
+        *lines, buffer = buffer.split(b"\n")
+        for line in lines:
+            if line.startswith(b"data:"):
+                yield line[5:].strip().decode()
+    if buffer.startswith(b"data:"):
+        yield buffer[5:].strip().decode()

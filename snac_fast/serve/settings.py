@@ -1,0 +1,183 @@
+"""What ``snac-fast serve`` takes, as one type: :class:`ServeSettings`.
+
+Each option is a field with its default written here once; the ``serve`` command's flags are
+generated from the fields (:func:`add_arguments`, :meth:`ServeSettings.from_arguments`), the
+settings are checked in one place (:meth:`ServeSettings.check`), and they reach uvicorn's worker
+processes as one JSON document in one environment variable (:meth:`ServeSettings.to_json`) and the
+engine process as the object itself (pickled by ``multiprocessing``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable
+
+from snac_fast.configs import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from snac_fast.orpheus import TokenLayout
+
+DTYPES = ("float16", "bfloat16", "float32")
+
+
+def parse_lookahead(text: str) -> int | str | None:
+    """``--lookahead``'s text as :class:`~snac_fast.streaming.StreamEngine` takes it: ``exact`` ->
+    None, ``fp16`` -> "fp16", else a number of samples >= 0."""
+    if text in ("exact", "fp16"):
+        return None if text == "exact" else text
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise ValueError(f"--lookahead must be 'exact', 'fp16' or a number of samples >= 0, got {text!r}")
+    return value
+
+
+def _option(default: Any, help: str, *, flag: str | None = None, parse: Callable[[str], Any] | None = None,
+            shown: str | None = None, choices: tuple | None = None, group: str = "server") -> Any:
+    """A settings field that is also a ``serve`` flag: ``flag`` (default ``--field-name``), ``parse``
+    for a flag whose text is not the value's type, ``shown`` for the default in ``--help``."""
+    meta = {"help": help, "flag": flag, "parse": parse, "shown": shown, "choices": choices, "group": group}
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class ServeSettings:
+    """Every setting of a speech server: the model, the engine's batching, the LM, the HTTP server.
+    Defaults are the ``serve`` command's. :meth:`check` raises ValueError naming a bad value."""
+
+    # the model
+    model: str = _option(DEFAULT_MODEL, "hub id, local folder, or synthetic:<name>", group="model")
+    device: str | None = _option(None, "cuda, cuda:1, cpu (default: cuda if available; several workers "
+                                 "without it take the host's GPUs in turn)", group="model")
+    dtype: str | None = _option(None, "compute dtype (default: float16 on cuda, float32 on cpu)",
+                                choices=DTYPES, group="model")
+    local_files_only: bool = _option(False, "never touch the network; use the hub cache", group="model")
+    # the engine and its batcher
+    max_streams: int = _option(256, "concurrent streams per worker (per engine with --shared-engine)",
+                               group="engine")
+    max_batch: int = _option(256, "streams per engine call", group="engine")
+    max_wait_ms: float = _option(0.0, "an engine call waits up to this long after its first push for "
+                                 "--max-batch pushes: fuller, fewer calls (0: whatever is pending when the "
+                                 "engine is free; docs/serving.md)", group="engine")
+    idle_timeout_s: float = _option(60.0, "seconds before an idle stream is released", flag="--idle-timeout",
+                                    group="engine")
+    lookahead: int | str | None = _option(None, "streams' lookahead: 'exact' (the receptive field), 'fp16' "
+                                          "(the least closer to float32 than an fp16 decode), or samples below "
+                                          "the exact: earlier first audio, approximate (docs/streaming.md)",
+                                          parse=parse_lookahead, shown="exact", group="engine")
+    engine_thread: bool = _option(False, "run the engine calls on a thread of their own instead of the "
+                                  "event loop (docs/serving.md)", group="engine")
+    # the language model
+    lm_url: str | None = _option(None, "the LM server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1",
+                                 group="lm")
+    lm_model: str | None = _option(None, "model name of the LM's completions requests (default: the "
+                                   "request's 'model')", group="lm")
+    voice: str = _option("tara", "voice when a request names none", group="lm")
+    max_tokens: int = _option(4096, "most tokens an LM request may generate", group="lm")
+    temperature: float = _option(0.6, "the LM's sampling temperature", group="lm")
+    top_p: float = _option(0.8, "the LM's nucleus sampling", group="lm")
+    repetition_penalty: float = _option(1.3, "the LM's repetition penalty", group="lm")
+    lm_timeout_s: float = _option(60.0, "seconds to connect to the LM, and of silence from it, before a "
+                                  "request fails", flag="--lm-timeout", group="lm")
+    # the HTTP server
+    host: str = _option("127.0.0.1", "address to listen on")
+    port: int = _option(8880, "port to listen on (1-65535)")
+    workers: int = _option(1, "worker processes, each with its own engine unless --shared-engine")
+    shared_engine: bool = _option(False, "one engine process on the device that every worker feeds: all "
+                                  "connections in one batch (--max-streams is then the engine's)")
+    engine_event_loop: bool = _option(False, "with --shared-engine: the engine process reads, decodes and "
+                                      "answers on one asyncio event loop instead of threads (docs/serving.md)")
+    # not a flag: the LM's token layout (Orpheus's), for servers built in Python on another layout
+    layout: TokenLayout = field(default_factory=lambda: _orpheus(), metadata={"flag": None, "group": None})
+
+    def check(self) -> "ServeSettings":
+        """Raise ValueError naming the first bad value; returns the settings."""
+        for name in ("max_streams", "max_batch", "workers", "max_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        for name in ("idle_timeout_s", "lm_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{_flag(name)} must be > 0, got {getattr(self, name):g}")
+        if self.max_wait_ms < 0:
+            raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms:g}")
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"--port must be 1-65535, got {self.port}")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.engine_event_loop and not self.shared_engine:
+            raise ValueError("--engine-event-loop is a setting of the shared engine process: add --shared-engine")
+        if self.lm_url is not None and not self.lm_url.startswith(("http://", "https://")):
+            raise ValueError(f"--lm-url must be an http(s) URL, got {self.lm_url!r}")
+        if isinstance(self.lookahead, int) and self.lookahead < 0:
+            raise ValueError(f"--lookahead must be >= 0 samples, got {self.lookahead}")
+        return self
+
+    @property
+    def warmup_streams(self) -> int:
+        """Streams a CUDA engine's warm-up captures step graphs for: one engine call's worth."""
+        return min(self.max_batch, self.max_streams)
+
+    # -- the hand-off to worker processes ------------------------------------------------------
+
+    def to_json(self) -> str:
+        """The settings as JSON (every field but ``layout``, which must be Orpheus's: workers rebuild it)."""
+        if self.layout != _orpheus():
+            raise ValueError("only the Orpheus token layout travels to worker processes; build the app in Python "
+                             "(snac_fast.serve.create_app) to serve another")
+        return json.dumps({f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "layout"})
+
+    @classmethod
+    def from_json(cls, text: str) -> "ServeSettings":
+        return cls(**json.loads(text))
+
+    # -- the command line ----------------------------------------------------------------------
+
+    @classmethod
+    def from_arguments(cls, args: argparse.Namespace) -> "ServeSettings":
+        """The settings from the flags :func:`add_arguments` made (checked)."""
+        values = {}
+        for f in _flag_fields():
+            text = getattr(args, f.name)
+            values[f.name] = f.metadata["parse"](text) if f.metadata["parse"] and isinstance(text, str) else text
+        return cls(**values).check()
+
+
+def _orpheus() -> "TokenLayout":
+    from snac_fast.orpheus import (
+        ORPHEUS,  # numpy and torch: not imported to build the CLI's flags
+    )
+
+    return ORPHEUS
+
+
+_GROUPS = {"model": "model", "engine": "engine and batching", "lm": "language model", "server": "HTTP server"}
+
+
+def _flag_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(ServeSettings) if f.metadata.get("group")]
+
+
+def _flag(name: str) -> str:
+    meta = ServeSettings.__dataclass_fields__[name].metadata
+    return meta.get("flag") or "--" + name.replace("_", "-")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per :class:`ServeSettings` field to ``parser``, grouped, each with its default."""
+    groups = {key: parser.add_argument_group(title) for key, title in _GROUPS.items()}
+    for f in _flag_fields():
+        meta, flag = f.metadata, _flag(f.name)
+        group = groups[meta["group"]]
+        if f.type in ("bool", bool):
+            group.add_argument(flag, dest=f.name, action="store_true", default=f.default, help=meta["help"])
+            continue
+        shown = meta["shown"] if meta["shown"] is not None else f.default
+        kind = {"int": int, "float": float}.get(f.type.split(" ")[0]) if meta["parse"] is None else str
+        text = meta["help"] if "(default:" in meta["help"] else f"{meta['help']} (default: {shown})"
+        group.add_argument(flag, dest=f.name, type=kind, default=f.default if meta["parse"] is None else shown,
+                           choices=meta["choices"], metavar=flag[2:].upper().replace("-", "_"), help=text)

@@ -1,0 +1,95 @@
+"""``WS /v1/audio/stream``: LM token ids in, PCM out, one stream per connection.
+
+Messages in: JSON ``{"ids": [...]}`` or binary int32 little-endian ids; ``{"end": true}`` (or
+closing) ends the stream. Out: binary PCM (``?sample_format=s16|f32``), ``{"type": "error",
+"message"}`` for a push that failed, ``{"type": "done"}`` after the last audio. ``?seed=N`` seeds
+the decoder's noise.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from snac_fast.serve.engine_client import EngineLostError
+from snac_fast.serve.speech import SAMPLE_FORMATS, pcm_bytes
+
+CLOSE_REASON_BYTES = 120  # a close frame's reason holds 123 bytes
+
+
+async def stream_ids(websocket) -> None:
+    """The route."""
+    from starlette.websockets import WebSocketDisconnect
+
+    server = websocket.app.state.server
+    await websocket.accept()
+    seed = websocket.query_params.get("seed")
+    try:
+        sid = await server.open_stream(int(seed) if seed and seed.lstrip("-").isdigit() else None)
+    except EngineLostError as e:
+        await websocket.close(code=1011, reason=str(e)[:CLOSE_REASON_BYTES])
+        return
+    if sid is None:
+        await websocket.close(code=1013, reason="all stream slots are in use; retry shortly")
+        return
+    sample_format = websocket.query_params.get("sample_format", "s16")
+    backend = server.backend
+    if sample_format not in SAMPLE_FORMATS:
+        backend.release(sid)
+        await websocket.close(code=1003, reason=f"sample_format must be one of {list(SAMPLE_FORMATS)}")
+        return
+    ended = False
+    try:
+        while True:
+            message = await websocket.receive()
+            if message["type"] == "websocket.disconnect":
+                break
+            parsed = _parse(message)
+            if isinstance(parsed, str):
+                await websocket.send_json({"type": "error", "message": parsed})
+                continue
+            ids, end = parsed
+            try:
+                if len(ids):
+                    audio = await server.push(sid, ids)
+                    if audio.size:
+                        await websocket.send_bytes(pcm_bytes(audio, sample_format))
+                if end:
+                    ended = True
+                    audio = await backend.flush(sid, drop_incomplete_frame=True)
+                    if audio.size:
+                        await websocket.send_bytes(pcm_bytes(audio, sample_format))
+                    await websocket.send_json({"type": "done"})
+                    await websocket.close()
+                    break
+            except ValueError as e:  # a bad id: this push fails, the stream goes on (if still open)
+                await websocket.send_json({"type": "error", "message": str(e)})
+                if not backend.is_open(sid):
+                    await websocket.close(code=1011, reason="the stream has ended")
+                    break
+            except RuntimeError as e:  # the engine process went away, or an engine call failed
+                await websocket.send_json({"type": "error", "message": str(e)})
+                await websocket.close(code=1011, reason="the engine process went away" if isinstance(e, EngineLostError)
+                                      else "the engine call failed")
+                break
+    except (WebSocketDisconnect, OSError):
+        pass
+    finally:
+        if not ended:
+            backend.release(sid)
+        server.metrics.outcome("stream", "done" if ended else "closed")
+
+
+def _parse(message: dict) -> tuple | str:
+    """(ids, end) of one message, or what is wrong with it."""
+    if message.get("bytes") is not None:
+        data = message["bytes"]
+        if len(data) % 4:
+            return "binary ids must be int32 little-endian"
+        return np.frombuffer(data, "<i4"), False
+    try:
+        request = json.loads(message.get("text") or "")
+        return request.get("ids", []), bool(request.get("end", False))
+    except (ValueError, AttributeError):
+        return 'text messages must be JSON: {"ids": [...]} or {"end": true}'

@@ -1,0 +1,110 @@
+"""A stream engine's step shapes: which step sizes run, and the warm-up that compiles every kernel
+and captures every CUDA graph a server's steps will need, before the first stream."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from snac_fast.compiling import compiling_concurrently
+from snac_fast.ops.device import device_scope
+from snac_fast.streaming.shapes import (
+    CODELESS,
+    FLUSH,
+    PREFILL,
+    STEP,
+    TAIL,
+    joined_audio,
+    warmup_buckets,
+)
+
+
+class StepShapes:
+    """The :class:`~snac_fast.streaming.StreamEngine`'s step sizes and warm-up (a part of the engine)."""
+
+    def warmup(self, max_batch: int | None = None, frames: Sequence[int] = (), compiled: bool = False) -> int:
+        """Capture the CUDA graphs (and compile the kernels) of every step a server will run, so
+        that no stream pays for them later: prefill, one-group step and flush at every batch bucket
+        up to ``max_batch`` (default max_streams), plus steps of the given ``frames`` counts. Runs on
+        the scratch state row; open streams are untouched. From then on a stream holding more frames
+        than a warmed step takes runs several one-group steps (the same audio) rather than wait for
+        a new graph. ``compiled``: :meth:`compile_steps` ran already for these shapes. Returns the
+        number of graphs captured (0 without CUDA graphs)."""
+        if not self.cuda_graphs:
+            return 0
+        shapes = self._warmup_shapes(max_batch, frames)
+        inputs = self._warmup_inputs(shapes)
+        with self._lock, torch.inference_mode(), device_scope(self.device):
+            if not compiled:
+                self._launch_shapes(inputs)
+            for shape, (keys, codes) in inputs.items():
+                graph = self._graphs[shape] = self._step_graph(shape[0], keys, codes, shape[2], compiled=True)
+                graph(keys, codes)  # a first replay uploads the graph: the first stream's step does not wait for it
+            # the first launches of what a batch of mixed prefills and steps adds (lazily loaded kernels)
+            joined_audio([self.empty_audio(), torch.zeros(3, device=self.device, dtype=self.dtype)])
+        torch.cuda.synchronize(self.device)
+        self._warmed_steps = (self._warmed_steps or set()) | {shape for shape in shapes if shape[0] == STEP}
+        return len(inputs)
+
+    def compile_steps(self, max_batch: int | None = None, frames: Sequence[int] = ()) -> None:
+        """Compile the kernels of the steps :meth:`warmup` captures for these arguments, without
+        capturing: one shapes-only pass in which every kernel compiles concurrently. Inside a caller's
+        :func:`~snac_fast.compiling.compiling_concurrently` block they join that block's compiles
+        (:func:`snac_fast.warmup.warmup` compiles the decode shapes and the steps in one pass)."""
+        if not self.cuda_graphs:
+            return
+        inputs = self._warmup_inputs(self._warmup_shapes(max_batch, frames))
+        with self._lock, torch.inference_mode(), device_scope(self.device):
+            self._launch_shapes(inputs)
+
+    def _warmup_shapes(self, max_batch: int | None, frames: Sequence[int]) -> list[tuple[str, int, int]]:
+        top = min(max_batch or self.max_streams, self.max_streams)
+        buckets = sorted({self._bucket(b) for b in warmup_buckets(top)})
+        more = sorted({self._step_frames(int(k)) for k in frames} - {0, self.frames_per_group})
+        # each bucket's one-frame step first: it records the launches the others reuse
+        shapes = [(kind, b, k) for b in buckets for kind, k in
+                  [(STEP, k) for k in [self.frames_per_group, *more]] + [(PREFILL, self.prefill_frames), (FLUSH, 0)]
+                  + ([(TAIL, 0)] if self.approximate_lookahead is not None else [])]
+        if len(shapes) > self.max_graphs:
+            raise ValueError(f"warmup needs {len(shapes)} graphs but the engine keeps {self.max_graphs}: "
+                             "raise max_graphs or warm fewer shapes")
+        return shapes
+
+    def _warmup_inputs(self, shapes: list[tuple[str, int, int]]) -> dict:
+        """Scratch-row keys and zero codes for each shape not captured yet."""
+        inputs = {}
+        for kind, bucket, k in shapes:
+            if (kind, bucket, k) in self._graphs:
+                continue
+            keys = np.zeros((4, bucket), np.int64)
+            keys[0] = self.max_streams  # the scratch row
+            inputs[kind, bucket, k] = keys, [] if kind in CODELESS else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
+        return inputs
+
+    def _launch_shapes(self, inputs: dict) -> None:
+        """One shapes-only pass over every step first: all their kernels compile at once, instead of
+        each graph's compiling while the others wait (an empty Triton cache)."""
+        with compiling_concurrently():
+            for (kind, bucket, k), (keys, codes) in inputs.items():
+                self._forward(kind, torch.from_numpy(keys).to(self.device),
+                              [torch.from_numpy(c).to(self.device) for c in codes], k)
+
+    def _step_frames(self, pending: int) -> int:
+        """The largest step of a power-of-two number of groups that fits what a stream holds."""
+        groups = min(int(pending), self.max_frames_per_step) // self.frames_per_group
+        return (1 << groups.bit_length() - 1) * self.frames_per_group if groups > 0 else 0
+
+    def _runnable_frames(self, streams: int, frames: int) -> int:
+        """The frames a step of ``streams`` streams holding ``frames`` takes: all of them, unless a
+        warm-up fixed the step shapes and theirs is not among them (then one group)."""
+        if self._warmed_steps is None or frames == self.frames_per_group:
+            return frames
+        return frames if (STEP, self._bucket(streams), frames) in self._warmed_steps else self.frames_per_group
+
+    def _step_frames_of(self, pending: np.ndarray) -> np.ndarray:
+        """:meth:`_step_frames` of every entry of an int array (0 where not a group is held)."""
+        groups = np.minimum(pending, self.max_frames_per_step) // self.frames_per_group
+        bits = np.frexp(groups.astype(np.float64))[1]  # bit_length, exact for these small counts
+        return np.where(groups > 0, np.left_shift(1, np.maximum(bits - 1, 0)) * self.frames_per_group, 0)
