@@ -156,7 +156,7 @@ def _first_with_launcher_of(kernel) -> bool:
     """Whether ``kernel`` is the first of this process whose C launcher is built here. A launcher's
     source depends only on the kernel's argument types (and TMA descriptors): a 256-stream warm-up's
     161 kernels share 19. Built in every compile job, concurrent jobs of one signature all missed
-    the cache and ran gcc: 31-33 builds (H100, 2026-11-27; 21 since). A kernel skipped here loads
+    the cache and ran gcc (docs/cold_start.md). A kernel skipped here loads
     its launcher from the cache at its first launch (or builds it then, should this build fail)."""
     signature = getattr(kernel.src, "signature", None)
     if not isinstance(signature, dict):

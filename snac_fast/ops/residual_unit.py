@@ -34,7 +34,7 @@ from snac_fast.ops.pointwise import pointwise_conv_reference
 from snac_fast.ops.snake import snake_reference
 
 MAX_CHANNELS = 128  # h, W and the accumulator of a 64-step tile fit one SM's registers up to here
-# Where the decoder takes it (H100, 2026-11-27, every snake from the SFU in both paths; docs/kernels.md):
+# Where the decoder takes it (H100, every snake from the SFU in both paths; docs/kernels.md):
 # at 48-64 channels 1.06-1.44x the two kernels at every dilation; at 128 channels 1.07-1.15x at
 # dilations 1 and 3 (pair out, as a block's first two units write), 0.88-0.96x at dilation 9 (9 chunk
 # loads a run). 96 channels fill three quarters of the 128-channel tile: 1.06-1.08x alone at dilations 1
@@ -195,7 +195,7 @@ def unit_tiling(channels: int) -> tuple[int, int, int, int]:
     """(C_P, BT, num_warps, WARPS_M) for a unit of ``channels``: channels padded to a power of two,
     64-step tiles on 8 warps (wgmma's M of 64 on 4 of them, N split over 2), so each thread holds
     C_P * BT / 8 / 256 <= 4 runs of 8 outputs (at 128 channels, 128-step tiles spilled at dilation 9:
-    H100, 2026-11-26, docs/kernels.md)."""
+    docs/kernels.md)."""
     if not 1 <= channels <= MAX_CHANNELS:
         raise ValueError(f"the one-kernel unit takes 1..{MAX_CHANNELS} channels, got {channels}")
     c_p = max(64, 1 << (channels - 1).bit_length())  # 64: the smallest 128-byte-swizzled W tile

@@ -136,7 +136,7 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
         self._launches: dict[int, dict] = {}
         # after a warm-up: the step shapes (STEP, bucket, frames) warmed. A step of more frames than
         # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
-        # audio of a server's first streams for 85-250 ms (H200, docs/serving.md)
+        # audio of a server's first streams for 85-250 ms (docs/server.md)
         self._warmed_steps: set[tuple] | None = None
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None  # graphs replay one at a time
 
