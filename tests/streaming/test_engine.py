@@ -1,4 +1,4 @@
-"""Streaming decode: exact against whole decodes, batched streams, token layouts, batchers.
+"""snac_fast.streaming: exact against whole decodes, batched streams, token layouts, lookahead, warm-up.
 
 The broad randomized checks run the engine over upstream's own float64 model (the same stage
 geometry; torch ops, fast on the CPU): a stream must equal the whole decode to float64 rounding.
@@ -17,8 +17,7 @@ from snac_fast import FastSNAC
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
 from snac_fast.noise import decode_with_keyed_noise
-from snac_fast.ops.noise import keyed_normal, keyed_normal_reference
-from snac_fast.orpheus import ORPHEUS, TokenLayout
+from snac_fast.orpheus import ORPHEUS
 from snac_fast.streaming import DecoderStream, StreamEngine
 from snac_fast.streaming.lookahead import FP16_LOOKAHEAD
 from snac_fast.streaming.shapes import bucket_rows, warmup_buckets
@@ -41,28 +40,6 @@ def random_splits(total, group, rng):
     while sum(splits) < total:
         splits.append(min(total - sum(splits), group * rng.randint(1, 5)))
     return splits
-
-
-# --- keyed noise ------------------------------------------------------------------------------
-
-def test_keyed_noise_kernel_matches_reference_and_is_positional():
-    seeds = torch.tensor([0, 2**62 + 12345, -7], dtype=torch.int64)
-    rows, frames = torch.tensor([0, 1, 5]), torch.tensor([0, 3, -2])
-    got = keyed_normal(seeds, rows, frames, 2048, -100, 3000, 2)
-    want = keyed_normal_reference(seeds, rows, frames, 2048, -100, 3000, 2)
-    assert got.shape == (3, 1, 3000) and (got - want).abs().max().item() < 1e-5
-    later = keyed_normal(seeds, rows, frames + 1, 2048, -100, 3000, 2)
-    assert torch.equal(got[..., 2048:], later[..., :3000 - 2048])  # a function of the absolute position
-    for other in (keyed_normal(seeds, rows, frames, 2048, -100, 3000, 3), keyed_normal(seeds, rows + 1, frames, 2048, -100, 3000, 2),
-                  keyed_normal(seeds + 1, rows, frames, 2048, -100, 3000, 2)):
-        assert (got - other).abs().mean() > 0.5  # block, row and seed each give other noise
-    big = keyed_normal(torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 0, 0, 200_000, 0)
-    assert abs(big.mean().item()) < 0.01 and abs(big.std().item() - 1) < 0.01
-    out = torch.full((3, 1, 3000), float("nan"), dtype=torch.float16)
-    keyed_normal(seeds, rows, frames, 2048, -100, 3000, 2, out=out)
-    assert torch.isfinite(out).all() and (out.float() - want).abs().max() < 4e-3
-    with pytest.raises(ValueError, match="int64"):
-        keyed_normal(seeds.int(), rows, frames, 1, 0, 10, 0)
 
 
 def test_seeded_decode_rows_are_keyed_streams():
@@ -437,38 +414,6 @@ def test_step_sizes_scalar_and_vectorised_agree(name):
 
 
 # --- token layouts ----------------------------------------------------------------------------
-
-def test_orpheus_layout_round_trip_and_errors():
-    config = published_config("snac_24khz")
-    ORPHEUS.check_model(config)
-    with pytest.raises(ValueError, match="does not fit"):
-        ORPHEUS.check_model(published_config("snac_32khz"))
-    codes = random_codes(config, 5, seed=0)
-    ids = ORPHEUS.codes_to_ids(codes)
-    assert ids.shape == (35,) and int(ids[0]) == 128266 + int(codes[0][0, 0])
-    assert int(ids[4]) == 128266 + 4 * 4096 + int(codes[1][0, 1]) and int(ids[6]) == 128266 + 6 * 4096 + int(codes[2][0, 3])
-    back = ORPHEUS.ids_to_codes(ids)
-    assert all(torch.equal(a, b) for a, b in zip(back, codes))
-    wrong = ids.clone()
-    wrong[9] = 128266 + 5 * 4096  # position 9 is slot 2; this id belongs to slot 5
-    with pytest.raises(ValueError, match=r"token 9 \(id 148746\) is not a code of frame slot 2"):
-        ORPHEUS.ids_to_codes(wrong)
-    framer = ORPHEUS.framer()
-    assert framer.push(ids[:3]) is None
-    with pytest.raises(ValueError, match="token 10 "):
-        framer.push(torch.cat([ids[3:10], torch.tensor([5])]))  # caught as it arrives, mid-frame
-    got = framer.push(ids[3:17])
-    assert [c.shape[1] for c in got] == [2, 4, 8] and all(torch.equal(a, b[:, :a.shape[1]]) for a, b in zip(got, codes))
-    with pytest.raises(ValueError, match="ends inside a frame"):
-        framer.finish()
-    for bad in ([1.5] * 7, torch.ones(7), [True] * 7, [[1, 2], [3]]):
-        with pytest.raises(ValueError, match="token ids must be integers"):
-            ORPHEUS.framer().push(bad)
-    assert ORPHEUS.framer().push_row(ids[:7].tolist())[0] == 1  # a plain list of ints, as servers have them
-    with pytest.raises(ValueError, match="does not fit"):  # where the stream is made, not at its first push
-        DecoderStream(engine64("snac_32khz", narrow=True), 0, ORPHEUS)
-    custom = TokenLayout(offset=10, levels=(0, 1, 1, 2, 2, 2, 2))
-    assert all(torch.equal(a, b) for a, b in zip(custom.ids_to_codes(custom.codes_to_ids(codes)), codes))
 
 
 def test_stream_accepts_token_ids():
