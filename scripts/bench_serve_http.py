@@ -75,7 +75,8 @@ def start_fake_lm(port: int, pace: float, frames: int, log: Path, *options: str)
                   "--frames", str(frames), *options], f"http://127.0.0.1:{port}/stats", log)
 
 
-async def run_clients(server: str, indices: list[int], clients: int, tag: str, t_start: float) -> list[dict]:
+async def run_clients(server: str, indices: list[int], clients: int, tag: str, t_start: float,
+                      response_format: str = "pcm") -> list[dict]:
     """aiohttp clients (a third of httpx's host time per chunk: the clients share the server's host)."""
     import aiohttp
 
@@ -86,7 +87,7 @@ async def run_clients(server: str, indices: list[int], clients: int, tag: str, t
             text = f"{tag} client {i}"
             record = {"text": text, "start": time.monotonic(), "chunks": []}
             async with session.post(server + "/v1/audio/speech",
-                                    json={"model": "orpheus", "input": text, "response_format": "pcm"}) as r:
+                                    json={"model": "orpheus", "input": text, "response_format": response_format}) as r:
                 record["status"] = r.status
                 async for chunk in r.content.iter_any():
                     record["chunks"].append((time.monotonic(), len(chunk)))
@@ -95,25 +96,46 @@ async def run_clients(server: str, indices: list[int], clients: int, tag: str, t
         return await asyncio.gather(*(one(i) for i in indices))
 
 
-def client_process(server: str, indices: list[int], clients: int, tag: str, t_start: float) -> list[dict]:
+def client_process(server: str, indices: list[int], clients: int, tag: str, t_start: float,
+                   response_format: str = "pcm") -> list[dict]:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(run_clients(server, indices, clients, tag, t_start))
+    return asyncio.run(run_clients(server, indices, clients, tag, t_start, response_format))
 
 
-def all_clients(server: str, clients: int, tag: str, procs: int) -> list[dict]:
+def all_clients(server: str, clients: int, tag: str, procs: int, response_format: str = "pcm") -> list[dict]:
     """``clients`` clients over ``procs`` processes (client i in process i % procs), one schedule."""
     t_start = time.monotonic() + (5.0 if procs > 1 else 0.0)  # time for the processes to start
     if procs == 1:
-        return client_process(server, list(range(clients)), clients, tag, t_start)
+        return client_process(server, list(range(clients)), clients, tag, t_start, response_format)
     with mp.get_context("spawn").Pool(procs) as pool:
-        parts = pool.starmap(client_process, [(server, list(range(k, clients, procs)), clients, tag, t_start)
-                                               for k in range(procs)])
+        parts = pool.starmap(client_process, [(server, list(range(k, clients, procs)), clients, tag, t_start,
+                                                response_format) for k in range(procs)])
     return [r for part in parts for r in part]
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and every descendant alive now (/proc)."""
+    import os
+
+    parents, cpu = {}, {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            fields = open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry)] = int(fields[1])
+        cpu[int(entry)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tree, grew = {pid}, True
+    while grew:
+        more = {p for p, parent in parents.items() if parent in tree} - tree
+        tree |= more
+        grew = bool(more)
+    return sum(cpu.get(p, 0.0) for p in tree)
 
 
 def stream_geometry() -> dict:
@@ -155,19 +177,22 @@ def playback_stalls(record: dict, rate: int) -> float:
     return stall
 
 
-def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scrape: str, geometry: dict) -> dict:
+def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scrape: str, geometry: dict,
+              pcm: bool = True) -> dict:
+    """``pcm``: the responses are int16 PCM, so bytes say which samples a chunk holds (the chunk
+    delays, stalls and completeness); for encoded formats those are left out (NaN)."""
     ok = [r for r in records if r["status"] == 200]
     frame_ms = FRAME_S * 1e3
     firsts = sorted(((r["chunks"][0][0] - lm_stats[r["text"]]["first_sent"]) * 1e3, int(r["text"].rsplit(" ", 1)[-1]))
                     for r in ok if r["chunks"] and r["text"] in lm_stats)
     ttfa = [ms for ms, _ in firsts]
-    added = np.array([d for r in ok if r["text"] in lm_stats
+    added = np.array([d for r in ok if r["text"] in lm_stats and pcm
                       for d in chunk_delays(r, lm_stats[r["text"]]["sends"], **geometry)]) * 1e3
     gaps = np.concatenate([np.diff([t for t, _ in r["chunks"]]) * 1e3 for r in ok if len(r["chunks"]) > 1] or [np.zeros(0)])
     lm_gaps = np.concatenate([np.diff([t for t, n in stats["sends"]]) for stats in lm_stats.values()] or [np.zeros(0)]) * 1e3
-    stalls = np.array([playback_stalls(r, 24000) for r in ok]) * 1e3
+    stalls = np.array([playback_stalls(r, 24000) for r in ok if pcm]) * 1e3
     want_bytes = frames * 2048 * 2
-    complete = sum(1 for r in ok if sum(n for _, n in r["chunks"]) == want_bytes)
+    complete = sum(1 for r in ok if sum(n for _, n in r["chunks"]) == want_bytes) if pcm else None
     pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
     over = [(r["end"] - r["start"] - frames * FRAME_S / pace) * 1e3 for r in ok]  # past the stream's nominal length
     return {"clients": len(records), "ok": len(ok), "complete_audio": complete,
@@ -207,6 +232,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="64,256")
+    parser.add_argument("--format", default="pcm", help="the requests' response_format (pcm: chunk delays timed too)")
     parser.add_argument("--pace", type=float, default=1.0)
     parser.add_argument("--seconds", type=float, default=20.0, help="audio per request")
     parser.add_argument("--workers", type=int, default=1)
@@ -249,9 +275,15 @@ def main() -> None:
                 out = logs / f"server_profile_{clients}.txt"
                 subprocess.Popen(["bash", "-c", f"sleep {args.profile_delay:g} && py-spy record -p {server.pid} --subprocesses --threads --idle --nonblocking "
                                   f"-d {args.profile_server:g} -r 200 -f raw -o {out} > {out}.log 2>&1"])
-            records = all_clients(f"http://127.0.0.1:{port}", clients, f"run{run}-{clients}", args.client_procs)
+            cpu0, wall0 = tree_cpu_seconds(server.pid), time.monotonic()
+            records = all_clients(f"http://127.0.0.1:{port}", clients, f"run{run}-{clients}", args.client_procs,
+                                  args.format)
+            cpu, wall = tree_cpu_seconds(server.pid) - cpu0, time.monotonic() - wall0
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            row = summarize(records, read_stats_dir(stats_dir), frames, args.pace, scrape, geometry)
+            row = summarize(records, read_stats_dir(stats_dir), frames, args.pace, scrape, geometry,
+                            pcm=args.format == "pcm")
+            # the server's processes (workers, the engine process): CPU cores while the load ran, per stream
+            row.update(format=args.format, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients)
             results["rows"].append(row)
             print({k: v for k, v in row.items() if k != "server_push_histogram"}, flush=True)
     finally:
@@ -273,11 +305,12 @@ def main() -> None:
                  f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}",
                  f"{r['lm_chunk_gap_p99_ms']:.1f} / {r['lm_chunk_gap_max_ms']:.1f}",
                  f"{r['streams_with_stall']} / {r['stall_max_ms']:.0f}",
-                 f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}"] for r in results["rows"]]
+                 f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}",
+                 f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}"] for r in results["rows"]]
         md = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
               f"`python scripts/bench_serve_http.py --clients {args.clients} --pace {args.pace:g} --seconds {args.seconds:g} "
               f"--lm-workers {args.lm_workers} --client-procs {args.client_procs} {' '.join(serve_options(args))}`: fake LM at "
-              f"{args.pace:g}x real time (1-4 tokens a chunk), {frames} frames per request, int16 PCM over HTTP.\n\n"
+              f"{args.pace:g}x real time (1-4 tokens a chunk), {frames} frames per request, `{args.format}` over HTTP.\n\n"
               "- TTFA added: first audio byte at the client after the LM sent the token completing the first 4 frames.\n"
               "- Chunk added: each audio chunk's arrival at the client after the LM sent the token that completed the "
               "frames it needed (the flush's tail left out); over one frame: later than 85.3 ms.\n"
@@ -286,11 +319,14 @@ def main() -> None:
               "tokens), shown beside as the LM's gaps between its chunks.\n"
               "- Stalls: a player that starts at the first byte and plays on as bytes come: streams that ever ran "
               "dry, and the longest total silence added.\n"
-              "- End past nominal: last byte after the request's start + frames / pace.\n\n"
+              "- End past nominal: last byte after the request's start + frames / pace.\n"
+              "- Server CPU: the server's processes (workers, engine process) while the load ran; per stream "
+              "and second of wall time. Chunk delays and stalls need PCM's bytes-to-samples: NaN for other formats.\n\n"
               + markdown_table(["clients", "200 / complete", "TTFA added p50 / p99 / max ms",
                                 "chunk added p50 / p99 / p99.9 / max ms", "chunks added > 1 frame",
                                 "chunk gap p50 / p99 / max ms", "LM chunk gap p99 / max ms",
-                                "streams stalled / longest ms", "end past nominal p99 / max ms"], rows))
+                                "streams stalled / longest ms", "end past nominal p99 / max ms",
+                                "server CPU cores / ms per stream-second"], rows))
         name = results["device"]
         tag = "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
         write_results(Path(args.out), args.stem or f"serve_http_24khz_{tag}", results, md)

@@ -88,7 +88,6 @@ def collect() -> dict:
 def table(figures: dict) -> str:
     """README's speed table: per call with sync, fp16, snac-fast against the compile peer."""
     sources = [v["source"] for group in figures.values() for v in group.values()]
-    devices = sorted({s["device"] for s in sources})
     by_device: dict[str, set] = {}
     for source in sources:
         by_device.setdefault(source["device"], set()).add(source["commit"])

@@ -40,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="snac-fast", description="SNAC neural audio codec with Triton kernels: decode, encode, check, profile.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    from snac_fast import __version__
+
+    parser.add_argument("--version", action="version", version=f"snac-fast {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     fmt = argparse.RawDescriptionHelpFormatter
 
@@ -169,9 +172,22 @@ def _int_list(text: str, name: str) -> list[int]:
     return values
 
 
+def _check_device(device: str | None) -> None:
+    """A --device torch cannot parse, named in one line before any model loads."""
+    if device is None:
+        return
+    import torch
+
+    try:
+        torch.device(device)
+    except (RuntimeError, TypeError):
+        raise UsageError(f"--device must be cpu, cuda or cuda:N, got {device!r}") from None
+
+
 def _load_model(args: argparse.Namespace, file_model: str | None, **options):
     from snac_fast.api import FastSNAC
 
+    _check_device(args.device)
     if args.model and file_model and args.model != file_model and not getattr(args, "ignore_file_model", False):
         raise UsageError(f"{args.tokens} was encoded with {file_model}, not --model {args.model}: another model "
                          "decodes it to wrong audio (pass --ignore-file-model to do it anyway)")
@@ -257,11 +273,14 @@ def cmd_encode(args: argparse.Namespace) -> None:
 
     from snac_fast.codes import read_mono, resample_mono, save_tokens
 
+    if args.audio.is_dir():
+        raise UsageError(f"cannot read audio {args.audio}: it is a directory (encode-dataset takes folders)")
     if not args.audio.is_file():
         raise UsageError(f"cannot read audio {args.audio}: no such file")
     _check_folder(args.tokens)  # before the encode, not after it
     with _Stages(["reading", "loading model", "encoding", "writing"]) as stages:
         try:
+            channels = soundfile.info(str(args.audio)).channels
             mono, rate = read_mono(str(args.audio))
         except (OSError, RuntimeError, soundfile.LibsndfileError) as e:
             raise UsageError(f"cannot read audio {args.audio}: {e}") from e
@@ -270,6 +289,10 @@ def cmd_encode(args: argparse.Namespace) -> None:
         stages.next()
         model = _load_model(args, None)
         stages.next()
+        if channels > 1:
+            print(f"{args.audio}: mixed {channels} channels down to mono", file=sys.stderr)
+        if rate != model.sampling_rate:
+            print(f"{args.audio}: resampled from {rate} Hz to the model's {model.sampling_rate} Hz", file=sys.stderr)
         mono = resample_mono(mono, rate, model.sampling_rate)
         codes = model.encode(mono.view(1, 1, -1), cuda_graphs=False)  # one encode: a capture would cost more
         stages.next()
@@ -323,6 +346,7 @@ def cmd_warmup(args: argparse.Namespace) -> None:
 def cmd_encode_dataset(args: argparse.Namespace) -> None:
     from snac_fast.datasets import encode_dataset
 
+    _check_device(args.device)
     if args.files_per_shard < 1 or (args.loaders or 1) < 1 or args.batch_seconds <= 0 or args.pad_seconds < 0:
         raise UsageError("--files-per-shard and --loaders must be >= 1, --batch-seconds > 0, --pad-seconds >= 0")
     suffixes = [s if s.startswith(".") else "." + s for s in args.suffixes.split(",") if s] if args.suffixes else None
@@ -339,6 +363,7 @@ def cmd_encode_dataset(args: argparse.Namespace) -> None:
 def cmd_decode_dataset(args: argparse.Namespace) -> None:
     from snac_fast.datasets import decode_dataset
 
+    _check_device(args.device)
     summary = decode_dataset(args.src, args.out, model=args.model, device=args.device, dtype=args.dtype,
                              model_options={"local_files_only": args.local_files_only}, format=args.format,
                              seed=args.seed)

@@ -169,6 +169,8 @@ def load_tokens(path: str | os.PathLike) -> tuple[list[Tensor], str | None]:
     ``{"codes": [...], "model": repo-or-path}``. Loaded with ``weights_only=True``.
     Returns (codes, model name or None). ValueError for anything else."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"token file {str(p)!r} is a directory, not a file")
     if not p.is_file():
         raise ValueError(f"token file {str(p)!r} does not exist")
     try:

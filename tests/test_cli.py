@@ -132,10 +132,43 @@ def test_a_model_flag_that_disagrees_with_the_file_is_refused_unless_forced(tmp_
     (lambda d: ["decode", SAMPLE_24, d / "o.flac", "--subtype", "FLOAT"], [".flac cannot hold FLOAT", "PCM_16"]),
     (lambda d: ["encode", d / "missing.wav", d / "t.pt"], ["cannot read audio", "no such file"]),
     (lambda d: ["encode", d / "junk.pt", d / "no" / "t.pt"], ["cannot write", "does not exist"]),
+    (lambda d: ["decode", SAMPLE_24, d / "o.wav", "--device", "banana"], ["--device must be", "'banana'"]),
+    (lambda d: ["decode", d, d / "o.wav"], ["is a directory"]),
+    (lambda d: ["encode", d, d / "t.pt"], ["is a directory", "encode-dataset"]),
+    (lambda d: ["encode-dataset", d, d / "out", "--device", "banana"], ["--device must be"]),
+    (lambda d: ["serve", "--port", "99999"], ["--port must be 1-65535"]),
+    (lambda d: ["serve", "--device", "banana"], ["--device must be"]),
+    (lambda d: ["serve", "--voice", "alloy"], ["--voice 'alloy' is not one of --voices"]),
+    (lambda d: ["serve", "--api-key", " "], ["--api-key must not be empty"]),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, make_args, fragments):
     (tmp_path / "junk.pt").write_bytes(b"junk")
     assert_usage_error(cli(*make_args(tmp_path)), *fragments)
+
+
+def test_version_and_serve_help_with_its_defaults():
+    from snac_fast import __version__
+
+    version = cli("--version")
+    assert version.returncode == 0 and version.stdout.strip() == f"snac-fast {__version__}"
+    serve_help = cli("serve", "--help").stdout
+    for flag, default in (("--port", "8880"), ("--max-batch", "256"), ("--idle-timeout", "60.0"), ("--voice", "tara"),
+                          ("--lookahead", "exact"), ("--max-input-chars", "4096")):
+        assert flag in serve_help and f"(default: {default})" in serve_help, flag
+    assert "SNAC_FAST_API_KEY" in serve_help
+
+
+@pytest.mark.heavy
+def test_encode_says_what_it_resampled_and_mixed_down(tmp_path):
+    stereo = tmp_path / "stereo.wav"
+    soundfile.write(str(stereo), np.zeros((16000, 2), np.float32), 16000)
+    proc = cli("encode", stereo, tmp_path / "t.pt", "--model", "synthetic:snac_24khz", "--device", "cpu")
+    assert proc.returncode == 0, proc.stderr
+    assert "mixed 2 channels down to mono" in proc.stderr and "resampled from 16000 Hz to the model's 24000 Hz" in proc.stderr
+    mono = tmp_path / "mono.wav"
+    soundfile.write(str(mono), np.zeros(24000, np.float32), 24000)
+    quiet = cli("encode", mono, tmp_path / "m.pt", "--model", "synthetic:snac_24khz", "--device", "cpu")
+    assert quiet.returncode == 0 and "resampled" not in quiet.stderr and "mixed" not in quiet.stderr
 
 
 def test_unknown_dtype_is_an_argparse_error(tmp_path):

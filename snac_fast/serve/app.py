@@ -2,7 +2,10 @@
 client, metrics) in ``app.state.server``, and thin routes that fetch it from there.
 
 Routes: ``POST /v1/audio/speech`` (:mod:`snac_fast.serve.speech`), ``WS /v1/audio/stream``
-(:mod:`snac_fast.serve.websocket`), ``GET /health``, ``GET /metrics`` (Prometheus text).
+(:mod:`snac_fast.serve.websocket`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
+(liveness: the process and its engine), ``GET /ready`` (readiness: the engine and the LM answer),
+``GET /metrics`` (Prometheus text). With an API key, every route but ``/health`` needs it
+(:mod:`snac_fast.serve.auth`).
 """
 
 from __future__ import annotations
@@ -13,15 +16,19 @@ import time
 
 import numpy as np
 
+from snac_fast.serve.auth import BearerKey
 from snac_fast.serve.backend import Backend, EngineProcessBackend, InProcessBackend
 from snac_fast.serve.batchers import freeze_startup_objects
+from snac_fast.serve.formats import FORMATS, StreamEncoder, pcm_bytes
 from snac_fast.serve.lm_client import LMClient
 from snac_fast.serve.metrics import ServeMetrics
+from snac_fast.serve.protocol import OPENAI_MODELS, models_list, voices_list
 from snac_fast.serve.settings import ServeSettings
-from snac_fast.serve.speech import pcm_bytes, speech
+from snac_fast.serve.speech import speech
 from snac_fast.serve.websocket import stream_ids
 
 DRAIN_S = 30.0  # a graceful shutdown waits this long for open streams to end
+LM_PROBE_S = 2.0  # /health and /ready ask the LM at most this often
 
 
 class SpeechServer:
@@ -33,6 +40,15 @@ class SpeechServer:
         self.metrics = ServeMetrics(self.frame_seconds, backend.max_streams)
         self.draining = False
         self.lm = LMClient(settings)
+        self._lm_state: tuple[float, str, str | None] = (-LM_PROBE_S, "not_configured", None)
+
+    async def lm_state(self) -> tuple[str, str | None]:
+        """Whether the LM answers (:meth:`LMClient.probe`), asked at most every :data:`LM_PROBE_S`."""
+        asked, status, why = self._lm_state
+        if time.monotonic() - asked >= LM_PROBE_S:
+            status, why = await self.lm.probe()
+            self._lm_state = (time.monotonic(), status, why)
+        return status, why
 
     async def open_stream(self, seed: int | None) -> int | None:
         """A stream id, or None when the engine is full or the server is shutting down."""
@@ -58,6 +74,9 @@ class SpeechServer:
         # a streaming response sent nowhere: anyio's task group and streams first used here, not at a
         # client's first audio
         await _send_nowhere(StreamingResponse(_one(pcm_bytes(np.zeros(16, np.float32), "s16")), media_type="audio/pcm"))
+        encoder = StreamEncoder(FORMATS["mp3"], self.backend.rate)  # FFmpeg loaded, the default format's first use
+        encoder.encode(np.zeros(self.backend.samples_per_frame, np.float32))
+        encoder.finish()
         layout = self.settings.layout
         frame = layout.offset + np.arange(layout.frame_size, dtype=np.int64) * layout.codebook_size  # code 0 each
         sid = await self.open_stream(seed=0)
@@ -81,18 +100,48 @@ class SpeechServer:
         await self.lm.aclose()
 
 
-async def health(request):
-    from starlette.responses import JSONResponse
-
-    server: SpeechServer = request.app.state.server
+async def _health_body(server: SpeechServer) -> dict:
     state = await server.backend.health()
     status = state.status if state.status == "engine_lost" or not server.draining else "draining"
+    lm, why = await server.lm_state()
     body = {"status": status, "device": server.backend.device, "open_streams": server.backend.open_streams,
             "slots_in_use": state.slots_in_use, "max_streams": server.backend.max_streams,
-            "sampling_rate": server.backend.rate}
+            "sampling_rate": server.backend.rate, "lm": {"status": lm, "url": server.settings.lm_url}}
+    if why:
+        body["lm"]["error"] = why
     if status == "engine_failing":
         body["error"] = state.error
-    return JSONResponse(body, status_code=200 if status == "ok" else 503)
+    return body
+
+
+async def health(request):
+    """Liveness: 200 while this process and its engine serve (the LM's state is reported, not judged)."""
+    from starlette.responses import JSONResponse
+
+    body = await _health_body(request.app.state.server)
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+
+
+async def ready(request):
+    """Readiness: 200 only when the engine serves and the LM answers (a load balancer's check)."""
+    from starlette.responses import JSONResponse
+
+    body = await _health_body(request.app.state.server)
+    ok = body["status"] == "ok" and body["lm"]["status"] == "ok"
+    return JSONResponse({**body, "ready": ok}, status_code=200 if ok else 503)
+
+
+async def voices(request):
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(voices_list(request.app.state.server.settings.voice_names))
+
+
+async def models(request):
+    from starlette.responses import JSONResponse
+
+    settings = request.app.state.server.settings
+    return JSONResponse(models_list((settings.lm_model or "orpheus", *OPENAI_MODELS)))
 
 
 async def metrics(request):
@@ -109,6 +158,7 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     with ``engine`` (an :class:`~snac_fast.serve.EngineProcess`'s ``address`` and ``info``) and no
     codec, feeding that engine process, which other workers share."""
     from starlette.applications import Starlette
+    from starlette.middleware import Middleware
     from starlette.routing import Route, WebSocketRoute
 
     settings = (settings or ServeSettings()).check()
@@ -124,9 +174,12 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
         yield
         await server.close()
 
+    middleware = [Middleware(BearerKey, key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]),
                             WebSocketRoute("/v1/audio/stream", stream_ids),
-                            Route("/health", health), Route("/metrics", metrics)], lifespan=lifespan)
+                            Route("/v1/audio/voices", voices), Route("/v1/models", models),
+                            Route("/health", health), Route("/ready", ready), Route("/metrics", metrics)],
+                    middleware=middleware, lifespan=lifespan)
     app.state.server = server
     return app
 

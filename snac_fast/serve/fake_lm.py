@@ -57,8 +57,11 @@ class FakeLM:
 
         async def stats(request):
             return JSONResponse({"first_sent": self.first_sent})
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": [{"id": "orpheus", "object": "model"}]})
         self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
-                                     Route("/stats", stats)])
+                                     Route("/v1/models", models), Route("/stats", stats)])
 
     def script(self, text: str, codes, bad_at: int | None = None, stop_early: bool = False,
                delay: float | None = None) -> list[int]:

@@ -127,6 +127,20 @@ class LMClient:
         async for _ in _ids_of_events(_sse_data(events()), self.config.layout.offset):
             pass
 
+    async def probe(self, timeout_s: float = 2.0) -> tuple[str, str | None]:
+        """Whether the LM answers: ("ok", None), ("unreachable", why) or ("not_configured", None).
+        A GET of its ``/models`` (every OpenAI-compatible server has it); any answer under 500 counts."""
+        if self._aiohttp is None:
+            return "not_configured", None
+        url = self.config.lm_url.rstrip("/") + "/models"
+        try:
+            async with self._client().get(url, timeout=self._aiohttp.ClientTimeout(total=timeout_s)) as response:
+                if response.status < 500:
+                    return "ok", None
+                return "unreachable", f"{url} answered {response.status}"
+        except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            return "unreachable", f"{url}: {type(e).__name__}: {e}"[:300]
+
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from snac_fast.orpheus import TokenLayout
 
 DTYPES = ("float16", "bfloat16", "float32")
+API_KEY_VARIABLE = "SNAC_FAST_API_KEY"  # the key, kept off the command line (where ps shows it)
 
 
 def parse_lookahead(text: str) -> int | str | None:
@@ -78,6 +80,8 @@ class ServeSettings:
     lm_model: str | None = _option(None, "model name of the LM's completions requests (default: the "
                                    "request's 'model')", group="lm")
     voice: str = _option("tara", "voice when a request names none", group="lm")
+    voices: str = _option("tara,leah,jess,leo,dan,mia,zac,zoe", "the voices requests may name (comma-separated; "
+                          "GET /v1/audio/voices lists them): the Orpheus fine-tunes'", group="lm")
     max_tokens: int = _option(4096, "most tokens an LM request may generate", group="lm")
     temperature: float = _option(0.6, "the LM's sampling temperature", group="lm")
     top_p: float = _option(0.8, "the LM's nucleus sampling", group="lm")
@@ -92,12 +96,15 @@ class ServeSettings:
                                   "connections in one batch (--max-streams is then the engine's)")
     engine_event_loop: bool = _option(False, "with --shared-engine: the engine process reads, decodes and "
                                       "answers on one asyncio event loop instead of threads (docs/serving.md)")
+    api_key: str | None = _option(None, f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+                                  f"${API_KEY_VARIABLE}, else none)", shown="none")
+    max_input_chars: int = _option(4096, "longest speech 'input' in characters (OpenAI's limit)")
     # not a flag: the LM's token layout (Orpheus's), for servers built in Python on another layout
     layout: TokenLayout = field(default_factory=lambda: _orpheus(), metadata={"flag": None, "group": None})
 
     def check(self) -> "ServeSettings":
         """Raise ValueError naming the first bad value; returns the settings."""
-        for name in ("max_streams", "max_batch", "workers", "max_tokens"):
+        for name in ("max_streams", "max_batch", "workers", "max_tokens", "max_input_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "lm_timeout_s"):
@@ -115,7 +122,24 @@ class ServeSettings:
             raise ValueError(f"--lm-url must be an http(s) URL, got {self.lm_url!r}")
         if isinstance(self.lookahead, int) and self.lookahead < 0:
             raise ValueError(f"--lookahead must be >= 0 samples, got {self.lookahead}")
+        if not self.voice_names:
+            raise ValueError("--voices must name at least one voice")
+        if self.voice not in self.voice_names:
+            raise ValueError(f"--voice {self.voice!r} is not one of --voices {','.join(self.voice_names)}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("--api-key must not be empty")
+        if self.device is not None:
+            import torch  # the CLI names a bad device in one line, before any model loads
+
+            try:
+                torch.device(self.device)
+            except (RuntimeError, TypeError):
+                raise ValueError(f"--device must be cpu, cuda or cuda:N, got {self.device!r}") from None
         return self
+
+    @property
+    def voice_names(self) -> tuple[str, ...]:
+        return tuple(v.strip() for v in self.voices.split(",") if v.strip())
 
     @property
     def warmup_streams(self) -> int:
@@ -144,6 +168,8 @@ class ServeSettings:
         for f in _flag_fields():
             text = getattr(args, f.name)
             values[f.name] = f.metadata["parse"](text) if f.metadata["parse"] and isinstance(text, str) else text
+        if values["api_key"] is None:
+            values["api_key"] = os.environ.get(API_KEY_VARIABLE) or None
         return cls(**values).check()
 
 

@@ -1,10 +1,10 @@
 """``POST /v1/audio/speech``: OpenAI's speech API over the LM and the backend.
 
-The body (``input``, ``voice``, ``response_format`` pcm or wav, plus ``sample_format`` s16/f32,
-``seed``, ``stream_format`` audio/sse) is checked first; the Orpheus prompt goes to the LM; the
-audio token ids coming back are pushed into one stream as they complete frames, and each piece of
-PCM is sent as soon as it is final. The status is decided by the first audio: an LM that fails
-before it gets a clear error response; one that fails after it ends the body (an SSE stream with an
+The body is checked first (:class:`~snac_fast.serve.protocol.SpeechRequest`); the Orpheus prompt
+goes to the LM; the audio token ids coming back are pushed into one stream as they complete
+frames, and each piece of audio is encoded in the asked format (:mod:`snac_fast.serve.formats`) and
+sent as soon as it is final. The status is decided by the first audio: an LM that fails before it
+gets a clear error response; one that fails after it ends the body (an SSE stream with an
 ``error`` event).
 """
 
@@ -13,68 +13,62 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import struct
 import time
 from collections.abc import AsyncIterator
 
 import numpy as np
 
 from snac_fast.serve.engine_client import EngineLostError
+from snac_fast.serve.formats import FLOAT_FORMATS, FORMATS, StreamEncoder
 from snac_fast.serve.lm_client import LMBusyError, LMOutputError
+from snac_fast.serve.protocol import RequestError, SpeechRequest
 
 log = logging.getLogger("snac_fast.serve")
 
-RESPONSE_FORMATS = ("pcm", "wav")
-SAMPLE_FORMATS = {"s16": "int16", "f32": "float32"}
-STREAM_FORMATS = ("audio", "sse")
 # a failed speech request's outcome label in the metrics -> its error type (SSE, JSON)
 ERROR_TYPES = {"engine_lost": "engine_unavailable", "lm_error": "lm_output_error", "engine_error": "engine_error"}
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", **headers):
-    """An error in OpenAI's shape: ``{"error": {"message", "type"}}``."""
+    """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
+    return _error(RequestError(message, status=status, kind=kind), **headers)
+
+
+def _error(error: RequestError, **headers):
     from starlette.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind}}, status_code=status, headers=headers)
-
-
-def body_problem(body: dict, default_voice: str) -> str | None:
-    """The first thing wrong with a speech request's body, or None."""
-    text, voice, seed = body.get("input"), body.get("voice", default_voice), body.get("seed")
-    checks = [
-        (isinstance(text, str) and text.strip(), "'input' must be a non-empty string"),
-        (isinstance(voice, str) and voice, "'voice' must be a string"),
-        (body.get("response_format", "pcm") in RESPONSE_FORMATS, f"'response_format' must be one of {list(RESPONSE_FORMATS)}"),
-        (body.get("sample_format", "s16") in SAMPLE_FORMATS, f"'sample_format' must be one of {list(SAMPLE_FORMATS)}"),
-        (body.get("stream_format", "audio") in STREAM_FORMATS, "'stream_format' must be 'audio' or 'sse'"),
-        (seed is None or (isinstance(seed, int) and not isinstance(seed, bool)), "'seed' must be an integer"),
-    ]
-    return next((message for ok, message in checks if not ok), None)
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 async def speech(request):
     """The route."""
-    from starlette.responses import StreamingResponse
+    from starlette.responses import Response, StreamingResponse
 
     server = request.app.state.server
     try:
         body = await request.json()
     except ValueError:
-        return error_response(400, "the body must be JSON")
-    if not isinstance(body, dict) or (problem := body_problem(body, server.settings.voice)):
-        server.metrics.outcome("speech", "bad_request")
-        return error_response(400, problem if isinstance(body, dict) else "the body must be a JSON object")
-    voice = body.get("voice", server.settings.voice)
-    response_format, sample_format = body.get("response_format", "pcm"), body.get("sample_format", "s16")
+        body = None
     try:
-        sid = await server.open_stream(body.get("seed"))
+        if body is None:
+            raise RequestError("the body must be JSON")
+        speech_request = SpeechRequest.parse(body, server.settings.voice_names, server.settings.voice,
+                                             server.settings.max_input_chars)
+    except RequestError as e:
+        server.metrics.outcome("speech", "bad_request")
+        return _error(e)
+    try:
+        sid = await server.open_stream(speech_request.seed)
     except EngineLostError as e:
         server.metrics.outcome("speech", "engine_lost")
         return error_response(503, str(e), "engine_unavailable")
     if sid is None:
         server.metrics.outcome("speech", "busy")
         return error_response(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
-    chunks = speech_chunks(server, sid, body["input"], voice, body.get("model"), sample_format)
+    fmt = (FLOAT_FORMATS if speech_request.sample_format == "f32" else FORMATS)[speech_request.response_format]
+    encoder = StreamEncoder(fmt, server.backend.rate, speech_request.sample_rate, seekable=not speech_request.stream)
+    chunks = _encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
+                                             speech_request.model))
     try:  # the status is decided by the first audio: an LM that fails before it gets a clear 502
         first = await chunks.__anext__()
     except StopAsyncIteration:
@@ -94,17 +88,35 @@ async def speech(request):
         log.error("speech request failed in the engine: %s", e)
         server.metrics.outcome("speech", "engine_error")
         return error_response(500, f"the engine call failed: {e}", "engine_error")
-    media = "audio/wav" if response_format == "wav" else "audio/pcm"
-    head = wav_header(server.backend.rate, sample_format) if response_format == "wav" else b""
-    headers = {"X-Sample-Rate": str(server.backend.rate), "X-Sample-Format": sample_format}
-    if body.get("stream_format", "audio") == "sse":
-        return StreamingResponse(_sse(server, head + first, chunks), media_type="text/event-stream", headers=headers)
-    return StreamingResponse(_audio(server, head + first, chunks), media_type=media, headers=headers)
+    headers = {"X-Sample-Rate": str(encoder.rate), "X-Sample-Format": speech_request.sample_format}
+    if not speech_request.stream:  # the whole file, its sizes true
+        try:
+            rest = b"".join([chunk async for chunk in chunks])
+        except (LMOutputError, RuntimeError) as e:
+            server.metrics.outcome("speech", _outcome(e))
+            return error_response(502 if isinstance(e, LMOutputError) else 500, str(e), ERROR_TYPES[_outcome(e)])
+        return Response(first + rest, media_type=fmt.media_type, headers=headers)
+    if speech_request.stream_format == "sse":
+        return StreamingResponse(_sse(server, first, chunks), media_type="text/event-stream", headers=headers)
+    return StreamingResponse(_audio(server, first, chunks), media_type=fmt.media_type, headers=headers)
 
 
-async def speech_chunks(server, sid: int, text: str, voice: str, model: str | None,
-                        sample_format: str) -> AsyncIterator[bytes]:
-    """PCM bytes of one speech request as they become final; the stream is released on any exit."""
+async def _encoded(encoder: StreamEncoder, audio: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
+    """The stream's audio in its format: each piece's bytes as soon as the encoder has them, then
+    the encoder's rest (its held frames, the container's trailer). Encoded on the event loop: a
+    thread pool (FFmpeg releases the GIL) doubled the server's CPU at 256 mp3 streams and did not
+    keep them in pace either (docs/server.md, "Formats")."""
+    async for piece in audio:
+        data = encoder.encode(piece)
+        if data:
+            yield data
+    rest = encoder.finish()
+    if rest:
+        yield rest
+
+
+async def speech_chunks(server, sid: int, text: str, voice: str, model: str | None) -> AsyncIterator[np.ndarray]:
+    """float32 audio of one speech request as it becomes final; the stream is released on any exit."""
     finished = False
     frame_size = server.settings.layout.frame_size
 
@@ -131,13 +143,13 @@ async def speech_chunks(server, sid: int, text: str, voice: str, model: str | No
                 if first:
                     server.metrics.first_audio.observe(time.perf_counter() - started)
                     first = False
-                yield pcm_bytes(audio, sample_format)
+                yield audio
         if held:  # an incomplete last frame: its ids are checked, then dropped by the flush
             await push(held)
         finished = True
         audio = await server.backend.flush(sid, drop_incomplete_frame=True)
         if audio.size:
-            yield pcm_bytes(audio, sample_format)
+            yield audio
         server.metrics.outcome("speech", "done")
     finally:
         if not finished:  # an error, or the client went away: free the slot now
@@ -180,18 +192,3 @@ async def _sse(server, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncItera
         yield event({"type": "error", "error": {"message": str(e), "type": ERROR_TYPES[outcome]}})
         return
     yield event({"type": "speech.audio.done"})
-
-
-def wav_header(rate: int, sample_format: str) -> bytes:
-    """A streaming WAV header: the sizes are unknown, written as 0xFFFFFFFF (as streaming servers do)."""
-    bits, code = (16, 1) if sample_format == "s16" else (32, 3)  # PCM / IEEE float
-    block = bits // 8
-    return (b"RIFF" + struct.pack("<I", 0xFFFFFFFF) + b"WAVE" + b"fmt " + struct.pack("<IHHIIHH", 16, code, 1, rate,
-            rate * block, block, bits) + b"data" + struct.pack("<I", 0xFFFFFFFF))
-
-
-def pcm_bytes(audio: np.ndarray, sample_format: str) -> bytes:
-    """float32 audio -> little-endian PCM bytes (s16: rounded and clipped like the batcher's int16)."""
-    if sample_format == "s16":
-        return np.clip(np.rint(audio * 32767.0), -32768, 32767).astype("<i2").tobytes()
-    return audio.astype("<f4", copy=False).tobytes()

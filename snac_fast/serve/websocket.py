@@ -13,7 +13,8 @@ import json
 import numpy as np
 
 from snac_fast.serve.engine_client import EngineLostError
-from snac_fast.serve.speech import SAMPLE_FORMATS, pcm_bytes
+from snac_fast.serve.formats import pcm_bytes
+from snac_fast.serve.protocol import SAMPLE_FORMATS
 
 CLOSE_REASON_BYTES = 120  # a close frame's reason holds 123 bytes
 
@@ -90,6 +91,16 @@ def _parse(message: dict) -> tuple | str:
         return np.frombuffer(data, "<i4"), False
     try:
         request = json.loads(message.get("text") or "")
-        return request.get("ids", []), bool(request.get("end", False))
-    except (ValueError, AttributeError):
+    except ValueError:
+        request = None
+    if not isinstance(request, dict):
         return 'text messages must be JSON: {"ids": [...]} or {"end": true}'
+    if "ids" not in request and "end" not in request:
+        if "prompt" in request or "text" in request:
+            return ("this WebSocket takes LM token ids ({\"ids\": [...]}, then {\"end\": true}); "
+                    "send text to POST /v1/audio/speech")
+        return f"unknown message with keys {sorted(request)[:8]}: expected {{\"ids\": [...]}} or {{\"end\": true}}"
+    ids = request.get("ids", [])
+    if not isinstance(ids, list):
+        return "'ids' must be a list of token ids"
+    return ids, bool(request.get("end", False))

@@ -18,6 +18,7 @@ import pytest
 import torch
 import uvicorn
 from helpers import NARROW, random_codes
+from live_server import LiveServer, serving
 
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
@@ -30,42 +31,9 @@ from snac_fast.synthetic import synthetic_model
 RATE = 24000
 
 
-class LiveServer:
-    """An ASGI app served by uvicorn on 127.0.0.1 (an ephemeral port) in a thread."""
-
-    def __init__(self, app) -> None:
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=120))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-
-    def __enter__(self) -> "LiveServer":
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not self.server.started:
-            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
-            time.sleep(0.01)
-        self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.should_exit = True
-        self.thread.join(30)
-
-
 @pytest.fixture(scope="module")
 def codec():
     return FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", fuse=False)
-
-
-@contextlib.contextmanager
-def serving(codec, **options):
-    lm = FakeLM(split_tokens=True)
-    with LiveServer(lm.app) as lm_server:
-        config = ServeSettings(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
-        app = create_app(codec, config)
-        with LiveServer(app) as server:
-            yield server, lm, app.state.server
 
 
 def slots_freed(state, timeout: float = 10.0) -> bool:
@@ -89,7 +57,7 @@ def _engine_checkpoint(tmp_path) -> tuple[str, dict]:
 
 async def speak(url, text, seed, **fields):
     async with httpx.AsyncClient(timeout=120) as client:
-        body = {"model": "orpheus", "input": text, "voice": "tara", "seed": seed, **fields}
+        body = {"model": "orpheus", "input": text, "voice": "tara", "seed": seed, "response_format": "pcm", **fields}
         async with client.stream("POST", url + "/v1/audio/speech", json=body) as response:
             data = b"".join([chunk async for chunk in response.aiter_bytes()])
             return response.status_code, response.headers, data
@@ -133,6 +101,7 @@ def test_speech_wav_int16_sse_and_early_stop(codec):
         (s1, h1, wav), (s2, _, cut), (s3, h3, sse) = asyncio.run(main())
     assert s1 == 200 and h1["content-type"] == "audio/wav" and wav[:4] == b"RIFF" and wav[8:16] == b"WAVEfmt "
     assert int.from_bytes(wav[24:28], "little") == RATE and int.from_bytes(wav[34:36], "little") == 16
+    assert wav[36:40] == b"data"  # the plain 44-byte header that clients which skip 44 bytes expect
     pcm = np.frombuffer(wav[44:], "<i2").astype(np.float64)
     want = expected(codec, c, 1).double().numpy()
     assert pcm.shape == want.shape and np.abs(pcm - np.rint(want * 32767)).max() <= 1
@@ -171,7 +140,7 @@ def test_bad_requests_backpressure_and_disconnects(codec):
     with serving(codec, max_streams=2) as (server, lm, state):
         lm.script("slow", c, delay=0.05)
         lm.script("quick", [level[:, :5 * level.shape[1] // 40] for level in c])
-        for body, message in [({"voice": "tara"}, "'input'"), ({"input": "x", "response_format": "mp3"}, "response_format"),
+        for body, message in [({"voice": "tara"}, "'input'"), ({"input": "x", "response_format": "ogg_vorbis"}, "response_format"),
                               ({"input": "x", "seed": "a"}, "'seed'")]:
             r = httpx.post(server.url + "/v1/audio/speech", json=body)
             assert r.status_code == 400 and message in r.json()["error"]["message"]
@@ -250,7 +219,7 @@ def test_graceful_shutdown_finishes_streams_in_flight(codec):
 
         def client():
             with httpx.stream("POST", live.url + "/v1/audio/speech", json={"input": "long", "seed": 5,
-                                                                           "sample_format": "f32"}, timeout=60) as r:
+                                                                           "response_format": "pcm", "sample_format": "f32"}, timeout=60) as r:
                 result["status"] = r.status_code
                 result["data"] = b"".join(r.iter_bytes())
         t = threading.Thread(target=client)
@@ -312,7 +281,6 @@ def test_serve_cli_refuses_bad_arguments(capsys):
 def test_serve_cli_hands_the_engine_process_its_form_and_wait(monkeypatch):
     """`serve --shared-engine --engine-event-loop --max-wait-ms 4`: the engine process is started
     on one event loop with the wait, and every worker's settings carry it."""
-    import uvicorn
 
     from snac_fast.cli import main
     from snac_fast.serve import engine_process
@@ -469,7 +437,7 @@ def test_an_engine_that_fails_every_call_turns_health_to_503_until_one_runs(code
         assert health.json()["status"] == "engine_failing" and "illegal memory access" in health.json()["error"]
         assert f"snac_fast_failed_steps_in_a_row {FAILING_CALLS:.1f}" in httpx.get(server.url + "/metrics").text
         monkeypatch.setattr(state.backend.engine, "step_rows", real)
-        r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello", "seed": 1, "sample_format": "f32"},
+        r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello", "seed": 1, "response_format": "pcm", "sample_format": "f32"},
                        timeout=60)
         assert r.status_code == 200 and httpx.get(server.url + "/health").json()["status"] == "ok"
         # a call failing after the first audio: an SSE stream ends with an error event naming it

@@ -1,0 +1,151 @@
+"""Audio formats of the speech API, encoded as the audio is produced, through FFmpeg's encoders and
+muxers (PyAV, whose manylinux wheels carry FFmpeg with LAME, Opus and its AAC and FLAC encoders).
+
+Each chunk an encoder returns is a valid continuation of the ones before: MP3 frames, Ogg pages
+of Opus (flushed every packet: ``page_duration`` 20 ms), ADTS frames of AAC, FLAC frames, WAV or
+raw PCM samples, G.711 bytes. The samples enter as the server's int16 PCM (float audio scaled by
+32767 and rounded, as ``pcm`` sends it), so a lossless format decodes back to exactly that PCM;
+one resampler per stream keeps its state across chunks, so a rate change has no seams.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class AudioFormat:
+    """One ``response_format``: FFmpeg's muxer (None: raw codec output), encoder and options, the
+    HTTP media type, a fixed output rate (None: the model's, or the request's ``sample_rate``)."""
+
+    name: str
+    muxer: str | None
+    encoder: str
+    media_type: str
+    rate: int | None = None
+    bit_rate: int | None = None
+    lossless: bool = True
+    options: tuple[tuple[str, str], ...] = ()
+
+
+PCM_RATES = (8000, 16000, 22050, 24000, 44100, 48000)
+# OpenAI's six, then the rates and G.711 codings that telephony and voice agents ask for by name
+FORMATS: dict[str, AudioFormat] = {
+    "mp3": AudioFormat("mp3", "mp3", "libmp3lame", "audio/mpeg", bit_rate=64000, lossless=False),
+    "opus": AudioFormat("opus", "ogg", "libopus", "audio/ogg", bit_rate=64000, lossless=False,
+                        options=(("page_duration", "20000"),)),
+    "aac": AudioFormat("aac", "adts", "aac", "audio/aac", bit_rate=64000, lossless=False),
+    "flac": AudioFormat("flac", "flac", "flac", "audio/flac"),
+    "wav": AudioFormat("wav", "wav", "pcm_s16le", "audio/wav"),
+    "pcm": AudioFormat("pcm", None, "pcm_s16le", "audio/pcm"),
+    **{f"pcm_{r}": AudioFormat(f"pcm_{r}", None, "pcm_s16le", "audio/pcm", rate=r) for r in PCM_RATES},
+    "ulaw_8000": AudioFormat("ulaw_8000", None, "pcm_mulaw", "audio/basic", rate=8000),
+    "alaw_8000": AudioFormat("alaw_8000", None, "pcm_alaw", "audio/x-alaw-basic", rate=8000),
+}
+OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
+# sample_format f32 (an extension): float32 samples, as the engine makes them
+FLOAT_FORMATS = {"pcm": AudioFormat("pcm", None, "pcm_f32le", "audio/pcm"),
+                 "wav": AudioFormat("wav", "wav", "pcm_f32le", "audio/wav")}
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # what libopus takes
+
+
+def int16_samples(audio: np.ndarray) -> np.ndarray:
+    """float audio in [-1, 1] -> int16 PCM: scaled by 32767, rounded, clipped (the batcher's rule)."""
+    return np.clip(np.rint(audio * 32767.0), -32768, 32767).astype(np.int16)
+
+
+def pcm_bytes(audio: np.ndarray, sample_format: str) -> bytes:
+    """float32 audio -> raw little-endian PCM bytes, ``s16`` (:func:`int16_samples`) or ``f32``."""
+    if sample_format == "s16":
+        return int16_samples(audio).astype("<i2", copy=False).tobytes()
+    return audio.astype("<f4", copy=False).tobytes()
+
+
+class _Chunks:
+    """A write-only file for FFmpeg's muxers: what they write is taken out after each chunk."""
+
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def write(self, data) -> int:
+        self.parts.append(bytes(data))
+        return len(data)
+
+    def flush(self) -> None:
+        pass
+
+    def take(self) -> bytes:
+        out = b"".join(self.parts)
+        self.parts.clear()
+        return out
+
+
+class StreamEncoder:
+    """One stream's encoder: :meth:`encode` takes float32 audio [n] at ``in_rate`` and returns the
+    bytes of ``fmt`` that are ready (possibly none: an encoder holds a frame's worth);
+    :meth:`finish` returns the rest. ``rate``: the output rate (None: ``fmt``'s fixed one, else
+    ``in_rate``). ``seekable``: write into a seekable buffer, returned whole by :meth:`finish`, so
+    that muxers write their true sizes (a WAV header's length) instead of streaming placeholders."""
+
+    def __init__(self, fmt: AudioFormat, in_rate: int, rate: int | None = None, *, seekable: bool = False) -> None:
+        import io
+
+        import av
+
+        self.format, self.in_rate = fmt, in_rate
+        self.rate = fmt.rate or rate or in_rate
+        self._seekable = seekable
+        self._sink = io.BytesIO() if seekable else _Chunks()
+        self._container = None
+        if fmt.muxer is not None:
+            # bitexact: no encoder tags (a WAV header is then its plain 44 bytes)
+            self._container = av.open(self._sink, mode="w", format=fmt.muxer,
+                                      options={"fflags": "+bitexact", **dict(fmt.options)})
+            self._stream = self._container.add_stream(fmt.encoder, rate=self.rate, layout="mono")
+            context = self._stream.codec_context
+        else:
+            context = av.CodecContext.create(fmt.encoder, "w")
+            context.sample_rate, context.layout = self.rate, "mono"
+            context.format = context.codec.audio_formats[0].name
+        if fmt.bit_rate:
+            context.bit_rate = fmt.bit_rate
+        self._context = context
+        sample_format = context.codec.audio_formats[0].name if fmt.muxer is not None else context.format.name
+        if fmt.muxer is not None:
+            context.format = sample_format
+        self._resampler = av.AudioResampler(format=sample_format, layout="mono", rate=self.rate)
+        self._av = av
+        self._float = fmt.encoder == "pcm_f32le"  # float32 in and out, no int16 rounding
+        self._done = False
+
+    def encode(self, audio: np.ndarray) -> bytes:
+        """Chunk of float32 audio in -> the format's bytes ready now."""
+        if audio.size:
+            samples = audio.astype(np.float32, copy=False) if self._float else int16_samples(audio)
+            frame = self._av.AudioFrame.from_ndarray(samples[None], format="flt" if self._float else "s16", layout="mono")
+            frame.sample_rate = self.in_rate
+            for resampled in self._resampler.resample(frame):
+                self._write(resampled)
+        return b"" if self._seekable else self._sink.take()
+
+    def finish(self) -> bytes:
+        """The rest: the resampler's and encoder's held samples, the muxer's trailer (with
+        ``seekable``, the whole file)."""
+        if not self._done:
+            self._done = True
+            for resampled in self._resampler.resample(None):
+                self._write(resampled)
+            self._write(None)
+            if self._container is not None:
+                self._container.close()
+        return self._sink.getvalue() if self._seekable else self._sink.take()
+
+    def _write(self, frame) -> None:
+        if self._container is not None:
+            for packet in self._stream.encode(frame):
+                self._container.mux(packet)
+        else:
+            for packet in self._context.encode(frame):
+                self._sink.write(bytes(packet))

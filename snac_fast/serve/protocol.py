@@ -1,0 +1,122 @@
+"""The speech API's request and error shapes (OpenAI's ``POST /v1/audio/speech``, its models and
+voices lists), checked before any stream opens.
+
+Request fields, as OpenAI documents them: ``input`` (at most :data:`MAX_INPUT_CHARS` characters),
+``model``, ``voice``, ``response_format`` (``mp3``, the default, ``opus``, ``aac``, ``flac``,
+``wav``, ``pcm``; also ``pcm_8000`` ... ``pcm_48000``, ``ulaw_8000``, ``alaw_8000``), ``speed``
+(only 1.0: any other value is refused, never ignored), ``instructions`` (accepted, unused: an
+Orpheus LM takes no instructions), ``stream_format`` (``audio`` or ``sse``). Extensions:
+``sample_rate`` (the output rate, for the formats without a fixed one), ``sample_format`` (``s16``
+or ``f32``, for ``pcm`` and ``wav``), ``seed`` (the decoder's noise), ``stream`` (false: the whole
+audio in one response with its true length, a WAV header's sizes included).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from snac_fast.serve.formats import FORMATS, OPENAI_FORMATS, OPUS_RATES
+
+MAX_INPUT_CHARS = 4096  # OpenAI's limit
+DEFAULT_FORMAT = "mp3"  # OpenAI's default
+SAMPLE_FORMATS = ("s16", "f32")
+STREAM_FORMATS = ("audio", "sse")
+# the voices the Orpheus fine-tunes were trained on (canopylabs/orpheus-3b-0.1-ft, in order of conversational realism)
+ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
+# OpenAI's speech model names, accepted as names of this server's model
+OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+class RequestError(ValueError):
+    """A request the server refuses: ``status`` and OpenAI's error ``type``, ``param`` and ``code``."""
+
+    def __init__(self, message: str, *, status: int = 400, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.kind, self.param, self.code = status, kind, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": str(self), "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class SpeechRequest:
+    """A checked speech request."""
+
+    text: str
+    voice: str
+    model: str | None
+    response_format: str
+    sample_rate: int | None
+    sample_format: str
+    stream_format: str
+    stream: bool
+    seed: int | None
+
+    @classmethod
+    def parse(cls, body, voices: tuple[str, ...], default_voice: str, max_chars: int = MAX_INPUT_CHARS) -> "SpeechRequest":
+        """Check a request's JSON body; raises :class:`RequestError` naming the first problem."""
+        if not isinstance(body, dict):
+            raise RequestError("the body must be a JSON object")
+        text = body.get("input")
+        if not isinstance(text, str) or not text.strip():
+            raise RequestError("'input' must be a non-empty string", param="input")
+        if len(text) > max_chars:
+            raise RequestError(f"'input' is {len(text)} characters; at most {max_chars}", param="input",
+                               code="string_above_max_length")
+        voice = body.get("voice", default_voice)
+        if isinstance(voice, dict):  # OpenAI's custom-voice form {"id": ...}
+            voice = voice.get("id")
+        if not isinstance(voice, str) or voice not in voices:
+            raise RequestError(f"'voice' must be one of {list(voices)}, got {voice!r}", param="voice")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise RequestError("'model' must be a string", param="model")
+        name = body.get("response_format", DEFAULT_FORMAT)
+        if name not in FORMATS:
+            raise RequestError(f"'response_format' must be one of {list(OPENAI_FORMATS)} (or "
+                               f"{', '.join(n for n in FORMATS if n not in OPENAI_FORMATS)}), got {name!r}",
+                               param="response_format")
+        speed = body.get("speed", 1.0)
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed != 1.0:
+            raise RequestError(f"'speed' {speed!r} is not supported: this server speaks at 1.0 only", param="speed")
+        instructions = body.get("instructions")
+        if instructions is not None and not isinstance(instructions, str):
+            raise RequestError("'instructions' must be a string", param="instructions")
+        stream_format = body.get("stream_format", "audio")
+        if stream_format not in STREAM_FORMATS:
+            raise RequestError("'stream_format' must be 'audio' or 'sse'", param="stream_format")
+        sample_format = body.get("sample_format", "s16")
+        if sample_format not in SAMPLE_FORMATS:
+            raise RequestError(f"'sample_format' must be one of {list(SAMPLE_FORMATS)}", param="sample_format")
+        if sample_format != "s16" and name not in ("pcm", "wav"):
+            raise RequestError("'sample_format' f32 is for 'pcm' and 'wav' only", param="sample_format")
+        rate = body.get("sample_rate")
+        if rate is not None:
+            if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 48000:
+                raise RequestError("'sample_rate' must be an integer of 8000-48000 Hz", param="sample_rate")
+            if FORMATS[name].rate is not None and rate != FORMATS[name].rate:
+                raise RequestError(f"'{name}' is at {FORMATS[name].rate} Hz; drop 'sample_rate'", param="sample_rate")
+            if name == "opus" and rate not in OPUS_RATES:
+                raise RequestError(f"opus takes 'sample_rate' {list(OPUS_RATES)}", param="sample_rate")
+            if sample_format == "f32":
+                raise RequestError("'sample_rate' needs sample_format s16", param="sample_rate")
+        stream = body.get("stream", True)
+        if not isinstance(stream, bool):
+            raise RequestError("'stream' must be true or false", param="stream")
+        if not stream and stream_format == "sse":
+            raise RequestError("'stream' false cannot be an SSE stream", param="stream")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError("'seed' must be an integer", param="seed")
+        return cls(text, voice, model, name, rate, sample_format, stream_format, stream, seed)
+
+
+def models_list(models: tuple[str, ...]) -> dict:
+    """``GET /v1/models`` in OpenAI's shape."""
+    return {"object": "list", "data": [{"id": m, "object": "model", "created": 0, "owned_by": "snac-fast"} for m in models]}
+
+
+def voices_list(voices: tuple[str, ...]) -> dict:
+    """``GET /v1/audio/voices``: the voices, as Kokoro-FastAPI's list and with their names."""
+    return {"voices": list(voices), "data": [{"id": v, "name": v} for v in voices]}

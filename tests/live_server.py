@@ -1,0 +1,43 @@
+"""The serving tests' live servers: an ASGI app on uvicorn in a thread, on the loopback."""
+
+import contextlib
+import threading
+import time
+
+import uvicorn
+
+from snac_fast.serve import ServeSettings, create_app
+from snac_fast.serve.fake_lm import FakeLM
+
+
+class LiveServer:
+    """An ASGI app served by uvicorn on 127.0.0.1 (an ephemeral port) in a thread."""
+
+    def __init__(self, app) -> None:
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
+                                                    timeout_graceful_shutdown=120))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "LiveServer":
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
+            time.sleep(0.01)
+        self.port = self.server.servers[0].sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+
+
+@contextlib.contextmanager
+def serving(codec, **options):
+    lm = FakeLM(split_tokens=True)
+    with LiveServer(lm.app) as lm_server:
+        config = ServeSettings(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
+        app = create_app(codec, config)
+        with LiveServer(app) as server:
+            yield server, lm, app.state.server
