@@ -27,6 +27,7 @@ log = logging.getLogger("snac_fast.serve")
 
 # a failed speech request's outcome label in the metrics -> its error type (SSE, JSON)
 ERROR_TYPES = {"engine_lost": "engine_unavailable", "lm_error": "lm_output_error", "engine_error": "engine_error"}
+ERROR_STATUS = {"engine_lost": 503, "lm_error": 502, "engine_error": 500}
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", **headers):
@@ -93,8 +94,9 @@ async def speech(request):
         try:
             rest = b"".join([chunk async for chunk in chunks])
         except (LMOutputError, RuntimeError) as e:
-            server.metrics.outcome("speech", _outcome(e))
-            return error_response(502 if isinstance(e, LMOutputError) else 500, str(e), ERROR_TYPES[_outcome(e)])
+            outcome = _outcome(e)
+            server.metrics.outcome("speech", outcome)
+            return error_response(ERROR_STATUS[outcome], str(e), ERROR_TYPES[outcome])
         return Response(first + rest, media_type=fmt.media_type, headers=headers)
     if speech_request.stream_format == "sse":
         return StreamingResponse(_sse(server, first, chunks), media_type="text/event-stream", headers=headers)

@@ -169,6 +169,10 @@ def test_unstreamed_wav_has_its_true_length(codec):
                                                               "stream": False}, timeout=60)
         streamed = httpx.post(server.url + "/v1/audio/speech", json={"input": "whole", "response_format": "wav",
                                                                      "seed": 1}, timeout=60)
+        lm.script("broken late", c, bad_at=7 * 6 + 3)  # after the first audio: a whole file cannot be sent
+        broken = httpx.post(server.url + "/v1/audio/speech", json={"input": "broken late", "stream": False}, timeout=60)
+        assert slots_freed(state)
+    assert broken.status_code == 502 and broken.json()["error"]["type"] == "lm_output_error"
     want = expected_pcm(codec, c, 1)
     with wave.open(io.BytesIO(r.content)) as w:
         assert w.getnframes() == len(want) and w.getframerate() == RATE
