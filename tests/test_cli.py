@@ -151,7 +151,7 @@ def test_version_and_serve_help_with_its_defaults():
 
     version = cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"snac-fast {__version__}"
-    serve_help = cli("serve", "--help").stdout
+    serve_help = " ".join(cli("serve", "--help").stdout.split())  # argparse wraps lines at the terminal's width
     for flag, default in (("--port", "8880"), ("--max-batch", "256"), ("--idle-timeout", "60.0"), ("--voice", "tara"),
                           ("--lookahead", "exact"), ("--max-input-chars", "4096")):
         assert flag in serve_help and f"(default: {default})" in serve_help, flag
