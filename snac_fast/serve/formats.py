@@ -11,6 +11,7 @@ one resampler per stream keeps its state across chunks, so a rate change has no 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -118,6 +119,7 @@ class StreamEncoder:
         self._resampler = av.AudioResampler(format=sample_format, layout="mono", rate=self.rate)
         self._av = av
         self._float = fmt.encoder == "pcm_f32le"  # float32 in and out, no int16 rounding
+        self._samples_in = 0
         self._done = False
 
     def encode(self, audio: np.ndarray) -> bytes:
@@ -125,7 +127,9 @@ class StreamEncoder:
         if audio.size:
             samples = audio.astype(np.float32, copy=False) if self._float else int16_samples(audio)
             frame = self._av.AudioFrame.from_ndarray(samples[None], format="flt" if self._float else "s16", layout="mono")
-            frame.sample_rate = self.in_rate
+            # timestamps in samples: the muxers need them (unset, FFmpeg makes some up and warns per packet)
+            frame.sample_rate, frame.pts, frame.time_base = self.in_rate, self._samples_in, Fraction(1, self.in_rate)
+            self._samples_in += len(samples)
             for resampled in self._resampler.resample(frame):
                 self._write(resampled)
         return b"" if self._seekable else self._sink.take()
