@@ -106,6 +106,7 @@ class StreamEncoder:
                                       options={"fflags": "+bitexact", **dict(fmt.options)})
             self._stream = self._container.add_stream(fmt.encoder, rate=self.rate, layout="mono")
             context = self._stream.codec_context
+            context.format = context.codec.audio_formats[0].name
         else:
             context = av.CodecContext.create(fmt.encoder, "w")
             context.sample_rate, context.layout = self.rate, "mono"
@@ -113,9 +114,7 @@ class StreamEncoder:
         if fmt.bit_rate:
             context.bit_rate = fmt.bit_rate
         self._context = context
-        sample_format = context.codec.audio_formats[0].name if fmt.muxer is not None else context.format.name
-        if fmt.muxer is not None:
-            context.format = sample_format
+        sample_format = context.format.name  # the encoder's first sample format (set above or by add_stream)
         self._resampler = av.AudioResampler(format=sample_format, layout="mono", rate=self.rate)
         self._av = av
         self._float = fmt.encoder == "pcm_f32le"  # float32 in and out, no int16 rounding
