@@ -153,10 +153,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise UsageError(f"serve needs its extra: pip install 'snac-fast[serve]' ({e})") from None
     from snac_fast.serve.engine_client import EngineLostError
     from snac_fast.serve.run import serve
+    from snac_fast.serve.workers import ServeFailure
 
     try:
         serve(settings)
-    except EngineLostError as e:  # logged as it happened; the status tells a supervisor to restart
+    except (EngineLostError, ServeFailure) as e:  # logged as it happened; the status tells a supervisor to restart
         print(f"snac-fast serve: error: {e}", file=sys.stderr)
         return 1
     return 0

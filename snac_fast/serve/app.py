@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 
 import numpy as np
@@ -104,7 +105,7 @@ async def _health_body(server: SpeechServer) -> dict:
     state = await server.backend.health()
     status = state.status if state.status == "engine_lost" or not server.draining else "draining"
     lm, why = await server.lm_state()
-    body = {"status": status, "device": server.backend.device, "open_streams": server.backend.open_streams,
+    body = {"status": status, "device": server.backend.device, "pid": os.getpid(), "open_streams": server.backend.open_streams,
             "slots_in_use": state.slots_in_use, "max_streams": server.backend.max_streams,
             "sampling_rate": server.backend.rate, "lm": {"status": lm, "url": server.settings.lm_url}}
     if why:

@@ -1,6 +1,6 @@
-"""Running the server: uvicorn with one or more worker processes, each building its app from the
-settings the parent handed on (:data:`SETTINGS_VARIABLE`), and with ``shared_engine`` one engine
-process that every worker feeds (:data:`ENGINE_VARIABLE`)."""
+"""Running the server: uvicorn in one process, or in several (:mod:`snac_fast.serve.workers`), each
+building its app from the settings the parent handed on (:data:`SETTINGS_VARIABLE`), and with
+``shared_engine`` one engine process that every worker feeds (:data:`ENGINE_VARIABLE`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import threading
 
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.settings import ServeSettings
+from snac_fast.serve.workers import check_port_free, run_workers
 
 log = logging.getLogger("snac_fast.serve")
 
@@ -19,6 +20,7 @@ SETTINGS_VARIABLE = "SNAC_FAST_SERVE"  # ServeSettings.to_json(), read by each w
 ENGINE_VARIABLE = "SNAC_FAST_SERVE_ENGINE"  # the shared engine process's address and info (JSON)
 CLAIMS_VARIABLE = "SNAC_FAST_SERVE_CLAIMS"  # a folder where each worker claims its number (its GPU among several)
 GRACEFUL_SHUTDOWN_S = 30
+APP = "snac_fast.serve.run:app_from_environment"  # uvicorn's app factory in each worker process
 
 
 def worker_device(device: str | None, claims: str | None) -> str | None:
@@ -66,7 +68,8 @@ def serve(settings: ServeSettings) -> None:
     ``workers`` processes on a host of several GPUs take them in turn (:func:`worker_device`).
     ``shared_engine``: one engine process (on ``device``) that all ``workers`` feed, so every
     connection shares one batch (docs/serving.md, "One engine process, fed by front-ends"). Raises
-    :class:`EngineLostError` when the engine process died under it."""
+    :class:`EngineLostError` when the engine process died under it, and
+    :class:`~snac_fast.serve.workers.ServeFailure` when the port is taken or a worker fails to start."""
     import shutil
     import tempfile
 
@@ -75,6 +78,7 @@ def serve(settings: ServeSettings) -> None:
     from snac_fast.serve import engine_process
 
     settings.check()
+    check_port_free(settings.host, settings.port)  # before the engine process loads a model
     engine, lost, closing = None, [], threading.Event()
     handed_on = {SETTINGS_VARIABLE: settings.to_json()}
     if settings.shared_engine:
@@ -96,8 +100,11 @@ def serve(settings: ServeSettings) -> None:
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        uvicorn.run("snac_fast.serve.run:app_from_environment", factory=True, host=settings.host, port=settings.port,
-                    workers=settings.workers, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info")
+        if settings.workers > 1:  # each worker on its own SO_REUSEPORT socket: the kernel spreads the connections
+            run_workers(APP, settings.host, settings.port, settings.workers, GRACEFUL_SHUTDOWN_S)
+        else:
+            uvicorn.run(APP, factory=True, host=settings.host, port=settings.port,
+                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info")
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -16,7 +16,6 @@ import httpx
 import numpy as np
 import pytest
 import torch
-import uvicorn
 from helpers import NARROW, random_codes
 from live_server import LiveServer, serving
 
@@ -283,7 +282,7 @@ def test_serve_cli_hands_the_engine_process_its_form_and_wait(monkeypatch):
     on one event loop with the wait, and every worker's settings carry it."""
 
     from snac_fast.cli import main
-    from snac_fast.serve import engine_process
+    from snac_fast.serve import engine_process, run
     from snac_fast.serve.run import CLAIMS_VARIABLE, ENGINE_VARIABLE, SETTINGS_VARIABLE
 
     started, ran = [], []
@@ -300,8 +299,8 @@ def test_serve_cli_hands_the_engine_process_its_form_and_wait(monkeypatch):
         def close(self):
             pass
     monkeypatch.setattr(engine_process, "EngineProcess", Engine)
-    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: ran.append((json.loads(os.environ[SETTINGS_VARIABLE]),
-                                                                    json.loads(os.environ[ENGINE_VARIABLE]))))
+    monkeypatch.setattr(run, "run_workers", lambda *a, **k: ran.append((json.loads(os.environ[SETTINGS_VARIABLE]),
+                                                                         json.loads(os.environ[ENGINE_VARIABLE]))))
     for name in (SETTINGS_VARIABLE, ENGINE_VARIABLE, CLAIMS_VARIABLE):  # serve() sets them: restored after the test
         monkeypatch.setenv(name, "")
     assert main(["serve", "--shared-engine", "--engine-event-loop", "--max-wait-ms", "4", "--workers", "2"]) == 0
@@ -676,3 +675,80 @@ def test_serve_stops_with_status_1_when_its_engine_process_dies(tmp_path):
             server.kill()
     assert server.returncode == 1, err[-2000:]
     assert "the engine process exited with code -9" in err and "snac-fast serve: error:" in err
+
+
+def _listening_sockets(port: int) -> int:
+    """How many TCP sockets listen on ``port`` on this host (/proc/net/tcp and tcp6, state 0A)."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                local, state = line.split()[1], line.split()[3]
+                count += state == "0A" and int(local.rsplit(":", 1)[1], 16) == port
+    return count
+
+
+def _start_serve(args: list[str], port: int):
+    """``snac-fast serve ARGS --port PORT`` as a process, once /health answers 200."""
+    import subprocess
+    import sys
+
+    server = subprocess.Popen([sys.executable, "-m", "snac_fast.cli", "serve", "--port", str(port), *args],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 180
+    while True:
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.kill()
+            raise AssertionError(f"the server did not start: {server.communicate()[1][-2000:]}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=5).status_code == 200:
+                return server
+        time.sleep(0.2)
+
+
+@pytest.mark.heavy
+def test_workers_share_a_burst_of_connections_and_the_port_is_theirs(tmp_path):
+    """`serve --workers 2`: a burst of 64 connections at once is spread over both workers (uvicorn's
+    shared socket gave the first worker to wake nearly all of them), a second server on the same
+    port is refused with one line, and SIGTERM stops the workers with status 0."""
+    import signal
+    import subprocess
+    import sys
+
+    checkpoint, _ = _engine_checkpoint(tmp_path)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = _start_serve(["--workers", "2", "--device", "cpu", "--model", checkpoint, "--max-streams", "4",
+                           "--max-batch", "4"], port)
+    try:
+        url = f"http://127.0.0.1:{port}/health"
+        deadline = time.monotonic() + 120  # the second worker may still be warming up
+        while len({httpx.get(url, timeout=5).json()["pid"] for _ in range(8)}) < 2 and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+        async def burst() -> list[int]:
+            barrier = asyncio.Event()
+
+            async def one() -> int:
+                async with httpx.AsyncClient(timeout=60, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+                    await barrier.wait()
+                    return (await client.get(url)).json()["pid"]
+            tasks = [asyncio.create_task(one()) for _ in range(64)]
+            await asyncio.sleep(0.2)
+            barrier.set()
+            return await asyncio.gather(*tasks)
+        pids = asyncio.run(burst())
+        listening = _listening_sockets(port)
+        second = subprocess.run([sys.executable, "-m", "snac_fast.cli", "serve", "--port", str(port), "--device", "cpu",
+                                 "--model", checkpoint], capture_output=True, text=True, timeout=120)
+        server.send_signal(signal.SIGTERM)
+        server.communicate(timeout=60)
+    finally:
+        if server.poll() is None:
+            server.kill()
+    counts = sorted(pids.count(p) for p in set(pids))
+    assert listening == 2  # one listening socket per worker (uvicorn's workers share one)
+    assert len(counts) == 2 and counts[0] >= 64 * 0.2, counts  # a hash's spread: 20-80% (binomial tail ~1e-6)
+    assert second.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in second.stderr, second.stderr[-1000:]
+    assert server.returncode == 0
