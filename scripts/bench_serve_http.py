@@ -75,28 +75,51 @@ def start_fake_lm(port: int, pace: float, frames: int, log: Path, *options: str)
                   "--frames", str(frames), *options], f"http://127.0.0.1:{port}/stats", log)
 
 
-async def run_clients(server: str, indices: list[int], clients: int, tag: str, t_start: float,
+def arrival_offsets(clients: int, arrivals: str, seconds: float, seed: int) -> list[float]:
+    """When each client sends its request (s after the start): ``stagger``, evenly over one frame;
+    ``burst``, all at once; ``poisson``, a Poisson process of rate ``clients / seconds`` (about
+    ``clients`` requests of ``seconds`` of audio in flight at once)."""
+    if arrivals == "burst":
+        return [0.0] * clients
+    if arrivals == "poisson":
+        gaps = np.random.default_rng(seed).exponential(seconds / clients, clients)
+        return (np.cumsum(gaps) - gaps[0]).tolist()
+    return [FRAME_S * i / clients for i in range(clients)]
+
+
+def server_timing(header: str | None) -> dict[str, float]:
+    """``Server-Timing: name;dur=ms, ...`` -> {name: ms}."""
+    out = {}
+    for part in (header or "").split(","):
+        name, _, rest = part.strip().partition(";dur=")
+        if rest:
+            out[name] = float(rest)
+    return out
+
+
+async def run_clients(server: str, indices: list[int], offsets: list[float], tag: str, t_start: float,
                       response_format: str = "pcm") -> list[dict]:
     """aiohttp clients (a third of httpx's host time per chunk: the clients share the server's host)."""
     import aiohttp
 
     timeout = aiohttp.ClientTimeout(total=None, connect=30.0, sock_read=300.0)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(indices) + 8), timeout=timeout) as session:
-        async def one(i: int) -> dict:
-            await asyncio.sleep(max(0.0, t_start + FRAME_S * i / clients - time.monotonic()))  # staggered over one frame
+        async def one(i: int, offset: float) -> dict:
+            await asyncio.sleep(max(0.0, t_start + offset - time.monotonic()))
             text = f"{tag} client {i}"
             record = {"text": text, "start": time.monotonic(), "chunks": []}
             async with session.post(server + "/v1/audio/speech",
                                     json={"model": "orpheus", "input": text, "response_format": response_format}) as r:
                 record["status"] = r.status
+                record["server_timing"] = server_timing(r.headers.get("Server-Timing"))
                 async for chunk in r.content.iter_any():
                     record["chunks"].append((time.monotonic(), len(chunk)))
             record["end"] = time.monotonic()
             return record
-        return await asyncio.gather(*(one(i) for i in indices))
+        return await asyncio.gather(*(one(i, offset) for i, offset in zip(indices, offsets)))
 
 
-def client_process(server: str, indices: list[int], clients: int, tag: str, t_start: float,
+def client_process(server: str, indices: list[int], offsets: list[float], tag: str, t_start: float,
                    response_format: str = "pcm") -> list[dict]:
     try:
         import uvloop
@@ -104,16 +127,18 @@ def client_process(server: str, indices: list[int], clients: int, tag: str, t_st
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(run_clients(server, indices, clients, tag, t_start, response_format))
+    return asyncio.run(run_clients(server, indices, offsets, tag, t_start, response_format))
 
 
-def all_clients(server: str, clients: int, tag: str, procs: int, response_format: str = "pcm") -> list[dict]:
-    """``clients`` clients over ``procs`` processes (client i in process i % procs), one schedule."""
-    t_start = time.monotonic() + (5.0 if procs > 1 else 0.0)  # time for the processes to start
+def all_clients(server: str, offsets: list[float], tag: str, procs: int, response_format: str = "pcm") -> list[dict]:
+    """One client per offset, over ``procs`` processes (client i in process i % procs), one schedule."""
+    clients = len(offsets)
+    procs = min(procs, clients)
+    t_start = time.monotonic() + (5.0 if procs > 1 else 0.2)  # time for the processes to start
     if procs == 1:
-        return client_process(server, list(range(clients)), clients, tag, t_start, response_format)
+        return client_process(server, list(range(clients)), offsets, tag, t_start, response_format)
     with mp.get_context("spawn").Pool(procs) as pool:
-        parts = pool.starmap(client_process, [(server, list(range(k, clients, procs)), clients, tag, t_start,
+        parts = pool.starmap(client_process, [(server, list(range(k, clients, procs)), offsets[k::procs], tag, t_start,
                                                 response_format) for k in range(procs)])
     return [r for part in parts for r in part]
 
@@ -138,17 +163,20 @@ def tree_cpu_seconds(pid: int) -> float:
     return sum(cpu.get(p, 0.0) for p in tree)
 
 
-def stream_geometry() -> dict:
-    """Where a 24 kHz stream's audio ends after n frames (the synthetic model's geometry, on CPU)."""
+def stream_geometry(lookahead: int | str | None = None) -> dict:
+    """Where a 24 kHz stream's audio ends after n frames, and the frames its first audio needs, for
+    ``lookahead`` (the synthetic model's geometry, on CPU)."""
     from snac_fast import FastSNAC
     from snac_fast.orpheus import ORPHEUS
 
-    engine = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu", fuse=False).stream_engine(max_streams=1)
+    engine = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cpu", fuse=False).stream_engine(
+        max_streams=1, lookahead=lookahead)
     return {"frame_samples": engine.samples_per_frame, "lookahead": engine.lookahead_samples,
-            "per_frame": ORPHEUS.frame_size}
+            "per_frame": ORPHEUS.frame_size, "first_frames": engine.first_audio_frames}
 
 
-def chunk_delays(record: dict, sends: list, frame_samples: int, lookahead: int, per_frame: int) -> list[float]:
+def chunk_delays(record: dict, sends: list, frame_samples: int, lookahead: int, per_frame: int,
+                 first_frames: int = 0) -> list[float]:
     """Per audio chunk of one response (s): its arrival minus when the LM sent the token that
     completed the frames it needed. A stream's audio after n frames ends at n * frame_samples -
     lookahead, so a chunk ending at sample S needed frames (S + lookahead) / frame_samples; the flush's
@@ -177,15 +205,44 @@ def playback_stalls(record: dict, rate: int) -> float:
     return stall
 
 
+def first_audio_parts(record: dict, stats: dict, geometry: dict) -> dict[str, float] | None:
+    """One request's time to first audio (ms) and its parts, end to end: ``total`` (request sent to
+    first audio byte, at the client); ``lm_own`` (the LM's time from the request's arrival to the
+    chunk completing the first decodable frames: not the server's); ``added`` (total - lm_own: what
+    the server and HTTP add); and from the server's ``Server-Timing``: ``setup`` (arrival to the LM
+    request), ``lm_client`` (the LM's part as the server saw it, less lm_own: connecting, transit,
+    parsing, waits on the event loop), ``engine``, ``encode``, and ``http`` (total less the server's
+    own span: accept, request parsing, sending)."""
+    if not record["chunks"] or stats.get("received") is None:
+        return None
+    needed = geometry["first_frames"] * geometry["per_frame"]
+    ready = next((t for t, whole in stats["sends"] if whole >= needed), None)
+    if ready is None:  # an answer shorter than the first decodable frames: its audio comes with the flush
+        return None
+    total = (record["chunks"][0][0] - record["start"]) * 1e3
+    lm_own = (ready - stats["received"]) * 1e3
+    timing = record.get("server_timing", {})
+    parts = {"total": total, "lm_own": lm_own, "added": total - lm_own}
+    if "total" in timing and "lm" in timing:
+        parts.update(setup=timing["setup"], lm_client=timing["lm"] - lm_own, engine=timing.get("engine", float("nan")),
+                     encode=timing.get("encode", float("nan")), http=total - timing["total"])
+    return parts
+
+
 def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scrape: str, geometry: dict,
               pcm: bool = True) -> dict:
     """``pcm``: the responses are int16 PCM, so bytes say which samples a chunk holds (the chunk
     delays, stalls and completeness); for encoded formats those are left out (NaN)."""
     ok = [r for r in records if r["status"] == 200]
     frame_ms = FRAME_S * 1e3
-    firsts = sorted(((r["chunks"][0][0] - lm_stats[r["text"]]["first_sent"]) * 1e3, int(r["text"].rsplit(" ", 1)[-1]))
-                    for r in ok if r["chunks"] and r["text"] in lm_stats)
-    ttfa = [ms for ms, _ in firsts]
+    pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
+    parts = [p for r in ok if r["text"] in lm_stats
+             for p in [first_audio_parts(r, lm_stats[r["text"]], geometry)] if p is not None]
+    first = {}
+    for name in ("total", "lm_own", "added", "setup", "lm_client", "engine", "encode", "http"):
+        values = [p[name] for p in parts if name in p and np.isfinite(p[name])]
+        first.update({f"first_{name}_p50_ms": pct(values, 50), f"first_{name}_p99_ms": pct(values, 99),
+                      f"first_{name}_max_ms": max(values, default=float("nan"))})
     added = np.array([d for r in ok if r["text"] in lm_stats and pcm
                       for d in chunk_delays(r, lm_stats[r["text"]]["sends"], **geometry)]) * 1e3
     gaps = np.concatenate([np.diff([t for t, _ in r["chunks"]]) * 1e3 for r in ok if len(r["chunks"]) > 1] or [np.zeros(0)])
@@ -193,11 +250,8 @@ def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scr
     stalls = np.array([playback_stalls(r, 24000) for r in ok if pcm]) * 1e3
     want_bytes = frames * 2048 * 2
     complete = sum(1 for r in ok if sum(n for _, n in r["chunks"]) == want_bytes) if pcm else None
-    pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
     over = [(r["end"] - r["start"] - frames * FRAME_S / pace) * 1e3 for r in ok]  # past the stream's nominal length
-    return {"clients": len(records), "ok": len(ok), "complete_audio": complete,
-            "ttfa_p50_ms": pct(ttfa, 50), "ttfa_p99_ms": pct(ttfa, 99), "ttfa_max_ms": max(ttfa, default=float("nan")),
-            "ttfa_worst_ms_client": [(round(ms, 1), i) for ms, i in firsts[-5:]],  # i: arrival order
+    return {"clients": len(records), "ok": len(ok), "complete_audio": complete, "first_audio_timed": len(parts), **first,
             "chunk_added_p50_ms": pct(added, 50), "chunk_added_p99_ms": pct(added, 99),
             "chunk_added_p999_ms": pct(added, 99.9), "chunk_added_max_ms": float(added.max()) if len(added) else float("nan"),
             "chunks_timed": len(added), "chunks_added_over_frame": int((added > frame_ms).sum()),
@@ -224,17 +278,67 @@ def serve_options(args) -> list[str]:
         options += ["--engine-event-loop"]
     if args.max_wait_ms:
         options += ["--max-wait-ms", f"{args.max_wait_ms:g}"]
+    if args.lookahead != "exact":
+        options += ["--lookahead", args.lookahead]
     return options
 
 
+def _ms(row: dict, name: str, *quantiles: str) -> str:
+    return " / ".join(f"{row[f'first_{name}_{q}_ms']:.1f}" for q in quantiles)
+
+
+def markdown(results: dict) -> str:
+    """Both tables of a report: time to first audio by load, and keeping pace."""
+    rows = results["rows"]
+    first = [[r["format"], f"{r['pace']:g}x", r["lookahead"], r["arrivals"], r["clients"], f"{r['ok']} / {r['first_audio_timed']}",
+              _ms(r, "total", "p50", "p99"), _ms(r, "lm_own", "p50", "p99"), f"**{_ms(r, 'added', 'p50', 'p99')}** / "
+              f"{r['first_added_max_ms']:.1f}", " / ".join(f"{r[f'first_{n}_p99_ms']:.1f}" for n in
+                                                          ("setup", "lm_client", "engine", "encode", "http"))] for r in rows]
+    pace = [[r["format"], f"{r['pace']:g}x", r["arrivals"], r["clients"], r["ok"] if r["complete_audio"] is None
+             else f"{r['ok']} / {r['complete_audio']}",
+             f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}",
+             f"{r['lm_chunk_gap_p99_ms']:.1f} / {r['lm_chunk_gap_max_ms']:.1f}",
+             f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}",
+             f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}"] for r in rows if r["seconds"] >= 10]
+    out = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
+           f"Commands: {'; '.join(f'`{c}`' for c in results['commands'])}. A fake LM (1-4 tokens a chunk, at the "
+           "pace shown), the server and the clients share one host; every time is `time.monotonic()` of that host.\n\n"
+           "## Time to first audio\n\n"
+           "Total: request sent to first audio byte, at the client. LM own: the LM's time from the request's arrival "
+           "to the chunk completing the first decodable frames (4 frames exact; fewer with a lookahead). Added: total "
+           "less the LM's own: what the server and HTTP add. Parts (the server's `Server-Timing` header): set-up "
+           "(arrival to the LM request), LM client (the LM's span as the server saw it, less the LM's own), engine, "
+           "encoder, HTTP (total less the server's span). Arrivals: `poisson` at clients / seconds-of-audio a second, "
+           "`burst` all at once, `stagger` over one frame; 1 client: requests one after another.\n\n"
+           + markdown_table(["format", "LM pace", "lookahead", "arrivals", "clients", "200 / timed", "total p50 / p99 ms",
+                             "LM own p50 / p99 ms", "added p50 / p99 / max ms",
+                             "p99 ms: set-up / LM client / engine / encoder / HTTP"], first))
+    if pace:
+        out += ("\n## Keeping pace\n\n"
+                "Chunk gaps between successive audio chunks at the client beside the LM's between its chunks; end past "
+                "nominal: the last byte after the request's start + its audio / pace; server CPU: the server's processes "
+                "while the load ran, per stream and second.\n\n"
+                + markdown_table(["format", "LM pace", "arrivals", "clients", "200 / complete", "chunk gap p50 / p99 / max ms",
+                                  "LM chunk gap p99 / max ms", "end past nominal p99 / max ms",
+                                  "server CPU cores / ms per stream-second"], pace))
+    return out
+
+
 def main() -> None:
+    import json
+
     import httpx
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--clients", default="64,256")
-    parser.add_argument("--format", default="pcm", help="the requests' response_format (pcm: chunk delays timed too)")
+    parser.add_argument("--clients", default="64,256", help="loads, comma-separated")
+    parser.add_argument("--arrivals", default="stagger", help="poisson, burst or stagger (comma-separated: each load each way)")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds of each load, one after another (1 client: requests in turn)")
+    parser.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
+    parser.add_argument("--format", default="pcm", help="the requests' response_format, comma-separated: each load in "
+                        "each (pcm: chunk delays timed too)")
     parser.add_argument("--pace", type=float, default=1.0)
     parser.add_argument("--seconds", type=float, default=20.0, help="audio per request")
+    parser.add_argument("--lookahead", default="exact", help="serve --lookahead")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--shared-engine", action="store_true", help="the workers feed one engine process (serve --shared-engine)")
     parser.add_argument("--engine-thread", action="store_true", help="serve --engine-thread: engine calls on a thread, not the event loop")
@@ -249,6 +353,7 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default=None, help="output file name without extension (default: serve_http_24khz_<gpu>)")
+    parser.add_argument("--append", action="store_true", help="add this run's rows to the report of the same stem")
     parser.add_argument("--profile-server", type=float, default=0.0, metavar="S",
                         help="py-spy the server (and its workers) for S seconds, --profile-delay s into each run, into --logs")
     parser.add_argument("--profile-delay", type=float, default=5.0, metavar="S",
@@ -267,25 +372,37 @@ def main() -> None:
              "--lm-url", f"http://127.0.0.1:{lm_port}/v1", *serve_options(args)]
     server = start(serve, f"http://127.0.0.1:{port}/health", logs / "server.log")
     print(f"server up in {time.monotonic() - t0:.1f} s; logs in {logs}", flush=True)
-    results = {"args": vars(args), "server_start_s": time.monotonic() - t0, "rows": []}
-    geometry = stream_geometry()
+    command = ("python scripts/bench_serve_http.py " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in (("clients", args.clients), ("arrivals", args.arrivals),
+                                                      ("repeat", args.repeat), ("format", args.format), ("pace", f"{args.pace:g}"),
+                                                      ("seconds", f"{args.seconds:g}"), ("lm_workers", args.lm_workers),
+                                                      ("client_procs", args.client_procs))) + " " + " ".join(serve_options(args)))
+    results = {"args": vars(args), "commands": [command], "server_start_s": time.monotonic() - t0, "rows": []}
+    geometry = stream_geometry(None if args.lookahead == "exact" else args.lookahead if args.lookahead == "fp16"
+                               else int(args.lookahead))
+    loads = [(int(c), a, f) for f in args.format.split(",") for c in args.clients.split(",") for a in args.arrivals.split(",")]
     try:
-        for run, clients in enumerate(int(c) for c in args.clients.split(",")):
+        for run, (clients, arrivals, fmt) in enumerate(loads):
             if args.profile_server:
-                out = logs / f"server_profile_{clients}.txt"
+                out = logs / f"server_profile_{clients}_{arrivals}.txt"
                 subprocess.Popen(["bash", "-c", f"sleep {args.profile_delay:g} && py-spy record -p {server.pid} --subprocesses --threads --idle --nonblocking "
                                   f"-d {args.profile_server:g} -r 200 -f raw -o {out} > {out}.log 2>&1"])
             cpu0, wall0 = tree_cpu_seconds(server.pid), time.monotonic()
-            records = all_clients(f"http://127.0.0.1:{port}", clients, f"run{run}-{clients}", args.client_procs,
-                                  args.format)
+            records = []
+            for k in range(args.repeat):
+                offsets = arrival_offsets(clients, arrivals, args.seconds / args.pace, args.seed + k)
+                records += all_clients(f"http://127.0.0.1:{port}", offsets, f"run{run}-{clients}-{arrivals}-{k}",
+                                       args.client_procs, fmt)
             cpu, wall = tree_cpu_seconds(server.pid) - cpu0, time.monotonic() - wall0
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
             row = summarize(records, read_stats_dir(stats_dir), frames, args.pace, scrape, geometry,
-                            pcm=args.format == "pcm")
+                            pcm=fmt == "pcm")
             # the server's processes (workers, the engine process): CPU cores while the load ran, per stream
-            row.update(format=args.format, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients)
+            row.update(clients=clients, requests=len(records), format=fmt, arrivals=arrivals, pace=args.pace, lookahead=args.lookahead,
+                       seconds=args.seconds, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients)
             results["rows"].append(row)
-            print({k: v for k, v in row.items() if k != "server_push_histogram"}, flush=True)
+            print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
+                   if k != "server_push_histogram"}, flush=True)
     finally:
         server.terminate()
         lm.terminate()
@@ -299,37 +416,15 @@ def main() -> None:
         results["device"] = "unknown"
     results["date"] = time.strftime("%Y-%m-%d")
     if args.out:
-        rows = [[r["clients"], f"{r['ok']} / {r['complete_audio']}", f"{r['ttfa_p50_ms']:.1f} / {r['ttfa_p99_ms']:.1f} / {r['ttfa_max_ms']:.1f}",
-                 f"{r['chunk_added_p50_ms']:.1f} / {r['chunk_added_p99_ms']:.1f} / {r['chunk_added_p999_ms']:.1f} / {r['chunk_added_max_ms']:.1f}",
-                 f"{r['chunks_added_over_frame']} of {r['chunks_timed']}",
-                 f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}",
-                 f"{r['lm_chunk_gap_p99_ms']:.1f} / {r['lm_chunk_gap_max_ms']:.1f}",
-                 f"{r['streams_with_stall']} / {r['stall_max_ms']:.0f}",
-                 f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}",
-                 f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}"] for r in results["rows"]]
-        md = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
-              f"`python scripts/bench_serve_http.py --clients {args.clients} --pace {args.pace:g} --seconds {args.seconds:g} "
-              f"--lm-workers {args.lm_workers} --client-procs {args.client_procs} {' '.join(serve_options(args))}`: fake LM at "
-              f"{args.pace:g}x real time (1-4 tokens a chunk), {frames} frames per request, `{args.format}` over HTTP.\n\n"
-              "- TTFA added: first audio byte at the client after the LM sent the token completing the first 4 frames.\n"
-              "- Chunk added: each audio chunk's arrival at the client after the LM sent the token that completed the "
-              "frames it needed (the flush's tail left out); over one frame: later than 85.3 ms.\n"
-              "- Chunk gap: between successive audio chunks at the client; at 1x pace it is the LM's own frame "
-              "period (85.3 ms) plus the jitter of its chunking (a frame's last token rides in a chunk of 1-4 "
-              "tokens), shown beside as the LM's gaps between its chunks.\n"
-              "- Stalls: a player that starts at the first byte and plays on as bytes come: streams that ever ran "
-              "dry, and the longest total silence added.\n"
-              "- End past nominal: last byte after the request's start + frames / pace.\n"
-              "- Server CPU: the server's processes (workers, engine process) while the load ran; per stream "
-              "and second of wall time. Chunk delays and stalls need PCM's bytes-to-samples: NaN for other formats.\n\n"
-              + markdown_table(["clients", "200 / complete", "TTFA added p50 / p99 / max ms",
-                                "chunk added p50 / p99 / p99.9 / max ms", "chunks added > 1 frame",
-                                "chunk gap p50 / p99 / max ms", "LM chunk gap p99 / max ms",
-                                "streams stalled / longest ms", "end past nominal p99 / max ms",
-                                "server CPU cores / ms per stream-second"], rows))
         name = results["device"]
         tag = "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
-        write_results(Path(args.out), args.stem or f"serve_http_24khz_{tag}", results, md)
+        stem = args.stem or f"serve_http_24khz_{tag}"
+        earlier = Path(args.out) / f"{stem}.json"
+        if args.append and earlier.exists():
+            before = json.loads(earlier.read_text())
+            results["commands"] = before["commands"] + results["commands"]
+            results["rows"] = before["rows"] + results["rows"]
+        write_results(Path(args.out), stem, results, markdown(results))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,7 @@ trying ``snac-fast serve`` without a GPU-hungry LM:
 ``GET /stats`` reports, per request tag (the prompt's text), when the token that completed the
 first ``first_frames`` frames was sent (``time.monotonic()``, comparable across processes of one
 host): the start of the time to first audio a server adds. With ``--stats-dir`` each process also
-appends, per finished request, that time and when each chunk left with how many whole tokens sent so
+appends, per finished request, when it arrived, that time and when each chunk left with how many whole tokens sent so
 far (one JSON line), from which the benchmark times every chunk of audio the server adds; with
 ``--workers N`` (uvicorn worker processes, for loads one Python process cannot stream) that folder is
 the only full record, since ``/stats`` answers from one worker.
@@ -86,6 +86,7 @@ class FakeLM:
     async def completions(self, request):
         from starlette.responses import StreamingResponse
 
+        received = time.monotonic()
         body = await request.json()
         prompt = body.get("prompt", "")
         self.prompts.append(prompt)
@@ -119,7 +120,8 @@ class FakeLM:
                 at = end
             if self._stats_path is not None:  # one line per request
                 with open(self._stats_path, "a") as f:  # noqa: ASYNC230 (a local file, once a request)
-                    f.write(json.dumps({"text": text, "first_sent": self.first_sent.get(text), "sends": sends}) + "\n")
+                    f.write(json.dumps({"text": text, "received": received, "first_sent": self.first_sent.get(text),
+                                        "sends": sends}) + "\n")
             if script["end"]:
                 yield f"data: {json.dumps({'choices': [{'text': END_OF_SPEECH_TEXT, 'index': 0}]})}\n\n"
             yield "data: [DONE]\n\n"
@@ -151,6 +153,8 @@ def main() -> None:
 
     import uvicorn
 
+    from snac_fast.serve.workers import run_workers
+
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
@@ -160,8 +164,11 @@ def main() -> None:
     parser.add_argument("--stats-dir", default=None, help="folder for each worker's first-frames times")
     args = parser.parse_args()
     os.environ[ENVIRONMENT] = json.dumps({"pace": args.pace, "frames": args.frames, "stats_dir": args.stats_dir})
-    uvicorn.run("snac_fast.serve.fake_lm:app_from_environment", factory=True, host=args.host, port=args.port,
-                workers=args.workers, log_level="warning")
+    app = "snac_fast.serve.fake_lm:app_from_environment"
+    if args.workers > 1:  # the server's workers: one SO_REUSEPORT socket each, so a burst is spread over them
+        run_workers(app, args.host, args.port, args.workers, graceful_s=5, log_level="warning")
+    else:
+        uvicorn.run(app, factory=True, host=args.host, port=args.port, log_level="warning")
 
 
 if __name__ == "__main__":

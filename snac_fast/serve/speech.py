@@ -15,6 +15,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -41,10 +42,33 @@ def _error(error: RequestError, **headers):
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
+@dataclass
+class FirstAudioTimes:
+    """When one speech request reached each step to its first audio (``time.perf_counter()``), sent
+    to the client as a ``Server-Timing`` header (:meth:`header`) with the first audio."""
+
+    received: float  # the route began (the body read)
+    lm_asked: float | None = None  # the LM request went out
+    lm_first_ids: float | None = None  # the LM's first audio ids arrived
+    frames_ready: float | None = None  # the LM chunk completing the first decodable frames arrived
+    audio: float | None = None  # the engine returned the first audio
+    encoded: float | None = None  # the format's first bytes were ready
+
+    def header(self) -> str:
+        """``Server-Timing``: ``setup`` (to the LM request), ``lm_first`` (to the LM's first ids),
+        ``lm`` (to the chunk completing the first decodable frames), ``engine``, ``encode``, ``total``."""
+        marks = [("setup", self.received, self.lm_asked), ("lm_first", self.lm_asked, self.lm_first_ids),
+                 ("lm", self.lm_asked, self.frames_ready), ("engine", self.frames_ready, self.audio),
+                 ("encode", self.audio, self.encoded), ("total", self.received, self.encoded)]
+        return ", ".join(f"{name};dur={(end - start) * 1e3:.2f}" for name, start, end in marks
+                         if start is not None and end is not None)
+
+
 async def speech(request):
     """The route."""
     from starlette.responses import Response, StreamingResponse
 
+    times = FirstAudioTimes(time.perf_counter())
     server = request.app.state.server
     try:
         body = await request.json()
@@ -69,9 +93,10 @@ async def speech(request):
     fmt = (FLOAT_FORMATS if speech_request.sample_format == "f32" else FORMATS)[speech_request.response_format]
     encoder = StreamEncoder(fmt, server.backend.rate, speech_request.sample_rate, seekable=not speech_request.stream)
     chunks = _encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
-                                             speech_request.model))
+                                             speech_request.model, times))
     try:  # the status is decided by the first audio: an LM that fails before it gets a clear 502
         first = await chunks.__anext__()
+        times.encoded = time.perf_counter()
     except StopAsyncIteration:
         first = b""
     except LMBusyError as e:  # the LM is overloaded: the client may retry, as after a full engine
@@ -89,7 +114,8 @@ async def speech(request):
         log.error("speech request failed in the engine: %s", e)
         server.metrics.outcome("speech", "engine_error")
         return error_response(500, f"the engine call failed: {e}", "engine_error")
-    headers = {"X-Sample-Rate": str(encoder.rate), "X-Sample-Format": speech_request.sample_format}
+    headers = {"X-Sample-Rate": str(encoder.rate), "X-Sample-Format": speech_request.sample_format,
+               "Server-Timing": times.header()}
     if not speech_request.stream:  # the whole file, its sizes true
         try:
             rest = b"".join([chunk async for chunk in chunks])
@@ -117,8 +143,11 @@ async def _encoded(encoder: StreamEncoder, audio: AsyncIterator[np.ndarray]) -> 
         yield rest
 
 
-async def speech_chunks(server, sid: int, text: str, voice: str, model: str | None) -> AsyncIterator[np.ndarray]:
-    """float32 audio of one speech request as it becomes final; the stream is released on any exit."""
+async def speech_chunks(server, sid: int, text: str, voice: str, model: str | None,
+                        times: FirstAudioTimes | None = None) -> AsyncIterator[np.ndarray]:
+    """float32 audio of one speech request as it becomes final; the stream is released on any exit.
+    ``times``: marked on the way to the first audio."""
+    times = times or FirstAudioTimes(time.perf_counter())
     finished = False
     frame_size = server.settings.layout.frame_size
 
@@ -134,7 +163,10 @@ async def speech_chunks(server, sid: int, text: str, voice: str, model: str | No
         first = True
         held: list[int] = []  # ids that complete no frame yet: pushing them would decode nothing
         position = 0  # ids pushed so far
+        times.lm_asked = time.perf_counter()
         async for ids in server.lm.ids(text, voice, model):
+            if times.lm_first_ids is None:
+                times.lm_first_ids = time.perf_counter()
             held += ids
             if position % frame_size + len(held) < frame_size:
                 continue
@@ -143,7 +175,8 @@ async def speech_chunks(server, sid: int, text: str, voice: str, model: str | No
             position, held = position + len(held), []
             if audio.size:
                 if first:
-                    server.metrics.first_audio.observe(time.perf_counter() - started)
+                    times.frames_ready, times.audio = started, time.perf_counter()
+                    server.metrics.first_audio.observe(times.audio - started)
                     first = False
                 yield audio
         if held:  # an incomplete last frame: its ids are checked, then dropped by the flush

@@ -101,6 +101,11 @@ def test_speech_wav_int16_sse_and_early_stop(codec):
     assert s1 == 200 and h1["content-type"] == "audio/wav" and wav[:4] == b"RIFF" and wav[8:16] == b"WAVEfmt "
     assert int.from_bytes(wav[24:28], "little") == RATE and int.from_bytes(wav[34:36], "little") == 16
     assert wav[36:40] == b"data"  # the plain 44-byte header that clients which skip 44 bytes expect
+    # the way to the first audio, step by step, in Server-Timing (ms): each step >= 0, within the total
+    timing = {k: float(v) for k, v in (part.strip().split(";dur=") for part in h1["server-timing"].split(","))}
+    assert set(timing) == {"setup", "lm_first", "lm", "engine", "encode", "total"}, timing
+    assert min(timing.values()) >= 0 and timing["lm_first"] <= timing["lm"]
+    assert timing["setup"] + timing["lm"] + timing["engine"] + timing["encode"] <= timing["total"] + 0.05
     pcm = np.frombuffer(wav[44:], "<i2").astype(np.float64)
     want = expected(codec, c, 1).double().numpy()
     assert pcm.shape == want.shape and np.abs(pcm - np.rint(want * 32767)).max() <= 1
