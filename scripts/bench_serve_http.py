@@ -290,7 +290,7 @@ def _ms(row: dict, name: str, *quantiles: str) -> str:
 def markdown(results: dict) -> str:
     """Both tables of a report: time to first audio by load, and keeping pace."""
     rows = results["rows"]
-    first = [[r["format"], f"{r['pace']:g}x", r["lookahead"], r["arrivals"], r["clients"], f"{r['ok']} / {r['first_audio_timed']}",
+    first = [[r["format"], f"{r['pace']:g}x", r["lookahead"], "in turn" if r["clients"] == 1 else r["arrivals"], r["clients"], f"{r['ok']} / {r['first_audio_timed']}",
               _ms(r, "total", "p50", "p99"), _ms(r, "lm_own", "p50", "p99"), f"**{_ms(r, 'added', 'p50', 'p99')}** / "
               f"{r['first_added_max_ms']:.1f}", " / ".join(f"{r[f'first_{n}_p99_ms']:.1f}" for n in
                                                           ("setup", "lm_client", "engine", "encode", "http"))] for r in rows]
@@ -332,7 +332,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", default="64,256", help="loads, comma-separated")
     parser.add_argument("--arrivals", default="stagger", help="poisson, burst or stagger (comma-separated: each load each way)")
-    parser.add_argument("--repeat", type=int, default=1, help="rounds of each load, one after another (1 client: requests in turn)")
+    parser.add_argument("--repeat", type=int, default=10, help="requests of the 1-client load, one after another")
     parser.add_argument("--seed", type=int, default=0, help="the Poisson arrivals' seed")
     parser.add_argument("--format", default="pcm", help="the requests' response_format, comma-separated: each load in "
                         "each (pcm: chunk delays timed too)")
@@ -380,7 +380,10 @@ def main() -> None:
     results = {"args": vars(args), "commands": [command], "server_start_s": time.monotonic() - t0, "rows": []}
     geometry = stream_geometry(None if args.lookahead == "exact" else args.lookahead if args.lookahead == "fp16"
                                else int(args.lookahead))
-    loads = [(int(c), a, f) for f in args.format.split(",") for c in args.clients.split(",") for a in args.arrivals.split(",")]
+    arrivals_kinds = args.arrivals.split(",")
+    # one client: its requests one after another (--repeat of them), whatever the arrivals
+    loads = [(int(c), a, f) for f in args.format.split(",") for c in args.clients.split(",")
+             for a in (arrivals_kinds[:1] if int(c) == 1 else arrivals_kinds)]
     try:
         for run, (clients, arrivals, fmt) in enumerate(loads):
             if args.profile_server:
@@ -389,7 +392,7 @@ def main() -> None:
                                   f"-d {args.profile_server:g} -r 200 -f raw -o {out} > {out}.log 2>&1"])
             cpu0, wall0 = tree_cpu_seconds(server.pid), time.monotonic()
             records = []
-            for k in range(args.repeat):
+            for k in range(args.repeat if clients == 1 else 1):
                 offsets = arrival_offsets(clients, arrivals, args.seconds / args.pace, args.seed + k)
                 records += all_clients(f"http://127.0.0.1:{port}", offsets, f"run{run}-{clients}-{arrivals}-{k}",
                                        args.client_procs, fmt)
