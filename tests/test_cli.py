@@ -153,7 +153,7 @@ def test_version_and_serve_help_with_its_defaults():
     assert version.returncode == 0 and version.stdout.strip() == f"snac-fast {__version__}"
     serve_help = " ".join(cli("serve", "--help").stdout.split())  # argparse wraps lines at the terminal's width
     for flag, default in (("--port", "8880"), ("--max-batch", "256"), ("--idle-timeout", "60.0"), ("--voice", "tara"),
-                          ("--lookahead", "exact"), ("--max-input-chars", "4096")):
+                          ("--lookahead", "exact"), ("--max-input-chars", "20000")):
         assert flag in serve_help and f"(default: {default})" in serve_help, flag
     assert "SNAC_FAST_API_KEY" in serve_help
 

@@ -50,6 +50,8 @@ class FakeLM:
         self.scripts: dict[str, dict] = {}
         self.prompts: list[str] = []
         self.first_sent: dict[str, float] = {}  # prompt text -> when its first_frames-th frame's last token left
+        self.received: dict[str, float] = {}  # prompt text -> when its request arrived
+        self.finished: dict[str, float] = {}  # prompt text -> when its answer's last chunk left
         self._stats_path = None
         if stats_dir is not None:
             Path(stats_dir).mkdir(parents=True, exist_ok=True)
@@ -91,6 +93,7 @@ class FakeLM:
         prompt = body.get("prompt", "")
         self.prompts.append(prompt)
         text = prompt.split(": ", 1)[-1].split("<|eot_id|>")[0]
+        self.received[text] = received
         script = self.scripts.get(text) or {"ids": self._random_ids(text), "end": True, "delay": None}
         size = self.layout.frame_size
         text_out = "".join(f"<custom_token_{i - CUSTOM_TOKEN_ID}>" for i in script["ids"])
@@ -125,6 +128,7 @@ class FakeLM:
             if script["end"]:
                 yield f"data: {json.dumps({'choices': [{'text': END_OF_SPEECH_TEXT, 'index': 0}]})}\n\n"
             yield "data: [DONE]\n\n"
+            self.finished[text] = time.monotonic()
         return StreamingResponse(events(), media_type="text/event-stream")
 
 

@@ -1,7 +1,7 @@
 """The speech API's request and error shapes (OpenAI's ``POST /v1/audio/speech``, its models and
 voices lists), checked before any stream opens.
 
-Request fields, as OpenAI documents them: ``input`` (at most :data:`MAX_INPUT_CHARS` characters),
+Request fields, as OpenAI documents them: ``input`` (at most the server's ``--max-input-chars``),
 ``model``, ``voice``, ``response_format`` (``mp3``, the default, ``opus``, ``aac``, ``flac``,
 ``wav``, ``pcm``; also ``pcm_8000`` ... ``pcm_48000``, ``ulaw_8000``, ``alaw_8000``), ``speed``
 (only 1.0: any other value is refused, never ignored), ``instructions`` (accepted, unused: an
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 
 from snac_fast.serve.formats import FORMATS, OPENAI_FORMATS, OPUS_RATES
 
-MAX_INPUT_CHARS = 4096  # OpenAI's limit
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
 SAMPLE_FORMATS = ("s16", "f32")
 STREAM_FORMATS = ("audio", "sse")
@@ -54,7 +53,7 @@ class SpeechRequest:
     seed: int | None
 
     @classmethod
-    def parse(cls, body, voices: tuple[str, ...], default_voice: str, max_chars: int = MAX_INPUT_CHARS) -> "SpeechRequest":
+    def parse(cls, body, voices: tuple[str, ...], default_voice: str, max_chars: int) -> "SpeechRequest":
         """Check a request's JSON body; raises :class:`RequestError` naming the first problem."""
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")

@@ -98,13 +98,17 @@ class ServeSettings:
                                       "answers on one asyncio event loop instead of threads (docs/serving.md)")
     api_key: str | None = _option(None, f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
                                   f"${API_KEY_VARIABLE}, else none)", shown="none")
-    max_input_chars: int = _option(4096, "longest speech 'input' in characters (OpenAI's limit)")
+    max_input_chars: int = _option(20000, "longest speech 'input' in characters (~20 minutes of speech; OpenAI's "
+                                   "own limit is 4,096)")
+    segment_chars: int = _option(200, "a longer 'input' is spoken as segments of at most this many characters cut "
+                                 "at sentence ends, one LM request each, into one stream (Orpheus LMs stop after "
+                                 "~14 s of speech)", group="lm")
     # not a flag: the LM's token layout (Orpheus's), for servers built in Python on another layout
     layout: TokenLayout = field(default_factory=lambda: _orpheus(), metadata={"flag": None, "group": None})
 
     def check(self) -> "ServeSettings":
         """Raise ValueError naming the first bad value; returns the settings."""
-        for name in ("max_streams", "max_batch", "workers", "max_tokens", "max_input_chars"):
+        for name in ("max_streams", "max_batch", "workers", "max_tokens", "max_input_chars", "segment_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         for name in ("idle_timeout_s", "lm_timeout_s"):

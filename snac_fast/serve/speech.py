@@ -10,6 +10,7 @@ gets a clear error response; one that fails after it ends the body (an SSE strea
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import logging
@@ -23,6 +24,7 @@ from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import FLOAT_FORMATS, FORMATS, StreamEncoder
 from snac_fast.serve.lm_client import LMBusyError, LMOutputError
 from snac_fast.serve.protocol import RequestError, SpeechRequest
+from snac_fast.serve.segments import split_text
 
 log = logging.getLogger("snac_fast.serve")
 
@@ -143,13 +145,50 @@ async def _encoded(encoder: StreamEncoder, audio: AsyncIterator[np.ndarray]) -> 
         yield rest
 
 
+async def segment_ids(lm, segments: list[str], voice: str, model: str | None) -> AsyncIterator[tuple[int, list[int]]]:
+    """(segment index, audio ids) of every segment's LM answer, in order. Segment k+1's request goes
+    out once segment k's first ids arrive, so its first tokens are ready when k ends (two requests
+    at most in flight per speech request); its ids wait in a queue meanwhile. An LM error surfaces
+    where its segment's ids would have."""
+    queues = [asyncio.Queue() for _ in segments]
+    tasks: list[asyncio.Task] = []
+
+    async def fill(k: int) -> None:
+        try:
+            async for ids in lm.ids(segments[k], voice, model):
+                queues[k].put_nowait(ids)
+            queues[k].put_nowait(None)
+        except Exception as e:  # noqa: BLE001 (handed to the reader, in order)
+            queues[k].put_nowait(e)
+
+    def start_next() -> None:
+        if len(tasks) < len(segments):
+            tasks.append(asyncio.create_task(fill(len(tasks))))
+    start_next()
+    try:
+        for k, queue in enumerate(queues):
+            while (item := await queue.get()) is not None:
+                if isinstance(item, Exception):
+                    raise item
+                if len(tasks) == k + 1:
+                    start_next()
+                yield k, item
+            if len(tasks) == k + 1:  # a segment with no audio: the next is asked now
+                start_next()
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 async def speech_chunks(server, sid: int, text: str, voice: str, model: str | None,
                         times: FirstAudioTimes | None = None) -> AsyncIterator[np.ndarray]:
     """float32 audio of one speech request as it becomes final; the stream is released on any exit.
-    ``times``: marked on the way to the first audio."""
+    A text longer than ``--segment-chars`` is spoken a segment at a time (:mod:`snac_fast.serve.segments`),
+    all of them into this one stream. ``times``: marked on the way to the first audio."""
     times = times or FirstAudioTimes(time.perf_counter())
     finished = False
     frame_size = server.settings.layout.frame_size
+    segments = split_text(text, server.settings.segment_chars)
 
     async def push(ids: list[int]) -> np.ndarray:
         try:
@@ -161,18 +200,21 @@ async def speech_chunks(server, sid: int, text: str, voice: str, model: str | No
 
     try:
         first = True
-        held: list[int] = []  # ids that complete no frame yet: pushing them would decode nothing
-        position = 0  # ids pushed so far
+        held: list[int] = []  # ids of a frame not yet whole: only whole frames are pushed
+        segment = 0
         times.lm_asked = time.perf_counter()
-        async for ids in server.lm.ids(text, voice, model):
+        async for k, ids in segment_ids(server.lm, segments, voice, model):
             if times.lm_first_ids is None:
                 times.lm_first_ids = time.perf_counter()
+            if k != segment:  # a join: an LM that stopped mid-frame leaves a piece of a frame, dropped
+                segment, held = k, []
             held += ids
-            if position % frame_size + len(held) < frame_size:
+            whole = len(held) - len(held) % frame_size
+            if not whole:
                 continue
             started = time.perf_counter()
-            audio = await push(held)
-            position, held = position + len(held), []
+            audio = await push(held[:whole])
+            held = held[whole:]
             if audio.size:
                 if first:
                     times.frames_ready, times.audio = started, time.perf_counter()
