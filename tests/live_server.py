@@ -13,9 +13,11 @@ from snac_fast.serve.fake_lm import FakeLM
 class LiveServer:
     """An ASGI app served by uvicorn on 127.0.0.1 (an ephemeral port) in a thread."""
 
-    def __init__(self, app) -> None:
+    def __init__(self, app, **tls) -> None:
+        """``tls``: uvicorn's ``ssl_certfile`` and ``ssl_keyfile`` (https and wss)."""
+        self.tls = bool(tls)
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=120))
+                                                    timeout_graceful_shutdown=120, **tls))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":
@@ -25,7 +27,7 @@ class LiveServer:
             assert time.monotonic() < deadline and self.thread.is_alive(), "uvicorn did not start"
             time.sleep(0.01)
         self.port = self.server.servers[0].sockets[0].getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
         return self
 
     def __exit__(self, *exc) -> None:
@@ -34,10 +36,10 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(codec, **options):
+def serving(codec, tls: dict | None = None, **options):
     lm = FakeLM(split_tokens=True)
     with LiveServer(lm.app) as lm_server:
         config = ServeSettings(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
         app = create_app(codec, config)
-        with LiveServer(app) as server:
+        with LiveServer(app, **(tls or {})) as server:
             yield server, lm, app.state.server

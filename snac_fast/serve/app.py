@@ -26,6 +26,7 @@ from snac_fast.serve.metrics import ServeMetrics
 from snac_fast.serve.protocol import OPENAI_MODELS, models_list, voices_list
 from snac_fast.serve.settings import ServeSettings
 from snac_fast.serve.speech import speech
+from snac_fast.serve.text_stream import stream_input
 from snac_fast.serve.websocket import stream_ids
 
 DRAIN_S = 30.0  # a graceful shutdown waits this long for open streams to end
@@ -178,6 +179,7 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     middleware = [Middleware(BearerKey, key=settings.api_key)] if settings.api_key else []
     app = Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]),
                             WebSocketRoute("/v1/audio/stream", stream_ids),
+                            WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", stream_input),
                             Route("/v1/audio/voices", voices), Route("/v1/models", models),
                             Route("/health", health), Route("/ready", ready), Route("/metrics", metrics)],
                     middleware=middleware, lifespan=lifespan)

@@ -1,5 +1,6 @@
-"""API keys: ``Authorization: Bearer KEY`` on every HTTP and WebSocket route but the open ones
-(``/health``), answered in OpenAI's error shape (401, ``invalid_api_key``) before any handler runs."""
+"""API keys: ``Authorization: Bearer KEY`` (or ElevenLabs' ``xi-api-key: KEY``) on every HTTP and
+WebSocket route but the open ones (``/health``), answered in OpenAI's error shape (401,
+``invalid_api_key``) before any handler runs."""
 
 from __future__ import annotations
 
@@ -24,9 +25,13 @@ class BearerKey:
         self._key = _digest(key.encode())
 
     def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        """``Authorization: Bearer KEY``, or ElevenLabs' ``xi-api-key: KEY`` (their clients send it)."""
         given = next((v for k, v in headers if k == b"authorization"), b"")
         scheme, _, token = given.partition(b" ")
-        return hmac.compare_digest(_digest(token.strip()), self._key) and scheme.lower() == b"bearer"
+        if hmac.compare_digest(_digest(token.strip()), self._key) and scheme.lower() == b"bearer":
+            return True
+        xi = next((v for k, v in headers if k == b"xi-api-key"), None)
+        return xi is not None and hmac.compare_digest(_digest(xi.strip()), self._key)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket") or scope["path"] in self.open_paths \

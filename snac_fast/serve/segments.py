@@ -14,6 +14,16 @@ import re
 # a sentence ends at . ! ? … with any closing quotes or brackets, then space or the end; or at the CJK 。！？
 _SENTENCE_END = re.compile(r"(?<=[.!?…])[\"'”’)\]]*(?:\s+|$)|(?<=[。！？])[\"'”’」』)\]]*\s*")
 _CLAUSE_END = re.compile(r"(?<=[,;:，；：])\s+")
+# in text still arriving, a sentence has ended only once a space follows its mark (or a CJK mark ends it)
+_ENDED = re.compile(r"(?<=[.!?…])[\"'”’)\]]*\s+|(?<=[。！？])[\"'”’」』)\]]*")
+
+
+def ended_sentences(text: str) -> tuple[str, str]:
+    """Text arriving piece by piece, split into (its whole sentences, the rest still open)."""
+    end = 0
+    for match in _ENDED.finditer(text):
+        end = match.end()
+    return text[:end], text[end:]
 
 
 def split_text(text: str, max_chars: int) -> list[str]:

@@ -15,7 +15,7 @@ import base64
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -145,50 +145,82 @@ async def _encoded(encoder: StreamEncoder, audio: AsyncIterator[np.ndarray]) -> 
         yield rest
 
 
-async def segment_ids(lm, segments: list[str], voice: str, model: str | None) -> AsyncIterator[tuple[int, list[int]]]:
-    """(segment index, audio ids) of every segment's LM answer, in order. Segment k+1's request goes
-    out once segment k's first ids arrive, so its first tokens are ready when k ends (two requests
-    at most in flight per speech request); its ids wait in a queue meanwhile. An LM error surfaces
-    where its segment's ids would have."""
-    queues = [asyncio.Queue() for _ in segments]
+async def segment_ids(lm, texts: AsyncIterable[str], voice: str, model: str | None
+                      ) -> AsyncIterator[tuple[int, list[int]]]:
+    """(segment index, audio ids) of the LM's answer to each text of ``texts``, in order, as texts
+    keep arriving (a text WebSocket's sentences) or all known (a long input's segments). Segment
+    k+1's request goes out once segment k's first ids have arrived (or k ended) and its text is
+    known, so its first tokens are ready when k ends: two requests at most in flight, and the first
+    one alone until it speaks. An LM error surfaces where its segment's ids would have."""
+    known: list[str] = []
+    queues: list[asyncio.Queue] = []
     tasks: list[asyncio.Task] = []
+    at = {"segment": 0, "spoke": False, "ended": False}
+    arrived = asyncio.Event()
 
-    async def fill(k: int) -> None:
+    async def fill(text: str, queue: asyncio.Queue) -> None:
         try:
-            async for ids in lm.ids(segments[k], voice, model):
-                queues[k].put_nowait(ids)
-            queues[k].put_nowait(None)
+            async for ids in lm.ids(text, voice, model):
+                queue.put_nowait(ids)
+            queue.put_nowait(None)
         except Exception as e:  # noqa: BLE001 (handed to the reader, in order)
-            queues[k].put_nowait(e)
+            queue.put_nowait(e)
 
-    def start_next() -> None:
-        if len(tasks) < len(segments):
-            tasks.append(asyncio.create_task(fill(len(tasks))))
-    start_next()
+    def start_allowed() -> None:
+        last = at["segment"] + at["spoke"]  # segment k, and k+1 once k has spoken
+        while len(tasks) <= last and len(tasks) < len(known):
+            queues.append(asyncio.Queue())
+            tasks.append(asyncio.create_task(fill(known[len(tasks)], queues[-1])))
+
+    async def read() -> None:
+        try:
+            async for text in texts:
+                known.append(text)
+                start_allowed()
+                arrived.set()
+        finally:
+            at["ended"] = True
+            arrived.set()
+    reader = asyncio.create_task(read())
     try:
-        for k, queue in enumerate(queues):
-            while (item := await queue.get()) is not None:
+        while True:
+            k = at["segment"]
+            while len(queues) <= k:  # segment k's text has not come yet
+                if at["ended"]:
+                    if reader.done() and reader.exception() is not None:
+                        raise reader.exception()
+                    return
+                arrived.clear()
+                await arrived.wait()
+            while (item := await queues[k].get()) is not None:
                 if isinstance(item, Exception):
                     raise item
-                if len(tasks) == k + 1:
-                    start_next()
+                if not at["spoke"]:
+                    at["spoke"] = True
+                    start_allowed()
                 yield k, item
-            if len(tasks) == k + 1:  # a segment with no audio: the next is asked now
-                start_next()
+            at["segment"], at["spoke"] = k + 1, False
+            start_allowed()
     finally:
-        for task in tasks:
+        for task in (reader, *tasks):
             task.cancel()
 
 
-async def speech_chunks(server, sid: int, text: str, voice: str, model: str | None,
+async def _listed(texts: list[str]) -> AsyncIterator[str]:
+    for text in texts:
+        yield text
+
+
+async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice: str, model: str | None,
                         times: FirstAudioTimes | None = None) -> AsyncIterator[np.ndarray]:
-    """float32 audio of one speech request as it becomes final; the stream is released on any exit.
-    A text longer than ``--segment-chars`` is spoken a segment at a time (:mod:`snac_fast.serve.segments`),
-    all of them into this one stream. ``times``: marked on the way to the first audio."""
+    """float32 audio of one stream's speech as it becomes final; the stream is released on any exit.
+    ``text``: a text, spoken a segment at a time when longer than ``--segment-chars``
+    (:mod:`snac_fast.serve.segments`), or texts as they arrive; all of them into this one stream.
+    ``times``: marked on the way to the first audio."""
     times = times or FirstAudioTimes(time.perf_counter())
     finished = False
     frame_size = server.settings.layout.frame_size
-    segments = split_text(text, server.settings.segment_chars)
+    texts = _listed(split_text(text, server.settings.segment_chars)) if isinstance(text, str) else text
 
     async def push(ids: list[int]) -> np.ndarray:
         try:
@@ -203,7 +235,7 @@ async def speech_chunks(server, sid: int, text: str, voice: str, model: str | No
         held: list[int] = []  # ids of a frame not yet whole: only whole frames are pushed
         segment = 0
         times.lm_asked = time.perf_counter()
-        async for k, ids in segment_ids(server.lm, segments, voice, model):
+        async for k, ids in segment_ids(server.lm, texts, voice, model):
             if times.lm_first_ids is None:
                 times.lm_first_ids = time.perf_counter()
             if k != segment:  # a join: an LM that stopped mid-frame leaves a piece of a frame, dropped

@@ -30,3 +30,13 @@ def test_segments_fit_and_keep_every_character_in_order(text, max_chars):
     segments = split_text(text, max_chars)
     assert all(0 < len(s) <= max_chars and s == s.strip() for s in segments)
     assert "".join("".join(segments).split()) == "".join(text.split())
+
+
+def test_text_arriving_is_split_where_its_sentences_have_ended():
+    from snac_fast.serve.segments import ended_sentences
+
+    assert ended_sentences("Hello there. How are") == ("Hello there. ", "How are")
+    assert ended_sentences("Dr. Who? Yes.") == ("Dr. Who? ", "Yes.")  # the last mark may still go on ("Yes.com")
+    assert ended_sentences("no end yet") == ("", "no end yet")
+    assert ended_sentences("“Done!” next") == ("“Done!” ", "next")
+    assert ended_sentences("好。再") == ("好。", "再")
