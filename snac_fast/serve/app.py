@@ -1,10 +1,12 @@
 """The speech server's Starlette app: one :class:`SpeechServer` per process (a backend, the LM
 client, metrics) in ``app.state.server``, and thin routes that fetch it from there.
 
-Routes: ``POST /v1/audio/speech`` (:mod:`snac_fast.serve.speech`), ``WS /v1/audio/stream``
-(:mod:`snac_fast.serve.websocket`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
+Routes: ``GET /`` (a page to try it, :mod:`snac_fast.serve.page`), ``POST /v1/audio/speech``
+(:mod:`snac_fast.serve.speech`), ``WS /v1/text-to-speech/{voice_id}/stream-input`` (text in,
+:mod:`snac_fast.serve.text_stream`), ``WS /v1/audio/stream`` (ids in,
+:mod:`snac_fast.serve.websocket`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
 (liveness: the process and its engine), ``GET /ready`` (readiness: the engine and the LM answer),
-``GET /metrics`` (Prometheus text). With an API key, every route but ``/health`` needs it
+``GET /metrics`` (Prometheus text). With an API key, every route but ``/health`` and ``/`` needs it
 (:mod:`snac_fast.serve.auth`).
 """
 
@@ -23,6 +25,7 @@ from snac_fast.serve.batchers import freeze_startup_objects
 from snac_fast.serve.formats import FORMATS, StreamEncoder, pcm_bytes
 from snac_fast.serve.lm_client import LMClient
 from snac_fast.serve.metrics import ServeMetrics
+from snac_fast.serve.page import page
 from snac_fast.serve.protocol import OPENAI_MODELS, models_list, voices_list
 from snac_fast.serve.settings import ServeSettings
 from snac_fast.serve.speech import speech
@@ -177,7 +180,7 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
         await server.close()
 
     middleware = [Middleware(BearerKey, key=settings.api_key)] if settings.api_key else []
-    app = Starlette(routes=[Route("/v1/audio/speech", speech, methods=["POST"]),
+    app = Starlette(routes=[Route("/", page), Route("/v1/audio/speech", speech, methods=["POST"]),
                             WebSocketRoute("/v1/audio/stream", stream_ids),
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", stream_input),
                             Route("/v1/audio/voices", voices), Route("/v1/models", models),

@@ -1,5 +1,5 @@
 """API keys: ``Authorization: Bearer KEY`` (or ElevenLabs' ``xi-api-key: KEY``) on every HTTP and
-WebSocket route but the open ones (``/health``), answered in OpenAI's error shape (401,
+WebSocket route but the open ones (``/health``, the page at ``/``), answered in OpenAI's error shape (401,
 ``invalid_api_key``) before any handler runs."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import hashlib
 import hmac
 import json
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/"})  # liveness, and the page (it asks for the key itself)
 
 
 def _digest(value: bytes) -> bytes:
