@@ -97,19 +97,34 @@ def server_timing(header: str | None) -> dict[str, float]:
     return out
 
 
+def request_text(tag: str, i: int, chars: int) -> str:
+    """Client i's input: one short line, or sentences up to about ``chars`` characters (long input)."""
+    if not chars:
+        return f"{tag} client {i}"
+    sentences, text = 0, ""
+    while len(text) < chars:
+        text += f"{tag} client {i} says sentence {sentences}, which runs on for a while before it ends. "
+        sentences += 1
+    return text.strip()
+
+
 async def run_clients(server: str, indices: list[int], offsets: list[float], tag: str, t_start: float,
-                      response_format: str = "pcm") -> list[dict]:
-    """aiohttp clients (a third of httpx's host time per chunk: the clients share the server's host)."""
+                      request: dict) -> list[dict]:
+    """aiohttp clients (a third of httpx's host time per chunk: the clients share the server's host),
+    posting speech; or, with ``request["text_ws"]``, text WebSockets fed a sentence at a time."""
     import aiohttp
 
+    if request.get("text_ws"):
+        return await asyncio.gather(*(text_ws_client(server, i, offset, tag, t_start, **request["text_ws"])
+                                      for i, offset in zip(indices, offsets)))
     timeout = aiohttp.ClientTimeout(total=None, connect=30.0, sock_read=300.0)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(indices) + 8), timeout=timeout) as session:
         async def one(i: int, offset: float) -> dict:
             await asyncio.sleep(max(0.0, t_start + offset - time.monotonic()))
-            text = f"{tag} client {i}"
+            text = request_text(tag, i, request.get("input_chars", 0))
             record = {"text": text, "start": time.monotonic(), "chunks": []}
             async with session.post(server + "/v1/audio/speech",
-                                    json={"model": "orpheus", "input": text, "response_format": response_format}) as r:
+                                    json={"model": "orpheus", "input": text, "response_format": request["format"]}) as r:
                 record["status"] = r.status
                 record["server_timing"] = server_timing(r.headers.get("Server-Timing"))
                 async for chunk in r.content.iter_any():
@@ -119,27 +134,62 @@ async def run_clients(server: str, indices: list[int], offsets: list[float], tag
         return await asyncio.gather(*(one(i, offset) for i, offset in zip(indices, offsets)))
 
 
+async def text_ws_client(server: str, i: int, offset: float, tag: str, t_start: float, sentences: int,
+                         every: float) -> dict:
+    """One voice agent on ``WS /v1/text-to-speech/tara/stream-input`` (pcm_24000): a sentence every
+    ``every`` seconds, then the end; each audio message timed, each sentence's send time kept."""
+    import base64
+    import json
+
+    from websockets.asyncio.client import connect
+
+    await asyncio.sleep(max(0.0, t_start + offset - time.monotonic()))
+    record = {"text": f"{tag} client {i}", "start": time.monotonic(), "chunks": [], "sentences": [], "status": 0}
+    url = server.replace("http", "ws", 1) + "/v1/text-to-speech/tara/stream-input?output_format=pcm_24000"
+    async with connect(url, max_size=None, open_timeout=60) as ws:
+        await ws.send(json.dumps({"text": " "}))
+
+        async def read() -> None:
+            async for raw in ws:
+                message = json.loads(raw)
+                if message.get("audio"):
+                    record["chunks"].append((time.monotonic(), len(base64.b64decode(message["audio"]))))
+                if message.get("isFinal"):
+                    record["status"] = 200
+                    return
+        reader = asyncio.create_task(read())
+        for j in range(sentences):
+            sentence = f"{tag} client {i} sentence {j} is a line the agent's model just wrote."
+            record["sentences"].append((time.monotonic(), sentence))
+            await ws.send(json.dumps({"text": sentence + " "}))
+            await asyncio.sleep(every)
+        await ws.send(json.dumps({"text": ""}))
+        await reader
+    record["end"] = time.monotonic()
+    return record
+
+
 def client_process(server: str, indices: list[int], offsets: list[float], tag: str, t_start: float,
-                   response_format: str = "pcm") -> list[dict]:
+                   request: dict) -> list[dict]:
     try:
         import uvloop
 
         uvloop.install()
     except ImportError:
         pass
-    return asyncio.run(run_clients(server, indices, offsets, tag, t_start, response_format))
+    return asyncio.run(run_clients(server, indices, offsets, tag, t_start, request))
 
 
-def all_clients(server: str, offsets: list[float], tag: str, procs: int, response_format: str = "pcm") -> list[dict]:
+def all_clients(server: str, offsets: list[float], tag: str, procs: int, request: dict) -> list[dict]:
     """One client per offset, over ``procs`` processes (client i in process i % procs), one schedule."""
     clients = len(offsets)
     procs = min(procs, clients)
     t_start = time.monotonic() + (5.0 if procs > 1 else 0.2)  # time for the processes to start
     if procs == 1:
-        return client_process(server, list(range(clients)), offsets, tag, t_start, response_format)
+        return client_process(server, list(range(clients)), offsets, tag, t_start, request)
     with mp.get_context("spawn").Pool(procs) as pool:
         parts = pool.starmap(client_process, [(server, list(range(k, clients, procs)), offsets[k::procs], tag, t_start,
-                                                response_format) for k in range(procs)])
+                                                request) for k in range(procs)])
     return [r for part in parts for r in part]
 
 
@@ -192,34 +242,46 @@ def chunk_delays(record: dict, sends: list, frame_samples: int, lookahead: int, 
     return out
 
 
-def playback_stalls(record: dict, rate: int) -> float:
-    """Silence (s) a player would add that starts at the first byte and plays on as bytes come."""
+def playback_stalls(record: dict, rate: int, buffer_s: float = 0.0) -> float:
+    """Silence (s) a player would add that starts ``buffer_s`` after the first byte and plays on as
+    bytes come."""
     chunks = record["chunks"]
     if not chunks:
         return 0.0
-    start, stall, played = chunks[0][0], 0.0, chunks[0][1] // 2
-    for t, size in chunks[1:]:
+    start, stall, played = chunks[0][0] + buffer_s, 0.0, 0
+    for t, size in chunks:
         due = start + stall + played / rate  # when the player runs out of what it has
         stall += max(0.0, t - due)
         played += size // 2
     return stall
 
 
+def lm_texts(record: dict, segment_chars: int) -> list[str]:
+    """The texts of the LM requests behind one client's audio, in order: a speech input's segments,
+    a text WebSocket's sentences."""
+    from snac_fast.serve.segments import split_text
+
+    if "sentences" in record:
+        return [text for _, text in record["sentences"]]
+    return split_text(record["text"], segment_chars)
+
+
 def first_audio_parts(record: dict, stats: dict, geometry: dict) -> dict[str, float] | None:
-    """One request's time to first audio (ms) and its parts, end to end: ``total`` (request sent to
-    first audio byte, at the client); ``lm_own`` (the LM's time from the request's arrival to the
-    chunk completing the first decodable frames: not the server's); ``added`` (total - lm_own: what
-    the server and HTTP add); and from the server's ``Server-Timing``: ``setup`` (arrival to the LM
-    request), ``lm_client`` (the LM's part as the server saw it, less lm_own: connecting, transit,
-    parsing, waits on the event loop), ``engine``, ``encode``, and ``http`` (total less the server's
-    own span: accept, request parsing, sending)."""
+    """One request's time to first audio (ms) and its parts, end to end: ``total`` (request sent,
+    or a text WebSocket's first sentence sent, to the first audio byte at the client); ``lm_own``
+    (the LM's time from its first request's arrival to the chunk completing the first decodable
+    frames: not the server's); ``added`` (total - lm_own: what the server and HTTP add); and from
+    the server's ``Server-Timing``: ``setup`` (arrival to the LM request), ``lm_client`` (the LM's
+    part as the server saw it, less lm_own: connecting, transit, parsing, waits on the event loop),
+    ``engine``, ``encode``, and ``http`` (total less the server's own span: accept, parsing, sending)."""
     if not record["chunks"] or stats.get("received") is None:
         return None
     needed = geometry["first_frames"] * geometry["per_frame"]
     ready = next((t for t, whole in stats["sends"] if whole >= needed), None)
     if ready is None:  # an answer shorter than the first decodable frames: its audio comes with the flush
         return None
-    total = (record["chunks"][0][0] - record["start"]) * 1e3
+    sent = record["sentences"][0][0] if "sentences" in record else record["start"]
+    total = (record["chunks"][0][0] - sent) * 1e3
     lm_own = (ready - stats["received"]) * 1e3
     timing = record.get("server_timing", {})
     parts = {"total": total, "lm_own": lm_own, "added": total - lm_own}
@@ -229,35 +291,44 @@ def first_audio_parts(record: dict, stats: dict, geometry: dict) -> dict[str, fl
     return parts
 
 
-def summarize(records: list[dict], lm_stats: dict, frames: int, pace: float, scrape: str, geometry: dict,
-              pcm: bool = True) -> dict:
+def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geometry: dict, pcm: bool = True,
+              segment_chars: int = 200, buffer_s: float = 0.15) -> dict:
     """``pcm``: the responses are int16 PCM, so bytes say which samples a chunk holds (the chunk
-    delays, stalls and completeness); for encoded formats those are left out (NaN)."""
+    delays, stalls and completeness); for encoded formats those are left out (NaN). Each client's
+    audio is as long as the whole frames its LM requests sent (the fake LM's record)."""
     ok = [r for r in records if r["status"] == 200]
     frame_ms = FRAME_S * 1e3
     pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
-    parts = [p for r in ok if r["text"] in lm_stats
-             for p in [first_audio_parts(r, lm_stats[r["text"]], geometry)] if p is not None]
+    texts = {r["text"]: lm_texts(r, segment_chars) for r in ok}
+    known = [r for r in ok if all(t in lm_stats for t in texts[r["text"]])]
+    parts = [p for r in known for p in [first_audio_parts(r, lm_stats[texts[r["text"]][0]], geometry)] if p is not None]
     first = {}
     for name in ("total", "lm_own", "added", "setup", "lm_client", "engine", "encode", "http"):
         values = [p[name] for p in parts if name in p and np.isfinite(p[name])]
         first.update({f"first_{name}_p50_ms": pct(values, 50), f"first_{name}_p99_ms": pct(values, 99),
                       f"first_{name}_max_ms": max(values, default=float("nan"))})
-    added = np.array([d for r in ok if r["text"] in lm_stats and pcm
-                      for d in chunk_delays(r, lm_stats[r["text"]]["sends"], **geometry)]) * 1e3
+    single = [r for r in known if len(texts[r["text"]]) == 1]  # one LM request: each chunk timed from its token
+    added = np.array([d for r in single if pcm
+                      for d in chunk_delays(r, lm_stats[texts[r["text"]][0]]["sends"], **geometry)]) * 1e3
     gaps = np.concatenate([np.diff([t for t, _ in r["chunks"]]) * 1e3 for r in ok if len(r["chunks"]) > 1] or [np.zeros(0)])
     lm_gaps = np.concatenate([np.diff([t for t, n in stats["sends"]]) for stats in lm_stats.values()] or [np.zeros(0)]) * 1e3
-    stalls = np.array([playback_stalls(r, 24000) for r in ok if pcm]) * 1e3
-    want_bytes = frames * 2048 * 2
-    complete = sum(1 for r in ok if sum(n for _, n in r["chunks"]) == want_bytes) if pcm else None
-    over = [(r["end"] - r["start"] - frames * FRAME_S / pace) * 1e3 for r in ok]  # past the stream's nominal length
+    stalls = np.array([playback_stalls(r, 24000, buffer_s) for r in ok if pcm]) * 1e3
+    frames = {r["text"]: sum(lm_stats[t]["sends"][-1][1] // geometry["per_frame"] for t in texts[r["text"]]
+                             if lm_stats[t]["sends"]) for r in known}
+    complete = sum(1 for r in known if sum(n for _, n in r["chunks"]) == frames[r["text"]] * geometry["frame_samples"] * 2) \
+        if pcm else None
+    # past the audio's nominal end: a speech request's start + its audio / pace (not for text WebSockets)
+    over = [(r["end"] - r["start"] - frames[r["text"]] * FRAME_S / pace) * 1e3 for r in known if "sentences" not in r]
     return {"clients": len(records), "ok": len(ok), "complete_audio": complete, "first_audio_timed": len(parts), **first,
+            "lm_requests_per_client": float(np.mean([len(texts[r["text"]]) for r in ok])) if ok else float("nan"),
+            "audio_s_per_client": float(np.mean(list(frames.values()))) * FRAME_S if frames else float("nan"),
             "chunk_added_p50_ms": pct(added, 50), "chunk_added_p99_ms": pct(added, 99),
             "chunk_added_p999_ms": pct(added, 99.9), "chunk_added_max_ms": float(added.max()) if len(added) else float("nan"),
             "chunks_timed": len(added), "chunks_added_over_frame": int((added > frame_ms).sum()),
             "gap_p50_ms": pct(gaps, 50), "gap_p99_ms": pct(gaps, 99), "gap_max_ms": float(gaps.max()) if len(gaps) else float("nan"),
             "gaps_over_frame": int((gaps > frame_ms).sum()), "gaps": len(gaps),
             "lm_chunk_gap_p99_ms": pct(lm_gaps, 99), "lm_chunk_gap_max_ms": float(lm_gaps.max()) if len(lm_gaps) else float("nan"),
+            "player_buffer_ms": buffer_s * 1e3,
             "streams_with_stall": int((stalls > 0).sum()), "stall_max_ms": float(stalls.max()) if len(stalls) else float("nan"),
             "end_over_nominal_p99_ms": pct(over, 99), "end_over_nominal_max_ms": max(over, default=float("nan")),
             "server_push_histogram": [line for line in scrape.splitlines()
@@ -294,12 +365,15 @@ def markdown(results: dict) -> str:
               _ms(r, "total", "p50", "p99"), _ms(r, "lm_own", "p50", "p99"), f"**{_ms(r, 'added', 'p50', 'p99')}** / "
               f"{r['first_added_max_ms']:.1f}", " / ".join(f"{r[f'first_{n}_p99_ms']:.1f}" for n in
                                                           ("setup", "lm_client", "engine", "encode", "http"))] for r in rows]
-    pace = [[r["format"], f"{r['pace']:g}x", r["arrivals"], r["clients"], r["ok"] if r["complete_audio"] is None
-             else f"{r['ok']} / {r['complete_audio']}",
+    pace = [[r["format"], f"{r['pace']:g}x", r["arrivals"], r["clients"],
+             f"{r.get('audio_s_per_client', float('nan')):.0f} / {r.get('lm_requests_per_client', float('nan')):.1f}",
+             r["ok"] if r["complete_audio"] is None else f"{r['ok']} / {r['complete_audio']}",
              f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}",
              f"{r['lm_chunk_gap_p99_ms']:.1f} / {r['lm_chunk_gap_max_ms']:.1f}",
+             f"{r['streams_with_stall']} / {r['stall_max_ms']:.0f}" if "player_buffer_ms" in r else "–",
              f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}",
-             f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}"] for r in rows if r["seconds"] >= 10]
+             f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}"]
+            for r in rows if r["seconds"] >= 10 or r.get("input_chars") or "text-ws" in r["format"]]
     out = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
            f"Commands: {'; '.join(f'`{c}`' for c in results['commands'])}. A fake LM (1-4 tokens a chunk, at the "
            "pace shown), the server and the clients share one host; every time is `time.monotonic()` of that host.\n\n"
@@ -318,8 +392,9 @@ def markdown(results: dict) -> str:
                 "Chunk gaps between successive audio chunks at the client beside the LM's between its chunks; end past "
                 "nominal: the last byte after the request's start + its audio / pace; server CPU: the server's processes "
                 "while the load ran, per stream and second.\n\n"
-                + markdown_table(["format", "LM pace", "arrivals", "clients", "200 / complete", "chunk gap p50 / p99 / max ms",
-                                  "LM chunk gap p99 / max ms", "end past nominal p99 / max ms",
+                + markdown_table(["format", "LM pace", "arrivals", "clients", "audio s / LM requests per client",
+                                  "200 / complete", "chunk gap p50 / p99 / max ms", "LM chunk gap p99 / max ms",
+                                  "streams stalled (150 ms buffer) / longest ms", "end past nominal p99 / max ms",
                                   "server CPU cores / ms per stream-second"], pace))
     return out
 
@@ -337,7 +412,16 @@ def main() -> None:
     parser.add_argument("--format", default="pcm", help="the requests' response_format, comma-separated: each load in "
                         "each (pcm: chunk delays timed too)")
     parser.add_argument("--pace", type=float, default=1.0)
-    parser.add_argument("--seconds", type=float, default=20.0, help="audio per request")
+    parser.add_argument("--seconds", type=float, default=20.0, help="audio per request (the Poisson rate's unit)")
+    parser.add_argument("--input-chars", type=int, default=0,
+                        help="long input: each request this many characters of sentences (its audio from the LM's "
+                        "--lm-chars-per-second, spoken in segments), not one short line of --seconds")
+    parser.add_argument("--lm-chars-per-second", type=float, default=15.0,
+                        help="with --input-chars or --text-ws: the fake LM's answers as long as the text at this rate")
+    parser.add_argument("--text-ws", type=int, default=0, metavar="SENTENCES",
+                        help="text WebSockets instead of speech requests: each sends this many sentences")
+    parser.add_argument("--sentence-every", type=float, default=3.0, help="with --text-ws: seconds between sentences")
+    parser.add_argument("--player-buffer-ms", type=float, default=150.0, help="the playback stalls' client buffer")
     parser.add_argument("--lookahead", default="exact", help="serve --lookahead")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--shared-engine", action="store_true", help="the workers feed one engine process (serve --shared-engine)")
@@ -365,8 +449,9 @@ def main() -> None:
     frames = int(args.seconds / FRAME_S)
     lm_port, port = free_port(), free_port()
     stats_dir = tempfile.mkdtemp(prefix="fake_lm_stats_")
+    length = ["--chars-per-second", f"{args.lm_chars_per_second:g}"] if args.input_chars or args.text_ws else []
     lm = start_fake_lm(lm_port, args.pace, frames, logs / "fake_lm.log", "--workers", str(args.lm_workers),
-                       "--stats-dir", stats_dir)
+                       "--stats-dir", stats_dir, *length)
     t0 = time.monotonic()
     serve = [sys.executable, "-m", "snac_fast.cli", "serve", "--model", args.model, "--port", str(port),
              "--lm-url", f"http://127.0.0.1:{lm_port}/v1", *serve_options(args)]
@@ -375,7 +460,9 @@ def main() -> None:
     command = ("python scripts/bench_serve_http.py " + " ".join(
         f"--{k.replace('_', '-')} {v}" for k, v in (("clients", args.clients), ("arrivals", args.arrivals),
                                                       ("repeat", args.repeat), ("format", args.format), ("pace", f"{args.pace:g}"),
-                                                      ("seconds", f"{args.seconds:g}"), ("lm_workers", args.lm_workers),
+                                                      ("seconds", f"{args.seconds:g}"), ("input_chars", args.input_chars),
+                                                      ("text_ws", args.text_ws), ("sentence_every", f"{args.sentence_every:g}"),
+                                                      ("lm_workers", args.lm_workers),
                                                       ("client_procs", args.client_procs))) + " " + " ".join(serve_options(args)))
     results = {"args": vars(args), "commands": [command], "server_start_s": time.monotonic() - t0, "rows": []}
     geometry = stream_geometry(None if args.lookahead == "exact" else args.lookahead if args.lookahead == "fp16"
@@ -394,14 +481,17 @@ def main() -> None:
             records = []
             for k in range(args.repeat if clients == 1 else 1):
                 offsets = arrival_offsets(clients, arrivals, args.seconds / args.pace, args.seed + k)
+                request = {"format": fmt, "input_chars": args.input_chars,
+                           "text_ws": {"sentences": args.text_ws, "every": args.sentence_every} if args.text_ws else None}
                 records += all_clients(f"http://127.0.0.1:{port}", offsets, f"run{run}-{clients}-{arrivals}-{k}",
-                                       args.client_procs, fmt)
+                                       args.client_procs, request)
             cpu, wall = tree_cpu_seconds(server.pid) - cpu0, time.monotonic() - wall0
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-            row = summarize(records, read_stats_dir(stats_dir), frames, args.pace, scrape, geometry,
-                            pcm=fmt == "pcm")
+            row = summarize(records, read_stats_dir(stats_dir), args.pace, scrape, geometry,
+                            pcm=fmt == "pcm" or bool(args.text_ws), buffer_s=args.player_buffer_ms / 1e3)
             # the server's processes (workers, the engine process): CPU cores while the load ran, per stream
-            row.update(clients=clients, requests=len(records), format=fmt, arrivals=arrivals, pace=args.pace, lookahead=args.lookahead,
+            row.update(clients=clients, requests=len(records), format="text-ws pcm" if args.text_ws else fmt,
+                       input_chars=args.input_chars, arrivals=arrivals, pace=args.pace, lookahead=args.lookahead,
                        seconds=args.seconds, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients)
             results["rows"].append(row)
             print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()

@@ -17,6 +17,7 @@ the only full record, since ``/stats`` answers from one worker.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import os
 import random
@@ -36,17 +37,21 @@ class FakeLM:
     the random codes made for a prompt with no script. ``first_frames``: see :attr:`first_sent`.
     ``split_tokens``: chunks cut at any character, inside tokens too. ``stats_dir``: a folder where
     each finished request's first-frames time and chunk times are appended as a JSON line (one file
-    per process)."""
+    per process). ``chars_per_second``: random answers as long as the prompt's text takes to speak
+    at that rate (as a real TTS LM's), not ``frames``. ``cut_fraction``: that share of random answers
+    stops mid-frame with no end of speech (chosen by the text)."""
 
     def __init__(self, pace: float = 0.0, frames: int = 60, frame_seconds: float = 2048 / 24000,
                  layout: TokenLayout = ORPHEUS, first_frames: int = 4, seed: int = 0, split_tokens: bool = False,
-                 stats_dir: str | None = None) -> None:
+                 stats_dir: str | None = None, chars_per_second: float | None = None,
+                 cut_fraction: float = 0.0) -> None:
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse
         from starlette.routing import Route
 
         self.pace, self.frames, self.frame_seconds, self.layout = pace, frames, frame_seconds, layout
         self.first_frames, self.seed, self.split_tokens = first_frames, seed, split_tokens
+        self.chars_per_second, self.cut_fraction = chars_per_second, cut_fraction
         self.scripts: dict[str, dict] = {}
         self.prompts: list[str] = []
         self.first_sent: dict[str, float] = {}  # prompt text -> when its first_frames-th frame's last token left
@@ -79,11 +84,17 @@ class FakeLM:
         self.scripts[text] = {"ids": ids, "end": not stop_early, "delay": delay}
         return ids
 
-    def _random_ids(self, text: str) -> list[int]:
-        rng = np.random.default_rng([self.seed, abs(hash(text)) % (1 << 31)])
+    def _random_answer(self, text: str) -> dict:
+        """Random codes for ``text`` (as long as ``frames``, or as its text with ``chars_per_second``),
+        cut mid-frame for ``cut_fraction`` of texts; the same text, the same answer."""
+        rng = np.random.default_rng([self.seed, int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")])
         per_frame = self.layout.frame_size
-        codes = rng.integers(0, self.layout.codebook_size, (self.frames, per_frame))
-        return (codes + self.layout.offset + np.arange(per_frame) * self.layout.codebook_size).reshape(-1).tolist()
+        frames = self.frames if self.chars_per_second is None else \
+            max(1, round(len(text) / self.chars_per_second / self.frame_seconds))
+        codes = rng.integers(0, self.layout.codebook_size, (frames, per_frame))
+        ids = (codes + self.layout.offset + np.arange(per_frame) * self.layout.codebook_size).reshape(-1).tolist()
+        cut = rng.random() < self.cut_fraction
+        return {"ids": ids[:-3] if cut else ids, "end": not cut, "delay": None}
 
     async def completions(self, request):
         from starlette.responses import StreamingResponse
@@ -94,7 +105,7 @@ class FakeLM:
         self.prompts.append(prompt)
         text = prompt.split(": ", 1)[-1].split("<|eot_id|>")[0]
         self.received[text] = received
-        script = self.scripts.get(text) or {"ids": self._random_ids(text), "end": True, "delay": None}
+        script = self.scripts.get(text) or self._random_answer(text)
         size = self.layout.frame_size
         text_out = "".join(f"<custom_token_{i - CUSTOM_TOKEN_ID}>" for i in script["ids"])
         token_ends = np.cumsum([len(f"<custom_token_{i - CUSTOM_TOKEN_ID}>") for i in script["ids"]])
@@ -166,8 +177,13 @@ def main() -> None:
     parser.add_argument("--frames", type=int, default=60, help="frames of audio per answer")
     parser.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
     parser.add_argument("--stats-dir", default=None, help="folder for each worker's first-frames times")
+    parser.add_argument("--chars-per-second", type=float, default=None,
+                        help="answers as long as the text takes to speak at this rate (default: --frames)")
+    parser.add_argument("--cut-fraction", type=float, default=0.0, help="share of answers cut mid-frame")
     args = parser.parse_args()
-    os.environ[ENVIRONMENT] = json.dumps({"pace": args.pace, "frames": args.frames, "stats_dir": args.stats_dir})
+    os.environ[ENVIRONMENT] = json.dumps({"pace": args.pace, "frames": args.frames, "stats_dir": args.stats_dir,
+                                          "chars_per_second": args.chars_per_second,
+                                          "cut_fraction": args.cut_fraction})
     app = "snac_fast.serve.fake_lm:app_from_environment"
     if args.workers > 1:  # the server's workers: one SO_REUSEPORT socket each, so a burst is spread over them
         run_workers(app, args.host, args.port, args.workers, graceful_s=5, log_level="warning")

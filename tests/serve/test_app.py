@@ -757,3 +757,15 @@ def test_workers_share_a_burst_of_connections_and_the_port_is_theirs(tmp_path):
     assert len(counts) == 2 and counts[0] >= 64 * 0.2, counts  # a hash's spread: 20-80% (binomial tail ~1e-6)
     assert second.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in second.stderr, second.stderr[-1000:]
     assert server.returncode == 0
+
+
+def test_fake_lm_answers_as_long_as_its_text_and_cuts_a_share_mid_frame():
+    lm = FakeLM(chars_per_second=15.0, cut_fraction=0.25)
+    texts = [f"sentence number {i} " * (1 + i % 5) for i in range(400)]
+    answers = [lm._random_answer(t) for t in texts]
+    frames = [len(a["ids"]) // 7 + (not a["end"]) for a in answers]
+    assert frames == [max(1, round(len(t) / 15.0 / (2048 / 24000))) for t in texts]
+    cut = [not a["end"] for a in answers]
+    assert all(len(a["ids"]) % 7 == (4 if c else 0) for a, c in zip(answers, cut))
+    assert 0.18 < sum(cut) / len(cut) < 0.32  # the share asked for (binomial, 400 texts)
+    assert lm._random_answer(texts[3]) == answers[3]  # the same text, the same answer
