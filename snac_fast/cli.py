@@ -90,13 +90,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--frames", default="4", help="comma-separated coarse frame counts per decode (default 4)")
     p.add_argument("--streams", type=int, default=0, help="also warm the stream engine for up to N streams")
 
-    p = sub.add_parser("encode-dataset", help="folder / list / manifest of audio -> Parquet code shards",
+    p = sub.add_parser("encode-dataset", help="folder / list / manifest / WebDataset tars of audio -> Parquet code shards",
                        epilog=EPILOG, formatter_class=fmt,
                        description="Encode every input of SRC (a folder, recursive; a .txt list of paths; a .parquet/.jsonl "
-                                   "manifest with a path or audio column) into OUT/shard-*.parquet: id, path, duration, "
-                                   "sampling_rate, model, codes_0.., error. Unreadable files become rows with an error; "
-                                   "a repeated run skips finished shards (resume).")
-    p.add_argument("src", type=Path, help="folder, .txt list, or .parquet/.jsonl manifest")
+                                   "manifest with a path or audio column; WebDataset .tar shards or a glob of them) into "
+                                   "OUT/shard-*.parquet: id, path, duration, sampling_rate, model, codes_0.., the carried "
+                                   "--columns, with --format orpheus orpheus_ids (and input_ids, labels, attention_mask "
+                                   "with --tokenizer), error. Unreadable files become rows with an error; a repeated run "
+                                   "skips finished shards (resume).")
+    p.add_argument("src", help="folder, .txt list, .parquet/.jsonl manifest, or .tar shards (a quoted glob)")
     p.add_argument("out", type=Path, help="output folder for the shards")
     _add_model_args(p)
     p.add_argument("--files-per-shard", type=int, default=256, help="inputs per Parquet shard (default 256)")
@@ -112,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="local: this process; ray: Ray Data, one actor per GPU, each the local engine over a share "
                         "of the shards (pip install 'snac-fast[ray]')")
     p.add_argument("--address", help="with --engine ray: join this Ray cluster (default: start a local one)")
+    p.add_argument("--columns", default="", help="comma-separated manifest columns or WebDataset JSON fields to carry "
+                                                 "to each row (as strings), e.g. text,speaker,language")
+    p.add_argument("--format", choices=["codes", "orpheus"], default="codes",
+                   help="orpheus: also orpheus_ids, each clip's codes as an Orpheus LM's audio ids (7 a frame)")
+    p.add_argument("--remove-duplicate-frames", action="store_true",
+                   help="with --format orpheus: drop each frame whose first id repeats the last kept frame's "
+                        "(Unsloth's notebook; the audio gets shorter)")
+    p.add_argument("--tokenizer", help="with --format orpheus: a transformers tokenizer (hub name or folder) for "
+                                       "input_ids / labels / attention_mask from --text-column")
+    p.add_argument("--text-column", default="text", help="the text of each clip (default text)")
+    p.add_argument("--speaker-column", help="prompt as 'speaker: text' from this column (multi-speaker fine-tunes)")
 
     p = sub.add_parser("decode-dataset", help="Parquet code shards -> audio files or Parquet",
                        epilog=EPILOG, formatter_class=fmt,
@@ -346,17 +359,25 @@ def cmd_warmup(args: argparse.Namespace) -> None:
 
 def cmd_encode_dataset(args: argparse.Namespace) -> None:
     from snac_fast.datasets import encode_dataset
+    from snac_fast.datasets.rows import RowFormat
 
     _check_device(args.device)
     if args.files_per_shard < 1 or (args.loaders or 1) < 1 or args.batch_seconds <= 0 or args.pad_seconds < 0:
         raise UsageError("--files-per-shard and --loaders must be >= 1, --batch-seconds > 0, --pad-seconds >= 0")
     suffixes = [s if s.startswith(".") else "." + s for s in args.suffixes.split(",") if s] if args.suffixes else None
     # the inputs are listed (and refused) before the model loads: here, or in each Ray actor
+    rows = RowFormat(columns=tuple(c for c in args.columns.split(",") if c), format=args.format,
+                     remove_duplicate_frames=args.remove_duplicate_frames, tokenizer=args.tokenizer,
+                     text_column=args.text_column, speaker_column=args.speaker_column)
+    try:
+        rows.check(3 if args.format == "orpheus" else 0)  # the flags' own agreement; the model's levels later
+    except ValueError as e:
+        raise UsageError(str(e).replace("format='orpheus'", "--format orpheus")) from None
     summary = encode_dataset(args.src, args.out, model=args.model, device=args.device, dtype=args.dtype,
                              model_options={"local_files_only": args.local_files_only}, engine=args.engine,
                              address=args.address, files_per_shard=args.files_per_shard,
                              batch_seconds=args.batch_seconds, pad_seconds=args.pad_seconds, suffixes=suffixes,
-                             loaders=args.loaders)
+                             loaders=args.loaders, rows=rows)
     print(f"{args.out}: {summary['files']} files in {summary['shards']} shards ({summary['shards_skipped']} already done), "
           f"{summary['audio_seconds'] / 3600:.3f} h of audio, {summary['errors']} errors, {summary['wall_seconds']:.1f} s")
 

@@ -23,6 +23,7 @@ from snac_fast.datasets.inputs import Clip, list_inputs
 from snac_fast.datasets.local_engine import encode_here, load_batching_in, start_reading
 from snac_fast.datasets.ray_engine import encode_with_ray
 from snac_fast.datasets.readers import Readers
+from snac_fast.datasets.rows import RowFormat, load_tokenizer
 from snac_fast.datasets.runs import find_checkpoint, model_name
 from snac_fast.datasets.shards import check_run, require_pyarrow, shard_name
 
@@ -31,7 +32,7 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
                    engine: str = "local", address: str | None = None, model_options: dict | None = None,
                    files_per_shard: int = 256, batch_seconds: float = 300.0, pad_seconds: float = 1.0,
                    suffixes: Sequence[str] | None = None, loaders: int | None = None, progress: bool = True,
-                   device: str | None = None, dtype: str | None = None) -> dict:
+                   device: str | None = None, dtype: str | None = None, rows: RowFormat | None = None) -> dict:
     """Encode every input of ``source`` (see :func:`list_inputs`) into Parquet shards in ``out``
     (see the module docstring). Returns a summary: files, shards written and skipped, seconds of
     audio, errors, wall seconds, and ``per_shard``: each shard written (index, audio seconds,
@@ -44,7 +45,10 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     actor per GPU of the cluster (one per node on a cluster without GPUs), each loading ``model``
     itself and running the local engine, reading up to ``loaders`` files at a time itself, over
     its share of the shards (dealt out round-robin when the run starts); ``address`` joins a
-    running cluster, else a local one is started. Both engines write the same shards."""
+    running cluster, else a local one is started. Both engines write the same shards.
+
+    ``rows``: what the rows hold besides the codes (:class:`~snac_fast.datasets.rows.RowFormat`:
+    carried columns, ``orpheus_ids``, training rows), checked before any input is read."""
     if engine not in ("local", "ray"):
         raise ValueError(f"engine must be 'local' or 'ray', got {engine!r}")
     require_pyarrow()
@@ -52,26 +56,37 @@ def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     loaders = loaders or min(16, os.cpu_count() or 1)
     if files_per_shard < 1 or batch_seconds <= 0 or pad_seconds < 0 or loaders < 1:
         raise ValueError("files_per_shard and loaders must be >= 1, batch_seconds > 0 and pad_seconds >= 0")
-    inputs = list_inputs(source, suffixes)
+    rows = rows or RowFormat()
     load = {"model": str(model or DEFAULT_MODEL), "device": device, "dtype": dtype, **(model_options or {})}
+    if codec is not None and engine == "local":
+        rows.check(codec.n_levels)
+    if rows.tokenizer:  # a tokenizer that cannot load fails the run now, not at its first shard
+        load_tokenizer(rows.tokenizer)
+    inputs = list_inputs(source, suffixes, rows.carried)
     checkpoint = None
     if engine == "ray":
         if codec is not None:
             raise ValueError("engine='ray' loads the model in its actors: pass model=, not a codec")
         name = load["model"]
+        if rows.format == "orpheus":
+            rows.check(len(find_checkpoint(load).config["vq_strides"]))
     elif codec is None:  # loaded below, once the readers are at work
         checkpoint = find_checkpoint(load)
         name = checkpoint.source
+        rows.check(len(checkpoint.config["vq_strides"]))
     else:
         name = model_name(codec)
     out = Path(out)
     ids = hashlib.sha256("\n".join(i.id for i in inputs).encode()).hexdigest()
-    check_run(out, {"model": name, "inputs": len(inputs), "ids_sha256": ids, "files_per_shard": files_per_shard,
-                     "pad_seconds": pad_seconds})
+    record = {"model": name, "inputs": len(inputs), "ids_sha256": ids, "files_per_shard": files_per_shard,
+              "pad_seconds": pad_seconds}
+    if rows != RowFormat():  # a run of plain codes records what it always did
+        record["rows"] = rows.to_dict()
+    check_run(out, record)
     shards = [inputs[k:k + files_per_shard] for k in range(0, len(inputs), files_per_shard)]
     todo = [n for n in range(len(shards)) if not (out / shard_name(n)).exists()]
     start = time.perf_counter()
-    settings = {"out": str(out), "pad_seconds": pad_seconds, "batch_seconds": batch_seconds}
+    settings = {"out": str(out), "pad_seconds": pad_seconds, "batch_seconds": batch_seconds, "rows": rows.to_dict()}
     if engine == "ray":
         done = encode_with_ray(shards, todo, load, settings, address, loaders_per_ray_actor, progress)
     elif todo:

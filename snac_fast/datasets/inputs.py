@@ -1,12 +1,14 @@
-"""What a run reads: inputs listed from a folder, a list or a manifest, and one clip read."""
+"""What a run reads: inputs listed from a folder, a list, a manifest or WebDataset tar shards, and
+one clip read."""
 
 from __future__ import annotations
 
+import glob
 import io
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -18,15 +20,23 @@ MANIFEST_SUFFIXES = (".parquet", ".jsonl")
 
 
 LIST_SUFFIXES = (".txt", ".lst")
+TAR_SUFFIX = ".tar"
+# a WebDataset sample's audio member, by preference when a sample has several
+AUDIO_MEMBERS = ("flac", "wav", "mp3", "opus", "ogg")
 
 
 @dataclass(frozen=True)
 class AudioInput:
-    """One input: its id (unique), where it comes from (a path, or bytes from a manifest)."""
+    """One input: its id (unique), where it comes from (a path; bytes from a manifest; a member of
+    the tar at ``path``, as (offset, size) of its data), ``columns`` carried to its row, and
+    ``problem``: why it cannot be read, known when listed (its row's error)."""
 
     id: str
     path: str | None = None
     data: bytes | None = None
+    member: tuple[int, int] | None = None
+    columns: dict | None = field(default=None, compare=False, hash=False)
+    problem: str | None = None
 
 
 @dataclass
@@ -40,14 +50,28 @@ class Clip:
     error: str | None
 
 
-def list_inputs(source: str | Path, suffixes: Sequence[str] | None = None) -> list[AudioInput]:
+def list_inputs(source: str | Path, suffixes: Sequence[str] | None = None,
+                columns: Sequence[str] = ()) -> list[AudioInput]:
     """The inputs ``source`` names, sorted by id. A folder: every file under it (hidden ones and
     those not ending in one of ``suffixes`` excepted), id = its path relative to the folder. A
     .txt/.lst file: one path per line (ids: the paths). A .parquet/.jsonl manifest: a ``path`` or
-    ``audio`` (bytes) column and an optional ``id`` column (default: the path, or the row number)."""
+    ``audio`` (bytes) column and an optional ``id`` column (default: the path, or the row number).
+    WebDataset shards: a .tar file or a glob of them (``data/shard-*.tar``): a sample per key
+    (a member's path up to the first dot of its name), its audio member (.flac, .wav, .mp3, .opus,
+    .ogg) read in place when its clip is read (never extracted), its .json member's fields the
+    sample's columns; id = the key. ``columns``: the fields carried to each row (manifest columns,
+    JSON fields)."""
+    if isinstance(source, str) and glob.has_magic(source):
+        tars = sorted(glob.glob(source))
+        if not tars or not all(t.endswith(TAR_SUFFIX) for t in tars):
+            raise ValueError(f"{source}: a glob must name WebDataset .tar shards (it matched {len(tars)} paths, "
+                             f"not all .tar)")
+        return _unique(source, _tar_inputs(tars, columns))
     source = Path(source)
     if not source.exists():
         raise FileNotFoundError(f"{source} does not exist")
+    if source.suffix.lower() == TAR_SUFFIX and source.is_file():
+        return _unique(source, _tar_inputs([str(source)], columns))
     if source.is_dir():
         keep = tuple(s.lower() for s in suffixes) if suffixes else None
         inputs = [AudioInput(id, path) for id, path in _files_under(str(source), "")
@@ -56,13 +80,55 @@ def list_inputs(source: str | Path, suffixes: Sequence[str] | None = None) -> li
         lines = [line.strip() for line in source.read_text().splitlines()]
         inputs = [AudioInput(line, line) for line in lines if line and not line.startswith("#")]
     elif source.suffix.lower() in MANIFEST_SUFFIXES:
-        inputs = _manifest_inputs(source)
+        inputs = _manifest_inputs(source, columns)
     else:
-        raise ValueError(f"{source}: expected a folder, a .txt/.lst list of paths or a .parquet/.jsonl manifest")
+        raise ValueError(f"{source}: expected a folder, a .txt/.lst list of paths, a .parquet/.jsonl manifest or "
+                         "WebDataset .tar shards")
+    return _unique(source, inputs)
+
+
+def _unique(source, inputs: list[AudioInput]) -> list[AudioInput]:
     repeated = [id for id, n in Counter(i.id for i in inputs).items() if n > 1]
     if repeated:
         raise ValueError(f"{source}: id {repeated[0]!r} appears more than once; ids must be unique")
     return sorted(inputs, key=lambda i: i.id)
+
+
+def _tar_inputs(tars: Sequence[str], columns: Sequence[str]) -> list[AudioInput]:
+    """Each WebDataset sample of ``tars``: its audio member's place in its tar and its JSON's
+    columns; a sample without audio, or with JSON that does not parse, is an input with its problem.
+    Only the members' headers and the JSON are read here."""
+    import tarfile
+
+    inputs = []
+    for path in tars:
+        try:
+            tar = tarfile.open(path, "r:")  # uncompressed: a member's data is read in place by offset
+        except (tarfile.TarError, OSError) as e:
+            raise ValueError(f"{path}: not a readable uncompressed tar ({e})") from None
+        with tar:
+            samples: dict[str, dict[str, tarfile.TarInfo]] = {}
+            for member in tar:
+                if not member.isfile():
+                    continue
+                folder, _, name = member.name.rpartition("/")
+                stem, dot, extension = name.partition(".")
+                if dot:
+                    samples.setdefault(f"{folder}/{stem}" if folder else stem, {})[extension.lower()] = member
+            for key, members in samples.items():
+                audio = next((members[e] for e in AUDIO_MEMBERS if e in members), None)
+                fields, problem = {}, None
+                if "json" in members:
+                    try:
+                        fields = json.loads(tar.extractfile(members["json"]).read())
+                    except ValueError as e:
+                        problem = f"its .json member does not parse: {e}"
+                    fields = fields if isinstance(fields, dict) else {}
+                if audio is None:
+                    problem = f"no audio member ({', '.join('.' + e for e in AUDIO_MEMBERS)}) among {sorted(members)}"
+                inputs.append(AudioInput(key, path, member=None if audio is None else (audio.offset_data, audio.size),
+                                         columns={c: fields.get(c) for c in columns}, problem=problem))
+    return inputs
 
 
 def _files_under(folder: str, prefix: str) -> Iterator[tuple[str, str]]:
@@ -78,7 +144,7 @@ def _files_under(folder: str, prefix: str) -> Iterator[tuple[str, str]]:
                 yield prefix + entry.name, entry.path
 
 
-def _manifest_inputs(source: Path) -> list[AudioInput]:
+def _manifest_inputs(source: Path, columns: Sequence[str]) -> list[AudioInput]:
     if source.suffix.lower() == ".parquet":
         import pyarrow.parquet as pq
 
@@ -94,16 +160,31 @@ def _manifest_inputs(source: Path) -> list[AudioInput]:
             path, data = path or data.get("path"), data.get("bytes")
         if path is not None and not Path(path).is_absolute():
             path = str(source.parent / path)
-        inputs.append(AudioInput(str(row.get("id", path if data is None else n)), path if data is None else None, data))
+        inputs.append(AudioInput(str(row.get("id", path if data is None else n)), path if data is None else None, data,
+                                 columns={c: row.get(c) for c in columns}))
     return inputs
 
 
 def read_clip(item: AudioInput, rate: int) -> Clip:
     """Read one input as mono float32 at ``rate``; any failure becomes the clip's error."""
     try:
-        mono, source_rate = read_mono(item.path if item.data is None else io.BytesIO(item.data))
+        if item.problem is not None:
+            raise ValueError(item.problem)
+        mono, source_rate = read_mono(io.BytesIO(_member(item)) if item.member is not None
+                                      else item.path if item.data is None else io.BytesIO(item.data))
         duration = mono.numel() / source_rate
         mono = resample_mono(mono, source_rate, rate)
         return Clip(item, mono.numpy(), duration, source_rate, None)
     except Exception as error:  # noqa: BLE001 - recorded in the row: a corpus run goes on
         return Clip(item, None, None, None, f"{type(error).__name__}: {error}")
+
+
+def _member(item: AudioInput) -> bytes:
+    """A tar member's data, read in place."""
+    offset, size = item.member
+    with open(item.path, "rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    if len(data) != size:
+        raise ValueError(f"{item.path} ends inside the member of {item.id}")
+    return data

@@ -25,13 +25,15 @@ from snac_fast.datasets.batching import (
 )
 from snac_fast.datasets.inputs import Clip
 from snac_fast.datasets.readers import READ_AHEAD, Readers
+from snac_fast.datasets.rows import RowFormat
 from snac_fast.datasets.runs import load_codec, model_name, progress_bar
 from snac_fast.datasets.shards import shard_name, shard_table, write_atomically
 
 
 def write_shard(codec, clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], index: int, settings: dict) -> dict:
     """Write one shard's file; returns what it held (audio seconds, errors)."""
-    table = shard_table(clips, codes, model_name(codec), codec.n_levels)
+    rows = RowFormat.from_dict(settings["rows"]) if settings.get("rows") else None
+    table = shard_table(clips, codes, model_name(codec), codec.n_levels, rows)
     write_atomically(table, Path(settings["out"]) / shard_name(index))
     return {"shard": index, "audio_seconds": sum(c.duration or 0.0 for c in clips),
             "errors": sum(c.error is not None for c in clips), "finished_at": time.time()}

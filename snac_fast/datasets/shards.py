@@ -10,10 +10,13 @@ from typing import Iterator, Sequence
 import numpy as np
 
 from snac_fast.datasets.inputs import Clip
+from snac_fast.datasets.rows import RowFormat, extra_columns
 
 
-def shard_table(clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], model: str, levels: int):
-    """A pyarrow Table of one shard: a row per clip, in order."""
+def shard_table(clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], model: str, levels: int,
+                row_format: RowFormat | None = None):
+    """A pyarrow Table of one shard: a row per clip, in order; ``row_format``'s columns after the
+    codes (:mod:`snac_fast.datasets.rows`)."""
     import pyarrow as pa
 
     columns = {
@@ -25,7 +28,10 @@ def shard_table(clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None],
     }
     for level in range(levels):
         columns[f"codes_{level}"] = pa.array([None if c is None else c[level] for c in codes], pa.list_(pa.int16()))
-    columns["error"] = pa.array([c.error for c in clips], pa.string())
+    errors = [c.error for c in clips]
+    if row_format is not None:
+        columns.update(extra_columns(row_format, clips, codes, errors))
+    columns["error"] = pa.array(errors, pa.string())
     return pa.table(columns)
 
 
