@@ -182,3 +182,56 @@ def test_ray_engine_writes_the_same_orpheus_rows_from_tar_shards(shards, tmp_pat
     ds.encode_dataset(str(root / "shard-*.tar"), tmp_path / "ray", engine="ray", loaders=1, **common)
     local, distributed = list(ds.read_shards(tmp_path / "local")), list(ds.read_shards(tmp_path / "ray"))
     assert len(local) == 6 and distributed == local
+
+
+def test_hugging_face_datasets_in_memory_and_saved_to_disk(codec, tmp_path):
+    """A datasets.Dataset with an Audio column (bytes, and paths, at any rate), given as the object
+    and as a save_to_disk folder: the same rows, the text carried, codes of each clip alone."""
+    datasets = pytest.importorskip("datasets")
+    clips = [speech_like(1.0, 24000, 5), speech_like(0.6, 16000, 6), speech_like(0.8, 44100, 7)]
+    rates = [24000, 16000, 44100]
+    paths = []
+    for k, (clip, rate) in enumerate(zip(clips, rates)):
+        paths.append(str(tmp_path / f"clip{k}.flac"))
+        soundfile.write(paths[-1], clip, rate)
+    audio = [{"bytes": open(paths[0], "rb").read(), "path": None}, {"bytes": None, "path": paths[1]},
+             {"bytes": open(paths[2], "rb").read(), "path": "clip2.flac"}]
+    import pyarrow as pa
+
+    # built as Arrow (as a Parquet or hub dataset arrives), then typed: datasets' own encoder needs torchcodec
+    table = pa.table({"audio": pa.array(audio, pa.struct([("bytes", pa.binary()), ("path", pa.string())])),
+                      "text": ["one", "two", "three"], "id": ["u0", "u1", "u2"]})
+    dataset = datasets.Dataset(table).cast(datasets.Features({"audio": datasets.Audio(), "text": datasets.Value("string"),
+                                                              "id": datasets.Value("string")}))
+    dataset.save_to_disk(str(tmp_path / "saved"))
+    rows = RowFormat(columns=("text",), format="orpheus")
+    ds.encode_dataset(dataset, tmp_path / "a", codec, progress=False, rows=rows)
+    ds.encode_dataset(str(tmp_path / "saved"), tmp_path / "b", codec, progress=False, rows=rows)
+    a, b = list(ds.read_shards(tmp_path / "a")), list(ds.read_shards(tmp_path / "b"))
+    unplaced = [[{k: v for k, v in r.items() if k != "path"} for r in rows] for rows in (a, b)]
+    assert unplaced[0] == unplaced[1]  # save_to_disk embeds a path's file: only the path differs
+    assert [r["id"] for r in a] == ["u0", "u1", "u2"] and [r["text"] for r in a] == ["one", "two", "three"]
+    assert [r["sampling_rate"] for r in a] == rates and all(r["error"] is None for r in a)
+    for row, path in zip(a, paths):
+        clip = ds.read_clip(ds.AudioInput(row["id"], path), codec.sampling_rate)
+        with torch.inference_mode():
+            want = codec.encode(torch.from_numpy(clip.audio).view(1, 1, -1))
+        assert row["codes_2"] == want[2][0].tolist() and row["orpheus_ids"] == ORPHEUS.codes_to_ids(want).tolist()
+    with pytest.raises(ValueError, match="no column 'speaker'"):
+        ds.encode_dataset(dataset, tmp_path / "c", codec, rows=RowFormat(columns=("speaker",)))
+
+
+@pytest.mark.heavy
+def test_encode_dataset_command_with_orpheus_rows(shards, tmp_path, capsys):
+    from snac_fast.cli import main
+    from snac_fast.synthetic import make_checkpoint
+
+    root, _ = shards
+    model = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))
+    assert main(["encode-dataset", str(root / "shard-*.tar"), str(tmp_path / "out"), "--model", model, "--device", "cpu",
+                 "--format", "orpheus", "--columns", "text,speaker", "--remove-duplicate-frames"]) == 0
+    assert "6 files in 1 shards" in capsys.readouterr().out
+    rows = {r["id"]: r for r in ds.read_shards(tmp_path / "out")}
+    assert rows["spk1/utt_a"]["speaker"] == "spk1" and len(rows["spk1/utt_a"]["orpheus_ids"]) % 7 == 0
+    assert main(["encode-dataset", str(root / "shard-000.tar"), str(tmp_path / "x"), "--remove-duplicate-frames"]) == 2
+    assert "add --format orpheus" in capsys.readouterr().err

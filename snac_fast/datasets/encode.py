@@ -28,7 +28,7 @@ from snac_fast.datasets.runs import find_checkpoint, model_name
 from snac_fast.datasets.shards import check_run, require_pyarrow, shard_name
 
 
-def encode_dataset(source: str | Path, out: str | Path, codec=None, *, model: str | None = None,
+def encode_dataset(source: "str | Path | datasets.Dataset", out: str | Path, codec=None, *, model: str | None = None,
                    engine: str = "local", address: str | None = None, model_options: dict | None = None,
                    files_per_shard: int = 256, batch_seconds: float = 300.0, pad_seconds: float = 1.0,
                    suffixes: Sequence[str] | None = None, loaders: int | None = None, progress: bool = True,

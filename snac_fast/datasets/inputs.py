@@ -21,6 +21,8 @@ MANIFEST_SUFFIXES = (".parquet", ".jsonl")
 
 LIST_SUFFIXES = (".txt", ".lst")
 TAR_SUFFIX = ".tar"
+HF_PREFIX = "hf:"  # hf:NAME[@SPLIT]: a dataset through datasets.load_dataset
+AUDIO_COLUMN = "audio"
 # a WebDataset sample's audio member, by preference when a sample has several
 AUDIO_MEMBERS = ("flac", "wav", "mp3", "opus", "ogg")
 
@@ -50,17 +52,23 @@ class Clip:
     error: str | None
 
 
-def list_inputs(source: str | Path, suffixes: Sequence[str] | None = None,
+def list_inputs(source: "str | Path | datasets.Dataset", suffixes: Sequence[str] | None = None,
                 columns: Sequence[str] = ()) -> list[AudioInput]:
     """The inputs ``source`` names, sorted by id. A folder: every file under it (hidden ones and
     those not ending in one of ``suffixes`` excepted), id = its path relative to the folder. A
     .txt/.lst file: one path per line (ids: the paths). A .parquet/.jsonl manifest: a ``path`` or
     ``audio`` (bytes) column and an optional ``id`` column (default: the path, or the row number).
-    WebDataset shards: a .tar file or a glob of them (``data/shard-*.tar``): a sample per key
+    A Hugging Face dataset: a ``datasets.Dataset``, a ``save_to_disk`` folder, or ``hf:NAME[@SPLIT]``
+    (``load_dataset``): its ``audio`` column (bytes or paths, any rate), id = its ``id`` column or the
+    row number. WebDataset shards: a .tar file or a glob of them (``data/shard-*.tar``): a sample per key
     (a member's path up to the first dot of its name), its audio member (.flac, .wav, .mp3, .opus,
     .ogg) read in place when its clip is read (never extracted), its .json member's fields the
     sample's columns; id = the key. ``columns``: the fields carried to each row (manifest columns,
     JSON fields)."""
+    if _is_hf_dataset(source):
+        return _unique("the dataset", _dataset_inputs(source, columns))
+    if isinstance(source, str) and source.startswith(HF_PREFIX):
+        return _unique(source, _dataset_inputs(_load_hf(source[len(HF_PREFIX):]), columns))
     if isinstance(source, str) and glob.has_magic(source):
         tars = sorted(glob.glob(source))
         if not tars or not all(t.endswith(TAR_SUFFIX) for t in tars):
@@ -72,6 +80,10 @@ def list_inputs(source: str | Path, suffixes: Sequence[str] | None = None,
         raise FileNotFoundError(f"{source} does not exist")
     if source.suffix.lower() == TAR_SUFFIX and source.is_file():
         return _unique(source, _tar_inputs([str(source)], columns))
+    if source.is_dir() and (source / "state.json").is_file() and (source / "dataset_info.json").is_file():
+        from datasets import load_from_disk  # a Hugging Face dataset saved with save_to_disk
+
+        return _unique(source, _dataset_inputs(load_from_disk(str(source)), columns))
     if source.is_dir():
         keep = tuple(s.lower() for s in suffixes) if suffixes else None
         inputs = [AudioInput(id, path) for id, path in _files_under(str(source), "")
@@ -85,6 +97,47 @@ def list_inputs(source: str | Path, suffixes: Sequence[str] | None = None,
         raise ValueError(f"{source}: expected a folder, a .txt/.lst list of paths, a .parquet/.jsonl manifest or "
                          "WebDataset .tar shards")
     return _unique(source, inputs)
+
+
+def _is_hf_dataset(source) -> bool:
+    return type(source).__name__ == "Dataset" and type(source).__module__.startswith("datasets")
+
+
+def _load_hf(name: str):
+    """``NAME`` or ``NAME@SPLIT`` (default train) through ``datasets.load_dataset``: a hub dataset,
+    or a loader with its files (``parquet@train`` needs data_files: use the Python call)."""
+    try:
+        from datasets import load_dataset
+    except ImportError:
+        raise ImportError("hf: sources need Hugging Face datasets: pip install datasets") from None
+    name, _, split = name.partition("@")
+    return load_dataset(name, split=split or "train")
+
+
+def _dataset_inputs(dataset, columns: Sequence[str], audio_column: str = AUDIO_COLUMN) -> list[AudioInput]:
+    """A Hugging Face dataset's rows: its audio column read undecoded (bytes, or a path), the rows'
+    ``columns`` carried, id = its ``id`` column or the row's number. The audio's bytes are held in
+    memory, as a Parquet manifest's are."""
+    from datasets import Audio
+
+    if audio_column not in dataset.column_names:
+        raise ValueError(f"the dataset has no {audio_column!r} column (it has {dataset.column_names[:12]})")
+    missing = [c for c in columns if c not in dataset.column_names]
+    if missing:
+        raise ValueError(f"the dataset has no column {missing[0]!r} to carry (it has {dataset.column_names[:12]})")
+    keep = [audio_column, *columns, *(["id"] if "id" in dataset.column_names and "id" not in columns else [])]
+    dataset = dataset.select_columns(keep)
+    if isinstance(dataset.features[audio_column], Audio):
+        dataset = dataset.cast_column(audio_column, Audio(decode=False))
+    inputs = []
+    for n, row in enumerate(dataset):
+        audio = row[audio_column]
+        data, path = (audio.get("bytes"), audio.get("path")) if isinstance(audio, dict) else \
+            (audio, None) if isinstance(audio, bytes) else (None, audio)
+        problem = None if data or path else f"its {audio_column!r} holds neither bytes nor a path"
+        inputs.append(AudioInput(str(row.get("id", n)), None if data else path, data or None,
+                                 columns={c: row.get(c) for c in columns}, problem=problem))
+    return inputs
 
 
 def _unique(source, inputs: list[AudioInput]) -> list[AudioInput]:
