@@ -8,16 +8,17 @@ import uvicorn
 
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.fake_lm import FakeLM
+from snac_fast.serve.limits import uvicorn_options
 
 
 class LiveServer:
     """An ASGI app served by uvicorn on 127.0.0.1 (an ephemeral port) in a thread."""
 
-    def __init__(self, app, **tls) -> None:
-        """``tls``: uvicorn's ``ssl_certfile`` and ``ssl_keyfile`` (https and wss)."""
-        self.tls = bool(tls)
+    def __init__(self, app, **options) -> None:
+        """``options``: more of uvicorn's (``ssl_certfile`` and ``ssl_keyfile``: https and wss)."""
+        self.tls = "ssl_certfile" in options
         self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning",
-                                                    timeout_graceful_shutdown=120, **tls))
+                                                    timeout_graceful_shutdown=120, **options))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
 
     def __enter__(self) -> "LiveServer":
@@ -41,5 +42,5 @@ def serving(codec, tls: dict | None = None, **options):
     with LiveServer(lm.app) as lm_server:
         config = ServeSettings(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
         app = create_app(codec, config)
-        with LiveServer(app, **(tls or {})) as server:
+        with LiveServer(app, **uvicorn_options(config), **(tls or {})) as server:
             yield server, lm, app.state.server

@@ -23,6 +23,7 @@ from snac_fast.serve.auth import BearerKey
 from snac_fast.serve.backend import Backend, EngineProcessBackend, InProcessBackend
 from snac_fast.serve.batchers import freeze_startup_objects
 from snac_fast.serve.formats import FORMATS, StreamEncoder, pcm_bytes
+from snac_fast.serve.limits import BodyLimit, StreamOwners
 from snac_fast.serve.lm_client import LMClient
 from snac_fast.serve.metrics import ServeMetrics
 from snac_fast.serve.page import page
@@ -44,6 +45,7 @@ class SpeechServer:
         self.frame_seconds = backend.samples_per_frame / backend.rate
         self.metrics = ServeMetrics(self.frame_seconds, backend.max_streams)
         self.draining = False
+        self.owners = StreamOwners(settings.max_streams_per_key)
         self.lm = LMClient(settings)
         self._lm_state: tuple[float, str, str | None] = (-LM_PROBE_S, "not_configured", None)
 
@@ -55,11 +57,24 @@ class SpeechServer:
             self._lm_state = (time.monotonic(), status, why)
         return status, why
 
-    async def open_stream(self, seed: int | None) -> int | None:
-        """A stream id, or None when the engine is full or the server is shutting down."""
+    async def open_stream(self, seed: int | None, client: str = "server") -> int | None:
+        """A stream id, or None when the engine is full or the server is shutting down;
+        :class:`~snac_fast.serve.limits.TooManyStreams` when ``client`` holds its most already.
+        Every stream opened here ends with :meth:`stream_ended`."""
         if self.draining:
             return None
-        return await self.backend.open(seed)
+        self.owners.check(client)
+        sid = await self.backend.open(seed)
+        if sid is not None:
+            self.owners.add(sid, client)
+        return sid
+
+    def stream_ended(self, sid: int, release: bool = False) -> None:
+        """A stream is over, however it ended: its client's count goes down; ``release``: free its
+        slot if it is still open (an error, a client gone)."""
+        self.owners.done(sid)
+        if release and self.backend.is_open(sid):
+            self.backend.release(sid)
 
     async def push(self, sid: int, ids) -> np.ndarray:
         start = time.perf_counter()
@@ -92,8 +107,9 @@ class SpeechServer:
                 await self.backend.push(sid, frame)
             await self.backend.flush(sid)
         except BaseException:
-            self.backend.release(sid)
+            self.stream_ended(sid, release=True)
             raise
+        self.stream_ended(sid)
 
     async def close(self) -> None:
         """Graceful shutdown: no new streams, then wait (up to :data:`DRAIN_S`) for the open ones to end."""
@@ -179,7 +195,9 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
         yield
         await server.close()
 
-    middleware = [Middleware(BearerKey, key=settings.api_key)] if settings.api_key else []
+    middleware = [Middleware(BodyLimit, max_bytes=settings.max_body_bytes)]
+    if settings.api_key:
+        middleware.insert(0, Middleware(BearerKey, key=settings.api_key))  # outermost: the key first
     app = Starlette(routes=[Route("/", page), Route("/v1/audio/speech", speech, methods=["POST"]),
                             WebSocketRoute("/v1/audio/stream", stream_ids),
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", stream_input),

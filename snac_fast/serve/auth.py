@@ -21,21 +21,39 @@ class BearerKey:
     shows in the time taken)."""
 
     def __init__(self, app, key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
+        """``key``: one key, or several separated by commas (each a client of its own, for the
+        per-key limits)."""
         self.app, self.open_paths = app, open_paths
-        self._key = _digest(key.encode())
+        self._keys = [_digest(k.strip().encode()) for k in key.split(",") if k.strip()]
 
-    def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        """``Authorization: Bearer KEY``, or ElevenLabs' ``xi-api-key: KEY`` (their clients send it)."""
+    def key_index(self, headers: list[tuple[bytes, bytes]]) -> int | None:
+        """Which key the request holds (``Authorization: Bearer KEY``, or ElevenLabs' ``xi-api-key:
+        KEY``, which their clients send), or None. Every key is compared, each in constant time."""
         given = next((v for k, v in headers if k == b"authorization"), b"")
         scheme, _, token = given.partition(b" ")
-        if hmac.compare_digest(_digest(token.strip()), self._key) and scheme.lower() == b"bearer":
-            return True
+        candidates = [token.strip()] if scheme.lower() == b"bearer" else []
         xi = next((v for k, v in headers if k == b"xi-api-key"), None)
-        return xi is not None and hmac.compare_digest(_digest(xi.strip()), self._key)
+        if xi is not None:
+            candidates.append(xi.strip())
+        found = None
+        for candidate in candidates:
+            digest = _digest(candidate)
+            for n, key in enumerate(self._keys):
+                if hmac.compare_digest(digest, key) and found is None:
+                    found = n
+        return found
+
+    def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        return self.key_index(headers) is not None
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] not in ("http", "websocket") or scope["path"] in self.open_paths \
-                or self.allowed(scope.get("headers", [])):
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        index = self.key_index(scope.get("headers", []))
+        if index is not None or scope["path"] in self.open_paths:
+            if index is not None:  # the client, for the per-key limits (request.state.client)
+                scope.setdefault("state", {})["client"] = f"key {index}"
             await self.app(scope, receive, send)
             return
         if scope["type"] == "websocket":

@@ -72,7 +72,7 @@ class SpeechRequest:
         if model is not None and not isinstance(model, str):
             raise RequestError("'model' must be a string", param="model")
         name = body.get("response_format", DEFAULT_FORMAT)
-        if name not in FORMATS:
+        if not isinstance(name, str) or name not in FORMATS:
             raise RequestError(f"'response_format' must be one of {list(OPENAI_FORMATS)} (or "
                                f"{', '.join(n for n in FORMATS if n not in OPENAI_FORMATS)}), got {name!r}",
                                param="response_format")
@@ -106,8 +106,8 @@ class SpeechRequest:
         if not stream and stream_format == "sse":
             raise RequestError("'stream' false cannot be an SSE stream", param="stream")
         seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError("'seed' must be an integer", param="seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 63):
+            raise RequestError("'seed' must be an integer of 64 signed bits", param="seed")
         return cls(text, voice, model, name, rate, sample_format, stream_format, stream, seed)
 
 

@@ -11,6 +11,7 @@ import signal
 import threading
 
 from snac_fast.serve.engine_client import EngineLostError
+from snac_fast.serve.limits import uvicorn_options
 from snac_fast.serve.settings import ServeSettings
 from snac_fast.serve.workers import check_port_free, run_workers
 
@@ -101,10 +102,10 @@ def serve(settings: ServeSettings) -> None:
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         if settings.workers > 1:  # each worker on its own SO_REUSEPORT socket: the kernel spreads the connections
-            run_workers(APP, settings.host, settings.port, settings.workers, GRACEFUL_SHUTDOWN_S)
+            run_workers(APP, settings.host, settings.port, settings.workers, GRACEFUL_SHUTDOWN_S, limits=settings)
         else:
             uvicorn.run(APP, factory=True, host=settings.host, port=settings.port,
-                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info")
+                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info", **uvicorn_options(settings))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -98,6 +98,18 @@ class ServeSettings:
                                       "answers on one asyncio event loop instead of threads (docs/serving.md)")
     api_key: str | None = _option(None, f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
                                   f"${API_KEY_VARIABLE}, else none)", shown="none")
+    # limits of a public endpoint (docs/server.md, "Limits")
+    max_body_bytes: int = _option(262144, "largest request body in bytes (413 past it)", group="limits")
+    max_streams_per_key: int = _option(0, "open streams at most per API key (per client address without a key; "
+                                       "0: no limit; 429 past it)", group="limits")
+    max_ws_message_bytes: int = _option(1 << 20, "largest WebSocket message in bytes (the socket closes 1009 past it)",
+                                        group="limits")
+    max_ws_messages_per_s: float = _option(200.0, "WebSocket messages a second per connection, sustained (twice as "
+                                           "many in a burst; the socket closes 1008 past it)", group="limits")
+    ws_idle_timeout_s: float = _option(60.0, "seconds an ids WebSocket may send nothing before it is closed",
+                                       flag="--ws-idle-timeout", group="limits")
+    header_timeout_s: float = _option(10.0, "seconds a connection may take to send its request's headers (a slow "
+                                      "client is dropped)", flag="--header-timeout", group="limits")
     max_input_chars: int = _option(20000, "longest speech 'input' in characters (~20 minutes of speech; OpenAI's "
                                    "own limit is 4,096)")
     segment_chars: int = _option(200, "a longer 'input' is spoken as segments of at most this many characters cut "
@@ -111,7 +123,12 @@ class ServeSettings:
         for name in ("max_streams", "max_batch", "workers", "max_tokens", "max_input_chars", "segment_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("idle_timeout_s", "lm_timeout_s"):
+        for name in ("max_body_bytes", "max_ws_message_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.max_streams_per_key < 0:
+            raise ValueError(f"--max-streams-per-key must be >= 0, got {self.max_streams_per_key}")
+        for name in ("idle_timeout_s", "lm_timeout_s", "max_ws_messages_per_s", "ws_idle_timeout_s", "header_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{_flag(name)} must be > 0, got {getattr(self, name):g}")
         if self.max_wait_ms < 0:
@@ -185,7 +202,8 @@ def _orpheus() -> "TokenLayout":
     return ORPHEUS
 
 
-_GROUPS = {"model": "model", "engine": "engine and batching", "lm": "language model", "server": "HTTP server"}
+_GROUPS = {"model": "model", "engine": "engine and batching", "lm": "language model", "server": "HTTP server",
+           "limits": "limits of a public endpoint"}
 
 
 def _flag_fields() -> list[dataclasses.Field]:

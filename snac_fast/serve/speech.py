@@ -22,6 +22,7 @@ import numpy as np
 
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import FLOAT_FORMATS, FORMATS, StreamEncoder
+from snac_fast.serve.limits import TooManyStreams, client_of
 from snac_fast.serve.lm_client import LMBusyError, LMOutputError
 from snac_fast.serve.protocol import RequestError, SpeechRequest
 from snac_fast.serve.segments import split_text
@@ -85,10 +86,14 @@ async def speech(request):
         server.metrics.outcome("speech", "bad_request")
         return _error(e)
     try:
-        sid = await server.open_stream(speech_request.seed)
+        sid = await server.open_stream(speech_request.seed, client_of(request.scope))
     except EngineLostError as e:
         server.metrics.outcome("speech", "engine_lost")
         return error_response(503, str(e), "engine_unavailable")
+    except TooManyStreams as e:
+        server.metrics.outcome("speech", "client_limit")
+        return _error(RequestError(str(e), status=429, kind="rate_limit_exceeded", code="too_many_streams"),
+                      **{"Retry-After": "1"})
     if sid is None:
         server.metrics.outcome("speech", "busy")
         return error_response(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
@@ -260,9 +265,8 @@ async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice:
         if audio.size:
             yield audio
         server.metrics.outcome("speech", "done")
-    finally:
-        if not finished:  # an error, or the client went away: free the slot now
-            server.backend.release(sid)
+    finally:  # an error, or the client went away: free the slot now
+        server.stream_ended(sid, release=not finished)
 
 
 def _outcome(error: Exception) -> str:

@@ -29,6 +29,7 @@ import re
 
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import FORMATS, AudioFormat, StreamEncoder
+from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
 from snac_fast.serve.lm_client import LMOutputError
 from snac_fast.serve.segments import ended_sentences, split_text
 from snac_fast.serve.speech import speech_chunks
@@ -70,9 +71,12 @@ async def stream_input(websocket) -> None:
         await _close_with_error(websocket, problem, "invalid_request", 1008)
         return
     try:
-        sid = await server.open_stream(None)
+        sid = await server.open_stream(None, client_of(websocket.scope))
     except EngineLostError as e:
         await _close_with_error(websocket, str(e), "engine_unavailable", 1011)
+        return
+    except TooManyStreams as e:
+        await _close_with_error(websocket, str(e), "too_many_streams", 1008)
         return
     if sid is None:
         await _close_with_error(websocket, "all stream slots are in use; retry shortly", "server_busy", 1013)
@@ -99,6 +103,7 @@ async def stream_input(websocket) -> None:
         """Text in until its end; a client gone stops the speaking at once (its slot freed)."""
         nonlocal timed_out
         buffer = ""
+        rate = MessageRate(server.settings.max_ws_messages_per_s)
         try:
             while True:
                 try:
@@ -108,6 +113,11 @@ async def stream_input(websocket) -> None:
                     return
                 if raw["type"] == "websocket.disconnect":
                     speaker.cancel()
+                    return
+                if not rate.allow():
+                    speaker.cancel()
+                    await _close_with_error(websocket, "more messages than --max-ws-messages-per-s",
+                                            "rate_limited", 1008)
                     return
                 message = _message(raw.get("text"))
                 if isinstance(message, str):
@@ -153,6 +163,7 @@ async def stream_input(websocket) -> None:
     finally:
         receiver.cancel()
         speaker.cancel()
+        server.stream_ended(sid, release=True)  # a speaker cancelled before it began never released it
 
 
 def _timeout(text: str | None) -> float | None:

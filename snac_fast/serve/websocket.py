@@ -8,12 +8,14 @@ the decoder's noise.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import numpy as np
 
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import pcm_bytes
+from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
 from snac_fast.serve.protocol import SAMPLE_FORMATS
 
 CLOSE_REASON_BYTES = 120  # a close frame's reason holds 123 bytes
@@ -26,10 +28,17 @@ async def stream_ids(websocket) -> None:
     server = websocket.app.state.server
     await websocket.accept()
     seed = websocket.query_params.get("seed")
+    seed = int(seed) if seed and seed.lstrip("-").isdigit() else None
+    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
+        await websocket.close(code=1008, reason="seed must be an integer of 64 signed bits")
+        return
     try:
-        sid = await server.open_stream(int(seed) if seed and seed.lstrip("-").isdigit() else None)
+        sid = await server.open_stream(seed, client_of(websocket.scope))
     except EngineLostError as e:
         await websocket.close(code=1011, reason=str(e)[:CLOSE_REASON_BYTES])
+        return
+    except TooManyStreams as e:
+        await websocket.close(code=1008, reason=str(e)[:CLOSE_REASON_BYTES])
         return
     if sid is None:
         await websocket.close(code=1013, reason="all stream slots are in use; retry shortly")
@@ -37,14 +46,22 @@ async def stream_ids(websocket) -> None:
     sample_format = websocket.query_params.get("sample_format", "s16")
     backend = server.backend
     if sample_format not in SAMPLE_FORMATS:
-        backend.release(sid)
+        server.stream_ended(sid, release=True)
         await websocket.close(code=1003, reason=f"sample_format must be one of {list(SAMPLE_FORMATS)}")
         return
     ended = False
+    rate = MessageRate(server.settings.max_ws_messages_per_s)
     try:
         while True:
-            message = await websocket.receive()
+            try:
+                message = await asyncio.wait_for(websocket.receive(), server.settings.ws_idle_timeout_s)
+            except asyncio.TimeoutError:
+                await websocket.close(code=1008, reason=f"nothing sent for {server.settings.ws_idle_timeout_s:g} s")
+                break
             if message["type"] == "websocket.disconnect":
+                break
+            if not rate.allow():
+                await websocket.close(code=1008, reason="more messages than --max-ws-messages-per-s")
                 break
             parsed = _parse(message)
             if isinstance(parsed, str):
@@ -77,8 +94,7 @@ async def stream_ids(websocket) -> None:
     except (WebSocketDisconnect, OSError):
         pass
     finally:
-        if not ended:
-            backend.release(sid)
+        server.stream_ended(sid, release=not ended)
         server.metrics.outcome("stream", "done" if ended else "closed")
 
 

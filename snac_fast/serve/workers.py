@@ -57,13 +57,17 @@ def _shared_socket(family: socket.AddressFamily, address: tuple) -> socket.socke
     return sock
 
 
-def _worker(app: str, family: socket.AddressFamily, address: tuple, ready, graceful_s: float, log_level: str) -> None:
+def _worker(app: str, family: socket.AddressFamily, address: tuple, ready, graceful_s: float, log_level: str,
+            limits) -> None:
     """One worker process: uvicorn on its own ``SO_REUSEPORT`` socket, which starts listening only
     once the app has started (its model loaded and warmed up), so no connection waits on a worker
-    that cannot serve it yet."""
+    that cannot serve it yet. ``limits``: settings for :func:`~snac_fast.serve.limits.uvicorn_options`."""
     import uvicorn
 
-    config = uvicorn.Config(app, factory=True, timeout_graceful_shutdown=graceful_s, log_level=log_level)
+    from snac_fast.serve.limits import uvicorn_options
+
+    options = uvicorn_options(limits) if limits is not None else {}
+    config = uvicorn.Config(app, factory=True, timeout_graceful_shutdown=graceful_s, log_level=log_level, **options)
     server = uvicorn.Server(config)
 
     def tell_when_started() -> None:
@@ -77,10 +81,12 @@ def _worker(app: str, family: socket.AddressFamily, address: tuple, ready, grace
         sys.exit(STARTUP_FAILURE)
 
 
-def run_workers(app: str, host: str, port: int, workers: int, graceful_s: float, log_level: str = "info") -> None:
+def run_workers(app: str, host: str, port: int, workers: int, graceful_s: float, log_level: str = "info",
+                limits=None) -> None:
     """Serve ``app`` (an import string of an app factory) from ``workers`` processes on ``host:port``
-    until SIGINT or SIGTERM. Raises :class:`ServeFailure` when the port is taken or a worker fails
-    before it ever served."""
+    until SIGINT or SIGTERM. ``limits``: the settings whose limits uvicorn enforces (a
+    :class:`~snac_fast.serve.ServeSettings`). Raises :class:`ServeFailure` when the port is taken
+    or a worker fails before it ever served."""
     check_port_free(host, port)
     family, address = listen_address(host, port)
     # held, bound and never listening, by the parent: the port stays this server's while a worker
@@ -92,7 +98,7 @@ def run_workers(app: str, host: str, port: int, workers: int, graceful_s: float,
 
     def start() -> tuple:
         ready = context.Event()
-        process = context.Process(target=_worker, args=(app, family, address, ready, graceful_s, log_level),
+        process = context.Process(target=_worker, args=(app, family, address, ready, graceful_s, log_level, limits),
                                   name="snac-fast-serve-worker")
         process.start()
         return process, ready
