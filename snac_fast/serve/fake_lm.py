@@ -39,12 +39,15 @@ class FakeLM:
     each finished request's first-frames time and chunk times are appended as a JSON line (one file
     per process). ``chars_per_second``: random answers as long as the prompt's text takes to speak
     at that rate (as a real TTS LM's), not ``frames``. ``cut_fraction``: that share of random answers
-    stops mid-frame with no end of speech (chosen by the text)."""
+    stops mid-frame with no end of speech (chosen by the text). ``faults``: the shares of random
+    answers that fail (a 500, or the stream cut half way), stall (silent for ``stall_seconds`` half
+    way) and send junk (a token of the wrong slot half way), chosen by the text."""
 
     def __init__(self, pace: float = 0.0, frames: int = 60, frame_seconds: float = 2048 / 24000,
                  layout: TokenLayout = ORPHEUS, first_frames: int = 4, seed: int = 0, split_tokens: bool = False,
                  stats_dir: str | None = None, chars_per_second: float | None = None,
-                 cut_fraction: float = 0.0) -> None:
+                 cut_fraction: float = 0.0, faults: tuple[float, float, float] = (0.0, 0.0, 0.0),
+                 stall_seconds: float = 30.0) -> None:
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse
         from starlette.routing import Route
@@ -52,6 +55,7 @@ class FakeLM:
         self.pace, self.frames, self.frame_seconds, self.layout = pace, frames, frame_seconds, layout
         self.first_frames, self.seed, self.split_tokens = first_frames, seed, split_tokens
         self.chars_per_second, self.cut_fraction = chars_per_second, cut_fraction
+        self.faults, self.stall_seconds = tuple(faults), stall_seconds
         self.scripts: dict[str, dict] = {}
         self.prompts: list[str] = []
         self.first_sent: dict[str, float] = {}  # prompt text -> when its first_frames-th frame's last token left
@@ -94,10 +98,16 @@ class FakeLM:
         codes = rng.integers(0, self.layout.codebook_size, (frames, per_frame))
         ids = (codes + self.layout.offset + np.arange(per_frame) * self.layout.codebook_size).reshape(-1).tolist()
         cut = rng.random() < self.cut_fraction
-        return {"ids": ids[:-3] if cut else ids, "end": not cut, "delay": None}
+        fail, stall, junk = self.faults
+        draw = rng.random()
+        fault = "fail" if draw < fail else "stall" if draw < fail + stall else "junk" if draw < fail + stall + junk else None
+        if fault == "junk":  # a token of the next slot's range where this slot's should be
+            at = len(ids) // 2
+            ids[at] = self.layout.offset + ((at + 1) % per_frame) * self.layout.codebook_size + 5
+        return {"ids": ids[:-3] if cut else ids, "end": not cut, "delay": None, "fault": fault}
 
     async def completions(self, request):
-        from starlette.responses import StreamingResponse
+        from starlette.responses import JSONResponse, StreamingResponse
 
         received = time.monotonic()
         body = await request.json()
@@ -106,6 +116,9 @@ class FakeLM:
         text = prompt.split(": ", 1)[-1].split("<|eot_id|>")[0]
         self.received[text] = received
         script = self.scripts.get(text) or self._random_answer(text)
+        fault = script.get("fault")
+        if fault == "fail" and len(text) % 2:  # half the failures at once, half after some audio
+            return JSONResponse({"error": {"message": "the fake LM failed (injected)"}}, status_code=500)
         size = self.layout.frame_size
         text_out = "".join(f"<custom_token_{i - CUSTOM_TOKEN_ID}>" for i in script["ids"])
         token_ends = np.cumsum([len(f"<custom_token_{i - CUSTOM_TOKEN_ID}>") for i in script["ids"]])
@@ -114,9 +127,15 @@ class FakeLM:
         rng = random.Random(len(text_out))
 
         async def events():
+            nonlocal fault
             start, at = time.monotonic(), 0
             sends = []  # (when a chunk left, whole tokens sent so far)
             while at < len(text_out):
+                if fault in ("fail", "stall") and at >= len(text_out) // 2:
+                    if fault == "fail":
+                        raise RuntimeError("the fake LM's stream cut (injected)")
+                    await asyncio.sleep(self.stall_seconds)
+                    fault = None
                 if self.split_tokens:  # cut anywhere, tokens too: a server must join them again
                     end = min(at + rng.randint(1, 60), len(text_out))
                 else:  # 1-4 whole tokens a chunk, as LM servers flush them
@@ -180,10 +199,14 @@ def main() -> None:
     parser.add_argument("--chars-per-second", type=float, default=None,
                         help="answers as long as the text takes to speak at this rate (default: --frames)")
     parser.add_argument("--cut-fraction", type=float, default=0.0, help="share of answers cut mid-frame")
+    parser.add_argument("--faults", default="0,0,0", help="shares of answers that fail, stall, send junk (e.g. 0.02,0.02,0.01)")
+    parser.add_argument("--stall-seconds", type=float, default=30.0, help="how long a stalling answer is silent")
     args = parser.parse_args()
     os.environ[ENVIRONMENT] = json.dumps({"pace": args.pace, "frames": args.frames, "stats_dir": args.stats_dir,
                                           "chars_per_second": args.chars_per_second,
-                                          "cut_fraction": args.cut_fraction})
+                                          "cut_fraction": args.cut_fraction,
+                                          "faults": [float(f) for f in args.faults.split(",")],
+                                          "stall_seconds": args.stall_seconds})
     app = "snac_fast.serve.fake_lm:app_from_environment"
     if args.workers > 1:  # the server's workers: one SO_REUSEPORT socket each, so a burst is spread over them
         run_workers(app, args.host, args.port, args.workers, graceful_s=5, log_level="warning")

@@ -769,3 +769,31 @@ def test_fake_lm_answers_as_long_as_its_text_and_cuts_a_share_mid_frame():
     assert all(len(a["ids"]) % 7 == (4 if c else 0) for a, c in zip(answers, cut))
     assert 0.18 < sum(cut) / len(cut) < 0.32  # the share asked for (binomial, 400 texts)
     assert lm._random_answer(texts[3]) == answers[3]  # the same text, the same answer
+
+
+def test_fake_lm_injects_failures_stalls_and_junk_into_a_share_of_answers(codec):
+    """The soak's faults, each seen by a live server as a client would: a 502 or an SSE stream
+    ended by an error event (failure), a 502 naming the silence (stall past --lm-timeout), a 502
+    naming the token (junk); and the slots all come back."""
+    with serving(codec, lm_timeout_s=1.0) as (server, lm, state):
+        lm.faults, lm.stall_seconds, lm.frames = (0.3, 0.3, 0.3), 3.0, 12
+        answers = {}
+        for k in range(24):
+            text = f"fault probe {k}"
+            answers[text] = lm._random_answer(text)["fault"]
+        got = {}
+        for text, fault in answers.items():
+            r = httpx.post(server.url + "/v1/audio/speech", json={"input": text, "response_format": "pcm",
+                                                                  "stream_format": "sse"}, timeout=30)
+            events = [json.loads(line[6:]) for line in r.text.split("\n\n") if line.startswith("data: ")] \
+                if r.status_code == 200 else []
+            got[text] = (r.status_code, events[-1]["type"] if events else r.json()["error"]["type"])
+        assert slots_freed(state)
+    kinds = set(answers.values())
+    assert {"fail", "stall", "junk", None} <= kinds  # each kind drawn (24 texts, shares 0.3 / 0.3 / 0.3 / 0.1)
+    for text, fault in answers.items():
+        status, last = got[text]
+        if fault is None:
+            assert (status, last) == (200, "speech.audio.done"), text
+        else:  # before the first audio a 502, after it an error event: never a clean end
+            assert (status, last) in ((502, "lm_output_error"), (200, "error")), (text, fault, got[text])
