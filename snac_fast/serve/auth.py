@@ -60,10 +60,15 @@ class BearerKey:
             await receive()  # websocket.connect
             await send({"type": "websocket.close", "code": 1008, "reason": "invalid or missing API key"})
             return
-        body = json.dumps({"error": {"message": "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
-                                     "type": "invalid_request_error", "param": None,
-                                     "code": "invalid_api_key"}}).encode()
-        await send({"type": "http.response.start", "status": 401,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"www-authenticate", b"Bearer")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'",
+                         "invalid_api_key", [(b"www-authenticate", b"Bearer")])
+
+
+async def send_error(send, status: int, message: str, code: str, headers: list[tuple[bytes, bytes]] = ()) -> None:
+    """An error in OpenAI's shape sent from ASGI middleware (before any route)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "param": None,
+                                 "code": code}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})

@@ -6,9 +6,10 @@ request's headers (:func:`header_timeout_protocol`). WebSocket message size is u
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
+
+from snac_fast.serve.auth import send_error
 
 
 class TooManyStreams(Exception):
@@ -102,13 +103,8 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _too_large(self, send) -> None:
-        body = json.dumps({"error": {"message": f"the request body is larger than {self.max_bytes} bytes",
-                                     "type": "invalid_request_error", "param": None,
-                                     "code": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                                (b"connection", b"close")]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, 413, f"the request body is larger than {self.max_bytes} bytes", "request_too_large",
+                         [(b"connection", b"close")])
 
 
 def header_timeout_protocol(timeout_s: float):

@@ -36,6 +36,11 @@ def split_text(text: str, max_chars: int) -> list[str]:
     pieces: list[str] = []
     for sentence in _pieces(text.strip(), _SENTENCE_END):
         pieces += _fitted(sentence, max_chars)
+    return _packed(pieces, max_chars)
+
+
+def _packed(pieces: list[str], max_chars: int) -> list[str]:
+    """Pieces joined by one space, in order, as many to a segment as fit in ``max_chars``."""
     segments: list[str] = []
     for piece in pieces:
         if segments and len(segments[-1]) + 1 + len(piece) <= max_chars:
@@ -78,10 +83,4 @@ def _fitted(sentence: str, max_chars: int) -> list[str]:
             line = f"{line} {word}" if line else word
         if line:
             out.append(line)
-    merged: list[str] = []  # clauses packed back together where they fit
-    for piece in out:
-        if merged and len(merged[-1]) + 1 + len(piece) <= max_chars:
-            merged[-1] += " " + piece
-        else:
-            merged.append(piece)
-    return merged
+    return _packed(out, max_chars)  # clauses packed back together where they fit

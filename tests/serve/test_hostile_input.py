@@ -67,20 +67,16 @@ id_messages = st.lists(st.one_of(ids.map(lambda i: json.dumps({"ids": i})), valu
                                  st.binary(max_size=40), st.text(max_size=30)), max_size=8)
 
 
-@pytest.mark.heavy
-@HYPOTHESIS
-@given(messages=id_messages)
-def test_any_ids_websocket_messages_get_audio_or_errors_then_done(live, messages):
+def exchange(url: str, messages: list) -> tuple[list, int | None]:
+    """Send every message on a WebSocket, then read until the server closes: (replies, close code);
+    within BOUND_S in all."""
     from websockets.asyncio.client import connect
     from websockets.exceptions import ConnectionClosed
 
-    server, _ = live
-
     async def talk():
-        async with connect(server.url.replace("http", "ws") + "/v1/audio/stream", max_size=None) as ws:
+        async with connect(url, max_size=None) as ws:
             for message in messages:
                 await ws.send(message)
-            await ws.send(json.dumps({"end": True}))
             replies = []
             try:
                 while True:
@@ -88,7 +84,16 @@ def test_any_ids_websocket_messages_get_audio_or_errors_then_done(live, messages
             except ConnectionClosed:
                 pass
             return replies, ws.close_code
-    replies, code = asyncio.run(asyncio.wait_for(talk(), BOUND_S))
+    return asyncio.run(asyncio.wait_for(talk(), BOUND_S))
+
+
+@pytest.mark.heavy
+@HYPOTHESIS
+@given(messages=id_messages)
+def test_any_ids_websocket_messages_get_audio_or_errors_then_done(live, messages):
+    server, _ = live
+    replies, code = exchange(server.url.replace("http", "ws") + "/v1/audio/stream",
+                             [*messages, json.dumps({"end": True})])
     texts = [json.loads(r) for r in replies if isinstance(r, str)]
     assert all(t["type"] in ("error", "done") and (t["type"] == "done" or t["message"]) for t in texts)
     assert code in (1000, 1011) and (code == 1011 or texts[-1] == {"type": "done"})
@@ -103,23 +108,9 @@ text_messages = st.lists(st.one_of(st.text(max_size=50).map(lambda t: json.dumps
 @HYPOTHESIS
 @given(messages=text_messages)
 def test_any_text_websocket_messages_get_audio_or_errors_then_final(live, messages):
-    from websockets.asyncio.client import connect
-    from websockets.exceptions import ConnectionClosed
-
     server, _ = live
-
-    async def talk():
-        url = server.url.replace("http", "ws") + "/v1/text-to-speech/tara/stream-input?output_format=pcm_16000"
-        async with connect(url, max_size=None) as ws:
-            for message in [json.dumps({"text": " "}), *messages, json.dumps({"text": ""})]:
-                await ws.send(message)
-            replies = []
-            try:
-                while True:
-                    replies.append(json.loads(await asyncio.wait_for(ws.recv(), BOUND_S)))
-            except ConnectionClosed:
-                pass
-            return replies, ws.close_code
-    replies, code = asyncio.run(asyncio.wait_for(talk(), BOUND_S))
+    url = server.url.replace("http", "ws") + "/v1/text-to-speech/tara/stream-input?output_format=pcm_16000"
+    replies, code = exchange(url, [json.dumps({"text": " "}), *messages, json.dumps({"text": ""})])
+    replies = [json.loads(r) for r in replies]
     assert all(("audio" in r) or ("isFinal" in r) or (r.get("error") and r.get("message")) for r in replies)
     assert code == 1000 and replies[-1] == {"isFinal": True}, (code, replies[-3:])
