@@ -27,10 +27,13 @@ is skipped silently: an empty, corrupt or non-audio file is a row with its error
 named by id) or Parquet shards with an ``audio`` column, skipping rows with an error (listed in
 ``out/_errors.jsonl``) and files already written.
 
-Modules: ``inputs`` (what a run reads), ``readers`` (reader processes), ``batching`` (clips to
-batches and codes back), ``shards`` (Parquet shards and the run's record), ``encode`` and
-``decode`` (the two runs), ``local_engine`` (one codec's shard loop), ``ray_engine`` (the same loop
-in Ray Data actors), ``runs`` (what both share).
+Inputs can also be a Hugging Face dataset or WebDataset tar shards, and rows can carry the inputs'
+columns and Orpheus training rows (``rows``: :class:`RowFormat`; docs/datasets.md).
+
+Modules: ``inputs`` (what a run reads), ``readers`` (reader processes), ``rows`` (what rows hold
+beside the codes), ``batching`` (clips to batches and codes back), ``shards`` (Parquet shards and
+the run's record), ``encode`` and ``decode`` (the two runs), ``local_engine`` (one codec's shard
+loop), ``ray_engine`` (the same loop in Ray Data actors), ``runs`` (what both share).
 """
 
 from snac_fast.datasets.batching import (
@@ -47,6 +50,7 @@ from snac_fast.datasets.decode import decode_dataset
 from snac_fast.datasets.encode import encode_back_to_back, encode_dataset
 from snac_fast.datasets.inputs import AudioInput, Clip, list_inputs, read_clip
 from snac_fast.datasets.local_engine import write_shard
+from snac_fast.datasets.rows import RowFormat
 from snac_fast.datasets.shards import read_shards, shard_name, shard_table
 
 __all__ = [
@@ -69,4 +73,5 @@ __all__ = [
     "write_shard",
     "encode_back_to_back",
     "decode_dataset",
+    "RowFormat",
 ]
