@@ -2,7 +2,7 @@
 
 Each option is a field with its default written here once; the ``serve`` command's flags are
 generated from the fields (:func:`add_arguments`, :meth:`ServeSettings.from_arguments`), the
-settings are checked in one place (:meth:`ServeSettings.check`), and they reach uvicorn's worker
+settings are checked in one place (:meth:`ServeSettings.check`), and they reach the worker
 processes as one JSON document in one environment variable (:meth:`ServeSettings.to_json`) and the
 engine process as the object itself (pickled by ``multiprocessing``).
 """
