@@ -296,7 +296,38 @@ def _conv_transpose(x: Tensor, weight: Tensor, packed: Tensor, bias: Tensor | No
             # (over 4x slower; docs/measurements.md)
             x = snake(x, alpha_in)
         return _conv_transpose_triton(x, packed, bias, stride)
+    if x.device.type == "cpu" and x.dtype == torch.float32:
+        return conv_transpose_phases(maybe_snake(x, alpha_in), weight, bias, stride)
     return conv_transpose_reference(x, weight, bias, stride, alpha_in).contiguous()
+
+
+def phase_conv_weight(weight: Tensor, stride: int) -> Tensor:
+    """[C_in, C_out, 2s] -> [C_out * s, C_in, 2]: output phase r of channel o takes input t - 1
+    through tap r + s and input t through tap r. Kept on the tensor for its version (packing block
+    1's 33.5 MB weight took longer than the conv)."""
+    kept = getattr(weight, "_snac_fast_phases", None)
+    if kept is not None and kept[0] == (weight._version, stride):
+        return kept[1]
+    C_in, C_out, _ = weight.shape
+    taps = weight.detach().permute(1, 2, 0)  # [C_out, 2s, C_in]
+    phases = torch.stack([taps[:, stride:], taps[:, :stride]], dim=-1).reshape(C_out * stride, C_in, 2).contiguous()
+    weight._snac_fast_phases = ((weight._version, stride), phases)
+    return phases
+
+
+def conv_transpose_phases(x: Tensor, weight: Tensor, bias: Tensor | None, stride: int) -> Tensor:
+    """SNAC's upsampling transposed conv (kernel 2s, padding ceil(s/2), output padding s % 2) as one
+    ordinary conv over each pair of neighbouring inputs, its C_out * s outputs the s phases: on a CPU
+    oneDNN runs it where the transposed conv took PyTorch's slow path (block 1 of the 24 kHz decoder:
+    6.7 -> 3.8 ms for 16 frames; docs/streaming.md). The same sums as
+    :func:`conv_transpose_reference` in another order."""
+    B, _, T = x.shape
+    C_out = weight.shape[1]
+    z = F.conv1d(F.pad(x, (1, 1)), phase_conv_weight(weight, stride))  # [B, C_out * s, T + 1]
+    full = z.view(B, C_out, stride, T + 1).transpose(2, 3).reshape(B, C_out, (T + 1) * stride)
+    pad, _ = upsampling_padding(stride)
+    y = full[:, :, pad:pad + T * stride]
+    return (y + bias[None, :, None] if bias is not None else y).contiguous()
 
 
 _conv_transpose_op = torch.library.custom_op("snac_fast::conv_transpose", _conv_transpose, mutates_args=())

@@ -82,3 +82,25 @@ def test_gpu_conv_transpose_kernel(cuda, dtype, C_in, C_out, stride):
     close(got.cpu(), conv_transpose_reference(d(x), d(w), d(b), stride, d(alpha)), dtype)
     got = conv_transpose(channels_last(x).to(cuda), w.to(cuda), b.to(cuda), stride)
     close(got.cpu(), conv_transpose_reference(d(x), d(w), d(b), stride), dtype)
+
+
+@pytest.mark.parametrize("stride", [2, 3, 4, 8])
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 17)])
+def test_cpu_phase_conv_is_the_transposed_conv(stride, B, T):
+    """The CPU path (one conv over neighbouring inputs, its outputs the phases) against the float64
+    transposed conv, with and without bias; a changed weight is packed again."""
+    from snac_fast.ops.conv_transpose import conv_transpose_phases, conv_transpose_reference
+
+    gen = torch.Generator().manual_seed(stride * 100 + T)
+    x = torch.randn(B, 12, T, generator=gen)
+    weight, bias = torch.randn(12, 5, 2 * stride, generator=gen), torch.randn(5, generator=gen)
+    for b in (bias, None):
+        want = conv_transpose_reference(x.double(), weight.double(), None if b is None else b.double(), stride)
+        got = conv_transpose_phases(x, weight, b, stride)
+        assert got.shape == want.shape and got.is_contiguous()
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        weight.mul_(-2)  # in place: a new version
+    torch.testing.assert_close(conv_transpose_phases(x, weight, bias, stride).double(),
+                               conv_transpose_reference(x.double(), weight.double(), bias.double(), stride),
+                               rtol=1e-5, atol=1e-5)
