@@ -104,3 +104,37 @@ def test_cpu_phase_conv_is_the_transposed_conv(stride, B, T):
     torch.testing.assert_close(conv_transpose_phases(x, weight, bias, stride).double(),
                                conv_transpose_reference(x.double(), weight.double(), bias.double(), stride),
                                rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.heavy
+def test_cpu_stream_through_the_phase_conv_equals_the_whole_decode():
+    """Without Triton's interpreter (as users run on a CPU): the fused modules' transposed convs
+    take the phase conv, and an exact stream still equals the whole decode (float32 >= 100 dB)."""
+    import os
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from snac_fast import FastSNAC
+from snac_fast.metrics import snr_db
+from snac_fast.ops import conv_transpose
+from snac_fast.orpheus import ORPHEUS
+from snac_fast.synthetic import synthetic_model
+calls = []
+phases = conv_transpose.conv_transpose_phases
+conv_transpose.conv_transpose_phases = lambda *a: calls.append(1) or phases(*a)
+codec = FastSNAC(synthetic_model("snac_24khz", decoder_dim=256, encoder_dim=16), device="cpu")
+gen = torch.Generator().manual_seed(5)
+ids = (torch.randint(0, 4096, (13, 7), generator=gen) + ORPHEUS.offset + torch.arange(7) * 4096).reshape(-1)
+stream = codec.stream(seed=2, layout=ORPHEUS)
+parts = [stream.push_ids(ids[k:k + 7].tolist()) for k in range(0, ids.numel(), 7)] + [stream.flush()]
+got = torch.cat([torch.as_tensor(p).reshape(-1) for p in parts]).double()
+with torch.inference_mode():
+    want = codec.decode(ORPHEUS.ids_to_codes(ids.numpy()), seed=2)[0, 0].double()
+print(len(calls) > 0, got.shape == want.shape, float(snr_db(want, got)))
+"""
+    env = {**os.environ, "TRITON_INTERPRET": "0"}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    took_phases, same_shape, snr = out.stdout.split()
+    assert took_phases == "True" and same_shape == "True" and float(snr) >= 100, out.stderr[-2000:]
