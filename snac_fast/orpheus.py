@@ -108,6 +108,12 @@ class TokenLayout:
 
 ORPHEUS = TokenLayout()
 CUSTOM_TOKEN_ID = 128256  # in text form an Orpheus LM emits id 128256 + N as <custom_token_N>
+# Orpheus's special tokens beside the Llama-3 tokenizer's (its length: 128256); canopylabs' Orpheus
+# data scripts and Unsloth's Orpheus notebook
+END_OF_TEXT = 128009
+START_OF_SPEECH, END_OF_SPEECH = 128257, 128258
+START_OF_HUMAN, END_OF_HUMAN = 128259, 128260
+START_OF_AI, END_OF_AI = 128261, 128262
 
 
 def as_token_ids(ids) -> np.ndarray:

@@ -9,8 +9,7 @@ so it is off by default. ``tokenizer``: ``input_ids`` = [start of human] + the t
 the text (``"speaker: text"`` with a speaker column, as multi-speaker fine-tunes are prompted; its
 own start of text first) + [end of text, end of human, start of AI, start of speech] + the audio
 ids + [end of speech, end of AI]; ``labels`` = ``input_ids``; ``attention_mask`` all ones: the
-notebook's ``create_input_ids``. The special ids are the Llama-3 tokenizer's (length 128256) plus
-Orpheus's added tokens (canopylabs' Orpheus data scripts, Unsloth's notebook).
+notebook's ``create_input_ids``. The special ids: :mod:`snac_fast.orpheus`.
 """
 
 from __future__ import annotations
@@ -21,11 +20,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-START_OF_TEXT, END_OF_TEXT = 128000, 128009
-START_OF_SPEECH, END_OF_SPEECH = 128257, 128258
-START_OF_HUMAN, END_OF_HUMAN = 128259, 128260
-START_OF_AI, END_OF_AI = 128261, 128262
-PAD = 128263
+from snac_fast.orpheus import (
+    END_OF_AI,
+    END_OF_HUMAN,
+    END_OF_SPEECH,
+    END_OF_TEXT,
+    START_OF_AI,
+    START_OF_HUMAN,
+    START_OF_SPEECH,
+)
+
 FORMATS = ("codes", "orpheus")
 
 
@@ -140,7 +144,6 @@ def extra_columns(row_format: RowFormat, clips, codes: Sequence[list[np.ndarray]
             speaker = value.get(row_format.speaker_column) if row_format.speaker_column else None
             prompt = f"{speaker}: {text}" if speaker else text
             rows.append(training_ids(tokenizer.encode(prompt, add_special_tokens=True), audio))
-        columns["input_ids"] = pa.array(rows, pa.list_(pa.int32()))
-        columns["labels"] = pa.array(rows, pa.list_(pa.int32()))
+        columns["input_ids"] = columns["labels"] = pa.array(rows, pa.list_(pa.int32()))
         columns["attention_mask"] = pa.array([None if r is None else [1] * len(r) for r in rows], pa.list_(pa.int8()))
     return columns

@@ -43,9 +43,6 @@ class BearerKey:
                     found = n
         return found
 
-    def allowed(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        return self.key_index(headers) is not None
-
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] not in ("http", "websocket"):
             await self.app(scope, receive, send)

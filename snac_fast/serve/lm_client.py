@@ -11,14 +11,13 @@ import re
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from snac_fast.orpheus import CUSTOM_TOKEN_ID, TokenLayout
+from snac_fast.orpheus import CUSTOM_TOKEN_ID, END_OF_SPEECH, TokenLayout
 
 # The prompt Orpheus-family models were trained on, in text form: start of human (128259), the text
 # as "voice: text" after <|begin_of_text|>, end of text (128009), end of human (128260), start of AI
 # (128261), start of speech (128257). canopyai/Orpheus-TTS, orpheus_tts/engine_class.py, _format_prompt.
 ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
 CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
-END_OF_SPEECH = 128258
 KEEPALIVE_S = 4.0  # how long an idle LM connection stays pooled (LMClient._client)
 
 class LMSettings(Protocol):

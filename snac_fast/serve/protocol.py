@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from snac_fast.noise import check_seed
 from snac_fast.serve.formats import FORMATS, OPENAI_FORMATS, OPUS_RATES
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
@@ -106,8 +107,11 @@ class SpeechRequest:
         if not stream and stream_format == "sse":
             raise RequestError("'stream' false cannot be an SSE stream", param="stream")
         seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not -(1 << 63) <= seed < 1 << 63):
-            raise RequestError("'seed' must be an integer of 64 signed bits", param="seed")
+        if seed is not None:
+            try:
+                seed = check_seed(seed)  # an integer of 64 signed bits (the noise's Philox key)
+            except ValueError as e:
+                raise RequestError(f"'seed': {e}", param="seed") from None
         return cls(text, voice, model, name, rate, sample_format, stream_format, stream, seed)
 
 

@@ -96,7 +96,8 @@ class ServeSettings:
                                   "connections in one batch (--max-streams is then the engine's)")
     engine_event_loop: bool = _option(False, "with --shared-engine: the engine process reads, decodes and "
                                       "answers on one asyncio event loop instead of threads (docs/serving.md)")
-    api_key: str | None = _option(None, f"require 'Authorization: Bearer KEY' on every endpoint but /health (default: "
+    api_key: str | None = _option(None, f"require 'Authorization: Bearer KEY' (or 'xi-api-key: KEY') on every endpoint "
+                                  f"but /health and the page; several keys comma-separated (default: "
                                   f"${API_KEY_VARIABLE}, else none)", shown="none")
     # limits of a public endpoint (docs/server.md, "Limits")
     max_body_bytes: int = _option(262144, "largest request body in bytes (413 past it)", group="limits")
@@ -120,10 +121,8 @@ class ServeSettings:
 
     def check(self) -> "ServeSettings":
         """Raise ValueError naming the first bad value; returns the settings."""
-        for name in ("max_streams", "max_batch", "workers", "max_tokens", "max_input_chars", "segment_chars"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_body_bytes", "max_ws_message_bytes"):
+        for name in ("max_streams", "max_batch", "workers", "max_tokens", "max_input_chars", "segment_chars",
+                     "max_body_bytes", "max_ws_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
         if self.max_streams_per_key < 0:

@@ -160,7 +160,7 @@ async def segment_ids(lm, texts: AsyncIterable[str], voice: str, model: str | No
     known: list[str] = []
     queues: list[asyncio.Queue] = []
     tasks: list[asyncio.Task] = []
-    at = {"segment": 0, "spoke": False, "ended": False}
+    at = {"segment": 0, "spoke": False}
     arrived = asyncio.Event()
 
     async def fill(text: str, queue: asyncio.Queue) -> None:
@@ -183,16 +183,15 @@ async def segment_ids(lm, texts: AsyncIterable[str], voice: str, model: str | No
                 known.append(text)
                 start_allowed()
                 arrived.set()
-        finally:
-            at["ended"] = True
+        finally:  # the task is done when its waiter next runs
             arrived.set()
     reader = asyncio.create_task(read())
     try:
         while True:
             k = at["segment"]
             while len(queues) <= k:  # segment k's text has not come yet
-                if at["ended"]:
-                    if reader.done() and reader.exception() is not None:
+                if reader.done():
+                    if reader.exception() is not None:
                         raise reader.exception()
                     return
                 arrived.clear()

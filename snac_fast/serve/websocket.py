@@ -13,6 +13,7 @@ import json
 
 import numpy as np
 
+from snac_fast.noise import check_seed
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import pcm_bytes
 from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
@@ -28,9 +29,10 @@ async def stream_ids(websocket) -> None:
     server = websocket.app.state.server
     await websocket.accept()
     seed = websocket.query_params.get("seed")
-    seed = int(seed) if seed and seed.lstrip("-").isdigit() else None
-    if seed is not None and not -(1 << 63) <= seed < 1 << 63:
-        await websocket.close(code=1008, reason="seed must be an integer of 64 signed bits")
+    try:
+        seed = check_seed(int(seed)) if seed and seed.lstrip("-").isdigit() else None
+    except ValueError as e:
+        await websocket.close(code=1008, reason=str(e)[:CLOSE_REASON_BYTES])
         return
     try:
         sid = await server.open_stream(seed, client_of(websocket.scope))
