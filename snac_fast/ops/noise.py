@@ -71,15 +71,21 @@ def _uniform(word: Tensor) -> Tensor:
 def keyed_normal_reference(seeds: Tensor, rows: Tensor, frames: Tensor, frame_samples: int, start: int, length: int,
                            block: int) -> Tensor:
     """float32 [B, 1, length]: the noise :func:`keyed_normal` draws, computed with torch ops."""
-    device = seeds.device
-    pos = frames.to(torch.int64)[:, None] * frame_samples + start + torch.arange(length, device=device)
-    c0, c1 = pos & _MASK32, (pos >> 32) & _MASK32
-    c2 = (rows.to(torch.int64)[:, None] & _MASK32).expand_as(pos)
-    c3 = torch.full_like(pos, block)
+    pos = frames.to(torch.int64)[:, None] * frame_samples + start + torch.arange(length, device=seeds.device)
+    return keyed_normal_at(seeds, rows, pos, torch.full((length,), block, dtype=torch.int64, device=seeds.device)).unsqueeze(1)
+
+
+def keyed_normal_at(seeds: Tensor, rows: Tensor, positions: Tensor, blocks: Tensor) -> Tensor:
+    """float32 [B, N]: the keyed noise of row b at ``positions[b, i]`` for NoiseBlock ``blocks[i]``,
+    with torch ops: one pass draws the samples of several blocks (a CPU step's cost is per op).
+    seeds, rows: int64 [B]; positions: int64 [B, N]; blocks: int64 [N]."""
+    c0, c1 = positions & _MASK32, (positions >> 32) & _MASK32
+    c2 = (rows.to(torch.int64)[:, None] & _MASK32).expand_as(positions)
+    c3 = blocks.expand_as(positions)
     r0, r1, _, _ = philox_reference(seeds.to(torch.int64)[:, None], c0, c1, c2, c3)
     u1 = torch.clamp(_uniform(r0), min=1.0e-7)
     theta = 6.283185307179586 * _uniform(r1)
-    return (torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(theta)).unsqueeze(1)
+    return torch.sqrt(-2.0 * torch.log(u1)) * torch.cos(theta)
 
 
 def keyed_normal(seeds: Tensor, rows: Tensor, frames: Tensor, frame_samples: int, start: int, length: int,

@@ -45,6 +45,8 @@ class StageForward:
         geo = self.geometry
         slots = keys[0]
         new = self.model.quantizer.from_codes(codes) if kind not in CODELESS else None
+        if self._layered is not None:
+            return self._layered.forward(kind, keys, new)
         offsets: dict[int, tuple[int, int]] = {}  # NoiseBlock index -> (samples per frame, start)
         noise_for = noise_for or (lambda call: self.draw_noise(keys, call))
 

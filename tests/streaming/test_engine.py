@@ -57,12 +57,15 @@ def test_seeded_decode_rows_are_keyed_streams():
 # --- exact streams ----------------------------------------------------------------------------
 
 @pytest.mark.heavy
+@pytest.mark.parametrize("layered", [True, False], ids=["state per layer", "stages"])
 @pytest.mark.parametrize("name", MODELS)
-def test_stream_equals_whole_decode_float64(name):
-    """The 44 kHz network is the 32 kHz one (only the sampling rate differs): it runs narrow."""
+def test_stream_equals_whole_decode_float64(name, layered):
+    """The 44 kHz network is the 32 kHz one (only the sampling rate differs): it runs narrow. Both
+    step forms: state per layer (a CPU's default) and the stages (a GPU's)."""
     rng = random.Random(name)
     narrow = name == "snac_44khz"
-    engine = engine64(name, narrow=narrow)
+    engine = engine64(name, narrow=narrow, layered=layered)
+    assert (engine._layered is not None) == layered
     config = published_config(name)
     g, strides = engine.frames_per_group, config["vq_strides"]
     assert engine.lookahead_samples > 0 and engine.lookahead_ms == pytest.approx(1000 * engine.lookahead_samples / config["sampling_rate"])
@@ -75,14 +78,15 @@ def test_stream_equals_whole_decode_float64(name):
         assert (got - expected).abs().max().item() < 1e-12, f"{name} trial {trial}: not the whole decode"
 
 
+@pytest.mark.parametrize("layered", [True, False], ids=["state per layer", "stages"])
 @pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz"])
-def test_batched_step_equals_whole_decode_rows(name):
+def test_batched_step_equals_whole_decode_rows(name, layered):
     """engine.step: every stream's codes in one tensor per level; rows keyed like decode's rows;
     pushes bigger than a step, pending codes that outgrow the buffer, bad ids refused first. The
     32 kHz model runs narrow (helpers.NARROW): what is checked is the engine's bookkeeping."""
     narrow = name == "snac_32khz"
     config = published_config(name)
-    engine = engine64(name, streams=5, narrow=narrow, max_frames_per_step=2)
+    engine = engine64(name, streams=5, narrow=narrow, max_frames_per_step=2, layered=layered)
     engine._pending = type(engine._pending)(5, engine._pending.ratios, capacity=3)  # forces moves and growth
     g, strides = engine.frames_per_group, config["vq_strides"]
     frames = engine.prefill_frames + 3 * g
@@ -223,13 +227,15 @@ def test_many_streams_open_close_and_interleave():
     assert engine.open_streams == 0
 
 
+@pytest.mark.parametrize("layered", [True, False], ids=["state per layer", "stages"])
 @pytest.mark.parametrize("name", ["snac_24khz", "snac_32khz"])
-def test_fast_stream_equals_fast_decode(name):
-    """The fused kernels (interpreter on the CPU), float32: stream vs whole decode, same seed. The
-    models run narrow (helpers.NARROW): the same structure and stream arithmetic in a fraction of
-    the interpreter's time (full-width kernels: tests/ops, test_reference, and the gpu tests)."""
+def test_fast_stream_equals_fast_decode(name, layered):
+    """The fused kernels (interpreter on the CPU), float32: stream vs whole decode, same seed, in both
+    step forms (the stages run the GPU's kernels). The models run narrow (helpers.NARROW): the same
+    structure and stream arithmetic in a fraction of the interpreter's time (full-width kernels:
+    tests/ops, test_reference, and the gpu tests)."""
     fast = FastSNAC(synthetic_model(name, **NARROW), device="cpu", dtype=torch.float32)
-    stream = fast.stream(seed=11)
+    stream = DecoderStream(fast.stream_engine(1, layered=layered), seed=11)
     g, strides = stream.engine.frames_per_group, fast.config["vq_strides"]
     frames = stream.engine.prefill_frames + g
     codes = random_codes(fast.config, frames, seed=2)

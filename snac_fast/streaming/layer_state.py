@@ -1,0 +1,353 @@
+"""State per layer: the stream step a CPU runs, computing each layer's new samples once.
+
+The stage engine (:mod:`snac_fast.streaming.stage_forward`) keeps each stage's input context and
+recomputes it every step: block 1 of the 24 kHz decoder computes 128 samples a frame where 32 are
+new. That suits a GPU, where a step is launch-bound; on a CPU the recomputed work is the time. Here
+every layer keeps only what its next outputs need, so a push of n new samples into a layer gives n
+(times its upsampling) new outputs:
+
+- a 'same' conv of k taps and dilation d keeps its last (k - 1) d inputs;
+- a transposed conv (SNAC's kernel 2s, stride s) keeps its last input;
+- a residual unit keeps the last 6d snake outputs its depthwise conv reads and the 3d inputs its
+  skip path lags by;
+- the local attention (32/44 kHz) keeps the inputs of its unfinished window;
+- a NoiseBlock keeps nothing: its noise is keyed by absolute position, as in a whole decode.
+
+Each layer so lags its input by a fixed delay (half its span, ceil(s/2) for a transposed conv, up
+to a window for the attention), and a last delay line makes the whole lag the stage engine's exact
+lookahead, so both emit the same audio at the same pushes. Shapes are the same for every row of a
+batch whatever the rows' positions; the two ends are the only special cases:
+
+- prefill (fresh rows): the states start at zero, the layers' left zero padding, and each layer's
+  outputs before position 0 (its first ``delay`` outputs) are zeroed, so the next layer reads zeros;
+- flush: zeros pushed in, and each layer's outputs past the signal's end (all but its first
+  ``delay``) zeroed, so every layer sees its right zero padding.
+
+Used by :class:`~snac_fast.streaming.StreamEngine` for exact streams on a CPU
+(docs/streaming.md, "On a CPU").
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from snac_fast.noise import noise_blocks
+from snac_fast.ops.conv_transpose import upsampling_padding
+from snac_fast.ops.noise import keyed_normal_at
+from snac_fast.streaming.shapes import FLUSH, PREFILL
+
+EPS = 1e-9  # upstream's Snake1d: x + sin^2(alpha x) / (alpha + 1e-9)
+
+
+@dataclass
+class Run:
+    """One call through the layers: the rows' keys (int64 [4, B]: state slot, frames consumed,
+    seed, noise row, as the engine writes them) and every NoiseBlock's noise for it."""
+
+    keys: Tensor
+    noise: dict[int, Tensor]  # NoiseBlock index -> its noise [B, n, 1]
+
+
+class _Layer:
+    """A streaming layer. ``rate``: its output samples per latent sample; ``delay``: how many of
+    its output samples lag the decode's position (output j of a push starting at latent position
+    P is at ``P * rate - delay + j``). ``spans``: (channels, samples) of each state it keeps."""
+
+    rate = 1
+    delay = 0
+    spans: tuple[tuple[int, int], ...] = ()
+    masks = True  # outputs at positions outside the signal can be nonzero (a bias, a branch)
+
+    def __call__(self, x: Tensor, states: list[Tensor], run: Run) -> tuple[Tensor, list[Tensor]]:
+        raise NotImplementedError
+
+
+def _snake(x: Tensor, alpha: Tensor, inverse: Tensor) -> Tensor:
+    t = torch.sin(x * alpha)
+    return torch.addcmul(x, t.square_(), inverse)
+
+
+def _channels_first(x: Tensor) -> Tensor:
+    """[B, T, C] -> the [B, C, 1, T] view whose memory is channels-last (oneDNN's fast depthwise)."""
+    return x.permute(0, 2, 1).unsqueeze(2)
+
+
+def _time_major(y: Tensor) -> Tensor:
+    """A channels-last [B, C, 1, T] -> [B, T, C]."""
+    return y.squeeze(2).permute(0, 2, 1)
+
+
+class _Pointwise(_Layer):
+    def __init__(self, fn, masks: bool = False) -> None:
+        self.fn, self.masks = fn, masks
+
+    def __call__(self, x, states, run):
+        return self.fn(x), []
+
+
+class _Snake(_Pointwise):
+    def __init__(self, alpha: Tensor, dtype: torch.dtype) -> None:
+        a = alpha.detach().reshape(-1).to(dtype)
+        inverse = (a + EPS).reciprocal()
+        super().__init__(lambda x: _snake(x, a, inverse))
+
+
+class _Conv(_Layer):
+    """A stride-1 'same' conv (zero padding (k - 1) d / 2 each side): a 1x1 conv as one GEMM, a
+    wider one by oneDNN in channels-last memory."""
+
+    def __init__(self, conv: nn.Conv1d, dtype: torch.dtype) -> None:
+        k, d = conv.kernel_size[0], conv.dilation[0]
+        weight = conv.weight.detach().to(dtype)
+        self.bias = None if conv.bias is None else conv.bias.detach().to(dtype)
+        self.dilation, self.groups, self.span = d, conv.groups, (k - 1) * d
+        if k == 1 and conv.groups == 1:
+            self.matrix = weight[:, :, 0].t().contiguous()  # [C_in, C_out]
+        else:
+            self.matrix, self.weight = None, weight.unsqueeze(2)
+        self.spans = ((self.span, conv.in_channels),) if self.span else ()
+        self.delay_own = self.span // 2
+        self.masks = self.bias is not None
+
+    def __call__(self, x, states, run):
+        if self.matrix is not None:
+            return (x @ self.matrix if self.bias is None else torch.addmm(self.bias, x.flatten(0, 1), self.matrix)
+                    .view(x.shape[0], x.shape[1], -1)), []
+        buffer = torch.cat([states[0], x], 1) if self.span else x
+        y = F.conv2d(_channels_first(buffer), self.weight, self.bias, dilation=(1, self.dilation), groups=self.groups)
+        return _time_major(y), [buffer[:, -self.span:]] if self.span else []
+
+
+class _Transposed(_Layer):
+    """SNAC's upsampling: kernel 2s, stride s, padding ceil(s/2), output padding s % 2. Its full
+    output m takes inputs m // s and m // s - 1, so a push of n inputs after the last one kept gives
+    n * s outputs: one GEMM of each pair of neighbouring inputs [x(i - 1) | x(i)] by an [s C_out, 2 C_in]
+    weight, whose rows are the s phases' outputs in time order."""
+
+    def __init__(self, conv: nn.ConvTranspose1d, dtype: torch.dtype) -> None:
+        self.stride = s = conv.stride[0]
+        if conv.kernel_size[0] != 2 * s or (conv.padding[0], conv.output_padding[0]) != upsampling_padding(s):
+            raise ValueError(f"cannot stream through a transposed conv of kernel {conv.kernel_size[0]}, stride {s}")
+        w = conv.weight.detach().to(dtype)  # [C_in, C_out, 2s]: output phase r takes x(i) by tap r, x(i - 1) by r + s
+        # [s C_out, 2 C_in], as F.linear takes it: 25% faster than [2 C_in, s C_out] at block 1's 4 rows,
+        # whose 33.5 MB weight streams from memory once a push (docs/streaming.md)
+        self.weight = torch.cat([w[:, :, s:].permute(0, 2, 1).flatten(1), w[:, :, :s].permute(0, 2, 1).flatten(1)]).t().contiguous()
+        self.bias = None if conv.bias is None else conv.bias.detach().to(dtype).repeat(s)
+        self.channels = conv.out_channels
+        self.spans = ((1, conv.in_channels),)
+        self.delay_own = upsampling_padding(s)[0]
+
+    def __call__(self, x, states, run):
+        buffer = torch.cat([states[0], x], 1)
+        B, n, _ = x.shape
+        pairs = torch.cat([buffer[:, :-1], buffer[:, 1:]], 2).flatten(0, 1)  # [B n, 2 C_in]
+        y = F.linear(pairs, self.weight, self.bias)
+        return y.view(B, n * self.stride, self.channels), [buffer[:, -1:]]
+
+
+class _Residual(_Layer):
+    """x + pointwise(snake(depthwise(snake(x)))), the branch's conv of k taps at dilation d."""
+
+    def __init__(self, unit: nn.Module, dtype: torch.dtype) -> None:
+        snake1, conv, snake2, pointwise = unit.block
+        self.snake1, self.snake2 = _Snake(snake1.alpha, dtype), _Snake(snake2.alpha, dtype)
+        self.conv, self.pointwise = _Conv(conv, dtype), _Conv(pointwise, dtype)
+        if self.pointwise.span or self.conv.span % 2:
+            raise ValueError("cannot stream a residual unit whose last conv is not 1x1")
+        self.lag = self.conv.span // 2
+        channels = conv.in_channels
+        self.spans = ((self.conv.span, channels), (self.lag, channels))
+        self.delay_own = self.lag
+
+    def __call__(self, x, states, run):
+        h, (snakes,) = self.conv(self.snake1.fn(x), states[:1], run)
+        y = self.pointwise(self.snake2.fn(h), [], run)[0]
+        inputs = torch.cat([states[1], x], 1)
+        n = x.shape[1]
+        return y.add_(inputs[:, :n]), [snakes, inputs[:, n:]]
+
+
+class _Noise(_Layer):
+    """x + noise * linear(x), the noise keyed by (seed, row, block, absolute position)."""
+
+    masks = False  # zero in, zero out
+
+    def __init__(self, block: nn.Module, index: int, dtype: torch.dtype) -> None:
+        self.matrix = block.linear.weight.detach().to(dtype)[:, :, 0].t().contiguous()
+        self.index = index
+
+    def __call__(self, x, states, run):
+        return torch.addcmul(x, run.noise[self.index], x @ self.matrix), []
+
+
+class _Attention(_Layer):
+    """The local attention over whole windows of ``window`` samples aligned at position 0: keeps the
+    inputs of the window not yet complete (a fixed count, since pushes are whole windows long)."""
+
+    def __init__(self, module: nn.Module, window: int, channels: int) -> None:
+        self.module, self.window, self.channels = module, window, channels
+
+    def place(self, delay_in: int) -> None:
+        self.held = -delay_in % self.window  # the buffer then starts at a window boundary
+        self.spans = ((self.held, self.channels),) if self.held else ()
+        self.delay_own = self.held
+
+    def __call__(self, x, states, run):
+        buffer = torch.cat([states[0], x], 1) if self.held else x
+        n = x.shape[1]
+        y = self.module(buffer[:, :n].transpose(1, 2)).transpose(1, 2)
+        return y, [buffer[:, n:]] if self.held else []
+
+
+class _Delay(_Layer):
+    """A delay line of ``samples`` samples (one channel: the audio)."""
+
+    masks = False
+
+    def __init__(self, samples: int) -> None:
+        self.spans = ((samples, 1),) if samples else ()
+        self.delay_own = samples
+
+    def __call__(self, x, states, run):
+        if not self.spans:
+            return x, []
+        buffer = torch.cat([states[0], x], 1)
+        n = x.shape[1]
+        return buffer[:, :n], [buffer[:, n:]]
+
+
+def _layers_of(model: nn.Module, dtype: torch.dtype) -> list[_Layer]:
+    """The decoder of a SNAC (upstream's or after surgery: an absorbed layer is still its upstream
+    self) as streaming layers, in order."""
+    from snac.attention import LocalMHA
+    from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
+
+    from snac_fast.modules import FastSnake1d
+
+    index_of = {id(m): i for i, m in enumerate(noise_blocks(model))}
+    window = model.attn_window_size
+    out: list[_Layer] = []
+
+    def visit(module: nn.Module, channels: int) -> int:
+        if isinstance(module, DecoderBlock):
+            for child in module.block:
+                channels = visit(child, channels)
+        elif isinstance(module, ResidualUnit):
+            out.append(_Residual(module, dtype))
+        elif isinstance(module, nn.ConvTranspose1d):
+            out.append(_Transposed(module, dtype))
+            channels = module.out_channels
+        elif isinstance(module, nn.Conv1d):
+            k, d, p = module.kernel_size[0], module.dilation[0], module.padding[0]
+            if module.stride[0] != 1 or 2 * p != d * (k - 1):
+                raise ValueError(f"cannot stream through {type(module).__name__}: needs a stride-1 'same' conv")
+            out.append(_Conv(module, dtype))
+            channels = module.out_channels
+        elif isinstance(module, (Snake1d, FastSnake1d)):
+            out.append(_Snake(module.alpha, dtype))
+        elif isinstance(module, NoiseBlock):
+            out.append(_Noise(module, index_of[id(module)], dtype))
+        elif isinstance(module, LocalMHA):
+            out.append(_Attention(module, window, channels))
+        elif isinstance(module, nn.Tanh):
+            out.append(_Pointwise(torch.tanh))
+        elif not isinstance(module, nn.Identity):
+            raise ValueError(f"cannot stream through {type(module).__name__}")
+        return channels
+
+    channels = model.decoder.model[0].in_channels
+    for module in model.decoder.model:
+        channels = visit(module, channels)
+    return out
+
+
+class LayerStates:
+    """A SNAC decoder streamed layer by layer for rows of state (one per stream slot, ``rows``
+    of them). :meth:`forward` runs a prefill, step or flush on the latent of the rows named by
+    ``keys`` and returns their new audio, exactly what the stage engine's step returns.
+
+    ``lookahead``: the audio samples every output lags the newest frame by (the stage engine's exact
+    lookahead, at least this decoder's own lag: a delay line makes up the difference)."""
+
+    def __init__(self, model: nn.Module, rows: int, lookahead: int, latent_per_frame: int, *,
+                 device: torch.device, dtype: torch.dtype) -> None:
+        self.layers = _layers_of(model, dtype)
+        self.channels = model.decoder.model[0].in_channels
+        self.latent_per_frame = latent_per_frame
+        self.hop = math.prod(model.decoder_rates)
+        rate, delay = 1, 0
+        for layer in self.layers:
+            if isinstance(layer, _Attention):
+                layer.place(delay)
+            if isinstance(layer, _Transposed):
+                rate, delay = rate * layer.stride, delay * layer.stride
+            delay += getattr(layer, "delay_own", 0)
+            layer.rate, layer.delay = rate, delay
+        if delay > lookahead:
+            raise ValueError(f"this decoder lags its input by {delay} samples, more than the lookahead {lookahead}")
+        tail = _Delay(lookahead - delay)
+        tail.rate, tail.delay = rate, lookahead
+        self.layers.append(tail)
+        self.lookahead = lookahead
+        # a flush pushes whole attention windows of zeros, enough to carry the last lookahead samples out
+        unit = model.attn_window_size or 1
+        self.flush_latent = -(-lookahead // self.hop // unit) * unit
+        with torch.inference_mode(False):
+            self.states = [torch.zeros((rows, n, c), device=device, dtype=dtype)
+                           for layer in self.layers for n, c in layer.spans]
+
+    def forward(self, kind: str, keys: Tensor, latent: Tensor | None) -> Tensor:
+        """keys: int64 [4, B] (slot, frames consumed, seed, noise row); latent: [B, C, n] (None for a
+        flush) -> audio [B, 1, samples]: prefill ``n * hop - lookahead``, step ``n * hop``, flush
+        ``lookahead`` samples."""
+        slots = keys[0]
+        B = slots.shape[0]
+        if kind == PREFILL:
+            states = [torch.zeros((B,) + s.shape[1:], dtype=s.dtype, device=s.device) for s in self.states]
+            x = latent.transpose(1, 2)
+        else:
+            states = [s.index_select(0, slots) for s in self.states]
+            if kind == FLUSH:
+                x = torch.zeros((B, self.flush_latent, self.channels), dtype=self.states[0].dtype,
+                                device=self.states[0].device)
+            else:
+                x = latent.transpose(1, 2)
+        run = Run(keys, self._noise(keys, x.shape[1], x.dtype))
+        new_states: list[Tensor] = []
+        at = 0
+        for layer in self.layers:
+            count = len(layer.spans)
+            x, kept = layer(x, states[at:at + count], run)
+            at += count
+            new_states += kept
+            if layer.masks and kind in (PREFILL, FLUSH) and layer.delay:
+                if kind == PREFILL:
+                    x[:, :layer.delay] = 0  # before position 0: the next layer's left zero padding
+                else:
+                    x[:, layer.delay:] = 0  # past the signal's end: its right zero padding
+        audio = x.transpose(1, 2)  # [B, 1, samples]
+        if kind == FLUSH:
+            return audio[:, :, :self.lookahead]
+        for state, new in zip(self.states, new_states):
+            state.index_copy_(0, slots, new)
+        return audio[:, :, self.lookahead:] if kind == PREFILL else audio
+
+    def _noise(self, keys: Tensor, latent: int, dtype: torch.dtype) -> dict[int, Tensor]:
+        """Every NoiseBlock's noise for a call of ``latent`` samples, drawn in one pass:
+        {block index: [B, n, 1]}, sample j of a block's input at position ``F * rate * latent_per_frame
+        - delay + j`` (F: the row's frames consumed before the call)."""
+        blocks = [layer for layer in self.layers if isinstance(layer, _Noise)]
+        if not blocks:
+            return {}
+        device = keys.device
+        positions = torch.cat([keys[1][:, None] * (layer.rate * self.latent_per_frame) - layer.delay
+                               + torch.arange(latent * layer.rate, device=device) for layer in blocks], 1)
+        index = torch.cat([torch.full((latent * layer.rate,), layer.index, dtype=torch.int64, device=device)
+                           for layer in blocks])
+        noise = keyed_normal_at(keys[2], keys[3], positions, index).to(dtype).unsqueeze(2)
+        return dict(zip((layer.index for layer in blocks), noise.split([latent * l.rate for l in blocks], 1)))
