@@ -341,6 +341,8 @@ def serve_options(args) -> list[str]:
     options = ["--workers", str(args.workers), "--max-streams", str(args.max_streams), "--max-batch", str(args.max_batch)]
     if args.device:
         options += ["--device", args.device]
+    if args.cpu_threads:
+        options += ["--cpu-threads", str(args.cpu_threads)]
     if args.shared_engine:
         options += ["--shared-engine"]
     if args.engine_thread:
@@ -431,6 +433,7 @@ def main() -> None:
     parser.add_argument("--max-streams", type=int, default=1024, help="per worker")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--cpu-threads", type=int, default=0, help="serve --cpu-threads (with --device cpu)")
     parser.add_argument("--model", default="synthetic:snac_24khz",
                         help="what the server loads (a 24 kHz model: a folder of a smaller checkpoint lets a CPU keep pace)")
     parser.add_argument("--lm-workers", type=int, default=1, help="fake LM processes")

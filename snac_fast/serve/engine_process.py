@@ -111,9 +111,9 @@ def _serve_engine(address: str, settings: ServeSettings, output: str, model_opti
             make_current(torch.device(settings.device))  # warm-up and graphs on that GPU, not the first
         codec = FastSNAC.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
                                          local_files_only=settings.local_files_only, **model_options)
-        engine = codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams)
-        if codec.device.type == "cuda":
-            codec.warmup(streams=settings.warmup_streams, lookahead=settings.lookahead)
+        from snac_fast.serve.run import ready_engine
+
+        engine = ready_engine(codec, settings, settings.cpu_threads or len(os.sched_getaffinity(0)))
         batcher = EngineBatcher(engine, settings.max_batch, settings.max_wait_ms, output, settings.idle_timeout_s,
                                 event_loop=settings.engine_event_loop)
         listener = None if settings.engine_event_loop else Listener(address, family="AF_UNIX")

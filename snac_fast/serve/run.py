@@ -58,6 +58,12 @@ def app_from_environment():
     device = worker_device(settings.device, os.environ.get(CLAIMS_VARIABLE))
     codec = FastSNAC.from_pretrained(settings.model, device=device, dtype=settings.dtype,
                                      local_files_only=settings.local_files_only)
+    if codec.device.type == "cpu":
+        import torch
+
+        torch.set_num_threads(settings.threads_per_worker())  # N workers x all cores each would oversubscribe
+        if settings.cpu_compile:
+            codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams, compile=True).warmup()
     if codec.device.type == "cuda":
         codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams)
         codec.warmup(streams=settings.warmup_streams, lookahead=settings.lookahead)

@@ -59,6 +59,8 @@ class ServeSettings:
     dtype: str | None = _option(None, "compute dtype (default: float16 on cuda, float32 on cpu)",
                                 choices=DTYPES, group="model")
     local_files_only: bool = _option(False, "never touch the network; use the hub cache", group="model")
+    cpu_threads: int = _option(0, "with --device cpu: torch threads per worker (0: the host's cores shared among "
+                               "the workers)", group="model")
     # the engine and its batcher
     max_streams: int = _option(256, "concurrent streams per worker (per engine with --shared-engine)",
                                group="engine")
@@ -125,6 +127,8 @@ class ServeSettings:
                      "max_body_bytes", "max_ws_message_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_flag(name)} must be >= 1, got {getattr(self, name)}")
+        if self.cpu_threads < 0:
+            raise ValueError(f"--cpu-threads must be >= 0, got {self.cpu_threads}")
         if self.max_streams_per_key < 0:
             raise ValueError(f"--max-streams-per-key must be >= 0, got {self.max_streams_per_key}")
         for name in ("idle_timeout_s", "lm_timeout_s", "max_ws_messages_per_s", "ws_idle_timeout_s", "header_timeout_s"):
@@ -160,6 +164,10 @@ class ServeSettings:
     @property
     def voice_names(self) -> tuple[str, ...]:
         return tuple(v.strip() for v in self.voices.split(",") if v.strip())
+
+    def threads_per_worker(self) -> int:
+        """A CPU worker's torch threads: --cpu-threads, else the cores this process may run on over the workers."""
+        return self.cpu_threads or max(1, len(os.sched_getaffinity(0)) // self.workers)
 
     @property
     def warmup_streams(self) -> int:

@@ -84,11 +84,17 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
     decode of all its codes so far as if the stream ended there (a flush of a copy of its state:
     the convs' zero padding at the end, as a window decode pads); audio emitted is never revised.
     So an approximate stream is a window decode whose window holds every earlier frame.
+
+    ``layered``: steps with state per layer (:mod:`.layer_state`: no context recomputed; torch ops),
+    the default for a CPU's exact float32/float64 streams; else the stages' step (a GPU's, which
+    also serves approximate streams and half dtypes). ``compile``: the per-layer step through
+    torch.compile (a C++ compiler needed; each new step shape compiles first).
     """
 
     def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, lookahead: int | str | None = None, cuda_graphs: bool = False,
-                 max_frames_per_step: int = 8, max_graphs: int = 64, layered: bool | None = None, lock=None) -> None:
+                 max_frames_per_step: int = 8, max_graphs: int = 64, layered: bool | None = None, compile: bool = False,
+                 lock=None) -> None:
         if max_streams < 1:
             raise ValueError("max_streams must be at least 1")
         self.model, self.config = model, config
@@ -118,8 +124,10 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
         if layered and (self.approximate_lookahead is not None or cuda_graphs):
             raise ValueError("layered=True is for exact streams without CUDA graphs")
         # row max_streams: scratch for the padding rows of a bucket
+        if compile and not layered:
+            raise ValueError("compile=True compiles the per-layer step of a CPU's exact streams (layered)")
         self._layered = LayerStates(model, max_streams + 1, exact.lookahead_samples, self.strides[0],
-                                    device=self.device, dtype=dtype) if layered else None
+                                    device=self.device, dtype=dtype, compile=compile) if layered else None
         if self._layered is not None:
             self.state = self._layered.states
         else:

@@ -39,7 +39,7 @@ from torch import Tensor, nn
 from snac_fast.noise import noise_blocks
 from snac_fast.ops.conv_transpose import upsampling_padding
 from snac_fast.ops.noise import keyed_normal_at
-from snac_fast.streaming.shapes import FLUSH, PREFILL
+from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP
 
 EPS = 1e-9  # upstream's Snake1d: x + sin^2(alpha x) / (alpha + 1e-9)
 
@@ -272,10 +272,14 @@ class LayerStates:
     ``keys`` and returns their new audio, exactly what the stage engine's step returns.
 
     ``lookahead``: the audio samples every output lags the newest frame by (the stage engine's exact
-    lookahead, at least this decoder's own lag: a delay line makes up the difference)."""
+    lookahead, at least this decoder's own lag: a delay line makes up the difference).
+    ``compile``: steps (not prefills and flushes) through torch.compile, whose C++ code fuses the
+    elementwise work (snakes, joins, noise) between the GEMMs (docs/streaming.md, "On a CPU"): for
+    a fixed batch; needs a C++ compiler, and the first step of each (rows, frames) shape compiles
+    (~15-25 s on 2 cores; past torch's recompile limit, 8, new shapes run eagerly)."""
 
     def __init__(self, model: nn.Module, rows: int, lookahead: int, latent_per_frame: int, *,
-                 device: torch.device, dtype: torch.dtype) -> None:
+                 device: torch.device, dtype: torch.dtype, compile: bool = False) -> None:
         self.layers = _layers_of(model, dtype)
         self.channels = model.decoder.model[0].in_channels
         self.latent_per_frame = latent_per_frame
@@ -300,6 +304,9 @@ class LayerStates:
         with torch.inference_mode(False):
             self.states = [torch.zeros((rows, n, c), device=device, dtype=dtype)
                            for layer in self.layers for n, c in layer.spans]
+        # one compile per (rows, frames) shape: a batch dimension marked dynamic recompiled on dynamo's
+        # guards or broke inductor's channels-last convs (torch 2.11; docs/streaming.md)
+        self._compiled_step = torch.compile(self._run, dynamic=False) if compile else None
 
     def forward(self, kind: str, keys: Tensor, latent: Tensor | None) -> Tensor:
         """keys: int64 [4, B] (slot, frames consumed, seed, noise row); latent: [B, C, n] (None for a
@@ -309,14 +316,25 @@ class LayerStates:
         B = slots.shape[0]
         if kind == PREFILL:
             states = [torch.zeros((B,) + s.shape[1:], dtype=s.dtype, device=s.device) for s in self.states]
-            x = latent.transpose(1, 2)
         else:
             states = [s.index_select(0, slots) for s in self.states]
-            if kind == FLUSH:
-                x = torch.zeros((B, self.flush_latent, self.channels), dtype=self.states[0].dtype,
-                                device=self.states[0].device)
-            else:
-                x = latent.transpose(1, 2)
+        if kind == FLUSH:
+            x = torch.zeros((B, self.flush_latent, self.channels), dtype=self.states[0].dtype, device=slots.device)
+        else:
+            x = latent.transpose(1, 2).contiguous()
+        if kind in (PREFILL, FLUSH) or self._compiled_step is None:
+            audio, new_states = self._run(x, states, keys, kind)
+        else:
+            audio, new_states = self._compiled_step(x, states, keys, STEP)
+        if kind == FLUSH:
+            return audio[:, :, :self.lookahead]
+        for state, new in zip(self.states, new_states):
+            state.index_copy_(0, slots, new)
+        return audio[:, :, self.lookahead:] if kind == PREFILL else audio
+
+    def _run(self, x: Tensor, states: list[Tensor], keys: Tensor, kind: str) -> tuple[Tensor, list[Tensor]]:
+        """The layers on x [B, n, C] from ``states`` (gathered for the rows): (audio [B, 1, samples],
+        the states after). A pure function of its tensors: what ``compile`` hands torch.compile."""
         run = Run(keys, self._noise(keys, x.shape[1], x.dtype))
         new_states: list[Tensor] = []
         at = 0
@@ -330,12 +348,7 @@ class LayerStates:
                     x[:, :layer.delay] = 0  # before position 0: the next layer's left zero padding
                 else:
                     x[:, layer.delay:] = 0  # past the signal's end: its right zero padding
-        audio = x.transpose(1, 2)  # [B, 1, samples]
-        if kind == FLUSH:
-            return audio[:, :, :self.lookahead]
-        for state, new in zip(self.states, new_states):
-            state.index_copy_(0, slots, new)
-        return audio[:, :, self.lookahead:] if kind == PREFILL else audio
+        return x.transpose(1, 2), new_states
 
     def _noise(self, keys: Tensor, latent: int, dtype: torch.dtype) -> dict[int, Tensor]:
         """Every NoiseBlock's noise for a call of ``latent`` samples, drawn in one pass:

@@ -106,6 +106,27 @@ def test_the_fused_float32_model_on_a_cpu_streams_per_layer_and_equals_its_decod
     assert 10 * torch.log10(expected.double().pow(2).sum() / error.pow(2).sum()) >= 100
 
 
+@pytest.mark.heavy
+def test_a_compiled_step_equals_the_eager_one():
+    """compile=True: steps through torch.compile (inductor's C++), prefill and flush eager; the same
+    audio as the eager engine to float32 rounding, two rows."""
+    codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", dtype=torch.float32)
+    strides = codec.config["vq_strides"]
+    codes = random_codes(codec.config, 7, batch=2, seed=5)
+    out = []
+    for compile in (False, True):
+        engine = codec.stream_engine(2, compile=compile)
+        streams = [engine.open(seed=8, row=b) for b in range(2)]
+        pieces = [engine.step(streams, [c[:, f * strides[0] // s:(f + 1) * strides[0] // s] for c, s in zip(codes, strides)])
+                  for f in range(7)]
+        ends = engine.advance(finish=streams)
+        out.append(torch.stack([torch.cat([p[b] for p in pieces] + [ends[s]]) for b, s in enumerate(streams)]))
+    assert out[0].shape == out[1].shape
+    assert (out[0] - out[1]).abs().max().item() <= 1e-5 * out[0].abs().max().item()
+    with pytest.raises(ValueError, match="compile=True"):
+        codec.stream_engine(1, compile=True, lookahead=2048)
+
+
 def test_which_engines_stream_per_layer():
     """A CPU's exact float32/float64 streams do; approximate ones, half dtypes and CUDA graphs do not."""
     assert engine64("snac_24khz")._layered is not None
