@@ -21,10 +21,13 @@ A stream that ends before its prefill is decoded whole. The local attention of t
 sees whole windows of ``attn_window_size`` latent steps, aligned as in a whole decode: those models
 step in groups of ``window / vq_strides[0]`` frames. Design notes: docs/streaming.md.
 
+On a CPU, exact float32 streams step with state per layer instead (:mod:`.layer_state`: no
+context recomputed), with the same audio at the same pushes.
+
 Modules: :mod:`.geometry` (stages, contexts, where every sample sits), :mod:`.shapes` (step kinds, batch
 buckets), :mod:`.pending` (codes pushed but
 not decoded yet), :mod:`.engine` (the batched engine), :mod:`.step_graph` (a step captured as a CUDA
-graph), :mod:`.stream` (one stream, the public :class:`DecoderStream`).
+graph), :mod:`.layer_state` (the CPU's step), :mod:`.stream` (one stream, the public :class:`DecoderStream`).
 """
 
 from snac_fast.streaming.engine import StreamEngine, StreamSlot

@@ -41,6 +41,9 @@ from snac_fast.ops.conv_transpose import upsampling_padding
 from snac_fast.ops.noise import keyed_normal_at
 from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP
 
+# a whole decode's steps take this many frames of all its rows together: whole activations of a long
+# decode left the caches (60 s took 3.6x as long in one piece); 2 cores: 16 at B=1, 2-4 at B=8
+DECODE_CHUNK_ROW_FRAMES = 16
 EPS = 1e-9  # upstream's Snake1d: x + sin^2(alpha x) / (alpha + 1e-9)
 
 
@@ -299,7 +302,7 @@ class LayerStates:
         self.layers.append(tail)
         self.lookahead = lookahead
         # a flush pushes whole attention windows of zeros, enough to carry the last lookahead samples out
-        unit = model.attn_window_size or 1
+        self.window = unit = model.attn_window_size or 1
         self.flush_latent = -(-lookahead // self.hop // unit) * unit
         with torch.inference_mode(False):
             self.states = [torch.zeros((rows, n, c), device=device, dtype=dtype)
@@ -331,6 +334,33 @@ class LayerStates:
         for state, new in zip(self.states, new_states):
             state.index_copy_(0, slots, new)
         return audio[:, :, self.lookahead:] if kind == PREFILL else audio
+
+    def decode(self, keys: Tensor, latent: Tensor) -> Tensor:
+        """A whole decode through the layers, on states of their own (the engine's rows untouched):
+        the rows' latent [B, C, n] (n whole frames) as a prefill, steps of a few frames
+        (:data:`DECODE_CHUNK_ROW_FRAMES`) and the flush. keys: int64 [4, B] (slot unused, frames consumed 0, seed, noise row) -> audio
+        [B, 1, n * hop], what a stream of the same codes and seed gives."""
+        B, _, n = latent.shape
+        x = latent.transpose(1, 2)
+        states = [torch.zeros((B,) + s.shape[1:], dtype=s.dtype, device=s.device) for s in self.states]
+        # the prefill must carry every layer past position 0 (its outputs before it are zeroed)
+        chunk_frames = max(1, DECODE_CHUNK_ROW_FRAMES // B)
+        step = -(-chunk_frames * self.latent_per_frame // self.window) * self.window
+        first = max(step, -(-self.lookahead // self.hop // self.window) * self.window)
+        keys = keys.clone()
+        pieces, start = [], 0
+        while start < n:
+            stop = min(n, start + (step if start else first))
+            keys[1] = start // self.latent_per_frame
+            audio, states = self._run(x[:, start:stop].contiguous(), states, keys, STEP if start else PREFILL)
+            pieces.append(audio if start else audio[:, :, self.lookahead:])
+            start = stop
+        keys[1] = n // self.latent_per_frame
+        zeros = torch.zeros((B, self.flush_latent, self.channels), dtype=latent.dtype, device=latent.device)
+        tail, _ = self._run(zeros, states, keys, FLUSH)
+        samples = n * self.hop  # shorter than the lookahead: the flush holds all of it
+        pieces.append(tail[:, :, max(0, self.lookahead - samples):self.lookahead])
+        return torch.cat(pieces, 2)
 
     def _run(self, x: Tensor, states: list[Tensor], keys: Tensor, kind: str) -> tuple[Tensor, list[Tensor]]:
         """The layers on x [B, n, C] from ``states`` (gathered for the rows): (audio [B, 1, samples],

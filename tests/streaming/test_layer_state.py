@@ -150,3 +150,33 @@ def test_noise_of_several_blocks_in_one_pass_is_each_blocks_noise():
     got = keyed_normal_at(seeds, rows, positions, blocks)
     want = torch.cat([keyed_normal(seeds, rows, frames, per, start, n, block)[:, 0] for per, start, n, block in calls], 1)
     assert got.shape == (2, 340) and (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.parametrize("name, frames, batch", [("snac_24khz", 37, 1), ("snac_24khz", 9, 2), ("snac_32khz", 16, 2)])
+def test_a_cpu_decode_runs_through_the_layers_and_equals_upstream(name, frames, batch):
+    """FastSNAC.decode on a CPU in float32, 8 frames or more: through the layers (a prefill, steps of
+    a few frames, the flush), equal to upstream's own decode with the same keyed noise (>= 100 dB per
+    row); 37 frames take several steps, 9 frames of two rows one step of each."""
+    from snac_fast.metrics import snr_db
+
+    codec = FastSNAC(synthetic_model(name, **NARROW), device="cpu", dtype=torch.float32)
+    codes = random_codes(codec.config, frames, batch=batch, seed=frames)
+    calls = []
+    layers = codec._layer_decoder()
+    decode = layers.decode
+    layers.decode = lambda *a: calls.append(1) or decode(*a)
+    got = codec.decode(codes, seed=21)
+    assert calls and got.shape == (batch, 1, codec.latent_length(codes) * codec.hop_length)
+    want = decode_with_keyed_noise(codec.reference_model(), codes, 21)
+    for b in range(batch):
+        assert snr_db(want[b, 0], got[b, 0]) >= 100, f"row {b}"
+    fresh = codec.decode(codes), codec.decode(codes)  # no seed: fresh noise each call, as upstream
+    assert (fresh[0] - fresh[1]).abs().max() > 0
+
+
+def test_a_short_cpu_decode_keeps_the_module_tree():
+    codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", dtype=torch.float32)
+    layers = codec._layer_decoder()
+    layers.decode = lambda *a: pytest.fail("a 4-frame decode went through the layers")
+    codes = random_codes(codec.config, 4, seed=1)
+    assert codec.decode(codes, seed=3).shape == (1, 1, 4 * codec.hop_length * codec.config["vq_strides"][0])
