@@ -280,6 +280,27 @@ def test_serve_cli_refuses_bad_arguments(capsys):
     assert "--max-wait-ms must be >= 0" in capsys.readouterr().err
     assert main(["serve", "--engine-event-loop"]) == 2
     assert "add --shared-engine" in capsys.readouterr().err
+    assert main(["serve", "--cpu-threads", "-1"]) == 2
+    assert "--cpu-threads must be >= 0" in capsys.readouterr().err
+
+
+def test_cpu_workers_share_the_cores(monkeypatch):
+    """serve --device cpu: each worker's engine gets the cores over the workers (at least one), or
+    --cpu-threads; the engine it makes is the codec's shared one."""
+    from snac_fast.serve.run import ready_engine
+
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
+    assert ServeSettings(workers=4).threads_per_worker() == 4
+    assert ServeSettings(workers=32).threads_per_worker() == 1
+    assert ServeSettings(workers=4, cpu_threads=3).threads_per_worker() == 3
+    codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")
+    before = torch.get_num_threads()
+    try:
+        engine = ready_engine(codec, ServeSettings(device="cpu", max_streams=3), 1)
+        assert torch.get_num_threads() == 1 and engine is codec.shared_stream_engine()
+        assert engine.max_streams == 3 and engine._layered is not None
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_serve_cli_hands_the_engine_process_its_form_and_wait(monkeypatch):
