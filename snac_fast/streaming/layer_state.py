@@ -23,8 +23,8 @@ batch whatever the rows' positions; the two ends are the only special cases:
 - flush: zeros pushed in, and each layer's outputs past the signal's end (all but its first
   ``delay``) zeroed, so every layer sees its right zero padding.
 
-Used by :class:`~snac_fast.streaming.StreamEngine` for exact streams on a CPU
-(docs/streaming.md, "On a CPU").
+Used by :class:`~snac_fast.streaming.StreamEngine` for exact streams on a CPU, and by
+:meth:`snac_fast.FastSNAC.decode` there for decodes of 8 frames or more (docs/streaming.md, "On a CPU").
 """
 
 from __future__ import annotations
@@ -59,10 +59,12 @@ class Run:
 class _Layer:
     """A streaming layer. ``rate``: its output samples per latent sample; ``delay``: how many of
     its output samples lag the decode's position (output j of a push starting at latent position
-    P is at ``P * rate - delay + j``). ``spans``: (channels, samples) of each state it keeps."""
+    P is at ``P * rate - delay + j``). ``spans``: (samples, channels) of each state it keeps, time-major
+    like the activations ([B, T, C])."""
 
     rate = 1
     delay = 0
+    delay_own = 0  # what this layer adds to the delay of its input
     spans: tuple[tuple[int, int], ...] = ()
     masks = True  # outputs at positions outside the signal can be nonzero (a bias, a branch)
 
@@ -293,7 +295,7 @@ class LayerStates:
                 layer.place(delay)
             if isinstance(layer, _Transposed):
                 rate, delay = rate * layer.stride, delay * layer.stride
-            delay += getattr(layer, "delay_own", 0)
+            delay += layer.delay_own
             layer.rate, layer.delay = rate, delay
         if delay > lookahead:
             raise ValueError(f"this decoder lags its input by {delay} samples, more than the lookahead {lookahead}")
