@@ -111,8 +111,6 @@ def _serve_engine(address: str, settings: ServeSettings, output: str, model_opti
             make_current(torch.device(settings.device))  # warm-up and graphs on that GPU, not the first
         codec = FastSNAC.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
                                          local_files_only=settings.local_files_only, **model_options)
-        from snac_fast.serve.run import ready_engine
-
         engine = ready_engine(codec, settings, settings.cpu_threads or len(os.sched_getaffinity(0)))
         batcher = EngineBatcher(engine, settings.max_batch, settings.max_wait_ms, output, settings.idle_timeout_s,
                                 event_loop=settings.engine_event_loop)
@@ -267,3 +265,17 @@ class EngineProcess:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def ready_engine(codec, settings: ServeSettings, cpu_threads: int):
+    """The codec's shared stream engine for a worker or the engine process, ready to serve: on CUDA
+    warmed up (every step's graph), on a CPU with ``cpu_threads`` torch threads (N workers each with
+    all the host's cores would oversubscribe it)."""
+    import torch
+
+    engine = codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams)
+    if codec.device.type == "cuda":
+        codec.warmup(streams=settings.warmup_streams, lookahead=settings.lookahead)
+    elif codec.device.type == "cpu":
+        torch.set_num_threads(cpu_threads)
+    return engine

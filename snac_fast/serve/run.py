@@ -58,22 +58,10 @@ def app_from_environment():
     device = worker_device(settings.device, os.environ.get(CLAIMS_VARIABLE))
     codec = FastSNAC.from_pretrained(settings.model, device=device, dtype=settings.dtype,
                                      local_files_only=settings.local_files_only)
+    from snac_fast.serve.engine_process import ready_engine
+
     ready_engine(codec, settings, settings.threads_per_worker())
     return create_app(codec, settings)
-
-
-def ready_engine(codec, settings: ServeSettings, cpu_threads: int):
-    """The codec's shared stream engine for a worker or the engine process, ready to serve: on CUDA
-    warmed up (every step's graph), on a CPU with ``cpu_threads`` torch threads (N workers each with
-    all the host's cores would oversubscribe it)."""
-    import torch
-
-    engine = codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams)
-    if codec.device.type == "cuda":
-        codec.warmup(streams=settings.warmup_streams, lookahead=settings.lookahead)
-    elif codec.device.type == "cpu":
-        torch.set_num_threads(cpu_threads)
-    return engine
 
 
 def serve(settings: ServeSettings) -> None:

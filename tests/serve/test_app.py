@@ -287,7 +287,7 @@ def test_serve_cli_refuses_bad_arguments(capsys):
 def test_cpu_workers_share_the_cores(monkeypatch):
     """serve --device cpu: each worker's engine gets the cores over the workers (at least one), or
     --cpu-threads; the engine it makes is the codec's shared one."""
-    from snac_fast.serve.run import ready_engine
+    from snac_fast.serve.engine_process import ready_engine
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     assert ServeSettings(workers=4).threads_per_worker() == 4
