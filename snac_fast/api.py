@@ -6,7 +6,6 @@ import contextlib
 import functools
 import math
 import os
-import secrets
 import threading
 from typing import Callable, Sequence
 
@@ -208,7 +207,9 @@ class FastSNAC:
         layers = self._layer_decoder() if generator is None else None
         # a short decode pays the flush's extra tail: below ~3 lookaheads of audio the tree was faster
         if layers is not None and self.latent_length(codes) * self.hop_length >= 3 * layers.lookahead:
-            return self._decode_layered(codes, secrets.randbits(63) if seed is None else seed)
+            # fresh noise: a key drawn from torch's generator, so torch.manual_seed repeats it as upstream's does
+            fresh = int(torch.randint(0, 1 << 62, (), dtype=torch.int64)) if seed is None else seed
+            return self._decode_layered(codes, fresh)
         if generator is not None:
             noise = injected_noise(self.model, generator)
         elif seed is not None:

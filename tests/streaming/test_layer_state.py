@@ -172,6 +172,10 @@ def test_a_cpu_decode_runs_through_the_layers_and_equals_upstream(name, frames, 
         assert snr_db(want[b, 0], got[b, 0]) >= 100, f"row {b}"
     fresh = codec.decode(codes), codec.decode(codes)  # no seed: fresh noise each call, as upstream
     assert (fresh[0] - fresh[1]).abs().max() > 0
+    torch.manual_seed(4)
+    again = codec.decode(codes)
+    torch.manual_seed(4)
+    assert torch.equal(codec.decode(codes), again)  # torch's generator repeats it, as upstream's randn
 
 
 def test_a_short_cpu_decode_keeps_the_module_tree():
