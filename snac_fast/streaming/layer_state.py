@@ -285,24 +285,11 @@ class LayerStates:
 
     def __init__(self, model: nn.Module, rows: int, lookahead: int, latent_per_frame: int, *,
                  device: torch.device, dtype: torch.dtype, compile: bool = False) -> None:
-        self.layers = _layers_of(model, dtype)
+        self.model, self.dtype, self.lookahead = model, dtype, lookahead
+        self._build()
         self.channels = model.decoder.model[0].in_channels
         self.latent_per_frame = latent_per_frame
         self.hop = math.prod(model.decoder_rates)
-        rate, delay = 1, 0
-        for layer in self.layers:
-            if isinstance(layer, _Attention):
-                layer.place(delay)
-            if isinstance(layer, _Transposed):
-                rate, delay = rate * layer.stride, delay * layer.stride
-            delay += layer.delay_own
-            layer.rate, layer.delay = rate, delay
-        if delay > lookahead:
-            raise ValueError(f"this decoder lags its input by {delay} samples, more than the lookahead {lookahead}")
-        tail = _Delay(lookahead - delay)
-        tail.rate, tail.delay = rate, lookahead
-        self.layers.append(tail)
-        self.lookahead = lookahead
         # a flush pushes whole attention windows of zeros, enough to carry the last lookahead samples out
         self.window = unit = model.attn_window_size or 1
         self.flush_latent = -(-lookahead // self.hop // unit) * unit
@@ -313,10 +300,40 @@ class LayerStates:
         # guards or broke inductor's channels-last convs (torch 2.11; docs/streaming.md)
         self._compiled_step = torch.compile(self._run, dynamic=False) if compile else None
 
+    def _build(self) -> None:
+        """The layers from the model's weights as they are now, with their delays."""
+        self.layers = _layers_of(self.model, self.dtype)
+        rate, delay = 1, 0
+        for layer in self.layers:
+            if isinstance(layer, _Attention):
+                layer.place(delay)
+            if isinstance(layer, _Transposed):
+                rate, delay = rate * layer.stride, delay * layer.stride
+            delay += layer.delay_own
+            layer.rate, layer.delay = rate, delay
+        if delay > self.lookahead:
+            raise ValueError(f"this decoder lags its input by {delay} samples, more than the lookahead {self.lookahead}")
+        tail = _Delay(self.lookahead - delay)
+        tail.rate, tail.delay = rate, self.lookahead
+        self.layers.append(tail)
+        self._built_from = self._weights()
+
+    def _weights(self) -> tuple:
+        return tuple((p.data_ptr(), p._version) for p in self.model.decoder.parameters())
+
+    def _current(self) -> None:
+        """The layers hold copies of some weights (the transposed convs' phase layout): rebuilt when a
+        weight of the model changed since (in place, or replaced), as the module tree would see it."""
+        if self._weights() != self._built_from:
+            self._build()
+            if self._compiled_step is not None:
+                self._compiled_step = torch.compile(self._run, dynamic=False)
+
     def forward(self, kind: str, keys: Tensor, latent: Tensor | None) -> Tensor:
         """keys: int64 [4, B] (slot, frames consumed, seed, noise row); latent: [B, C, n] (None for a
         flush) -> audio [B, 1, samples]: prefill ``n * hop - lookahead``, step ``n * hop``, flush
         ``lookahead`` samples."""
+        self._current()
         slots = keys[0]
         B = slots.shape[0]
         if kind == PREFILL:
@@ -342,6 +359,7 @@ class LayerStates:
         the rows' latent [B, C, n] (n whole frames) as a prefill, steps of a few frames
         (:data:`DECODE_CHUNK_ROW_FRAMES`) and the flush. keys: int64 [4, B] (slot unused, frames consumed 0, seed, noise row) -> audio
         [B, 1, n * hop], what a stream of the same codes and seed gives."""
+        self._current()
         B, _, n = latent.shape
         x = latent.transpose(1, 2)
         states = [torch.zeros((B,) + s.shape[1:], dtype=s.dtype, device=s.device) for s in self.states]

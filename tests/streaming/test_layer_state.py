@@ -184,3 +184,26 @@ def test_a_short_cpu_decode_keeps_the_module_tree():
     layers.decode = lambda *a: pytest.fail("a 4-frame decode went through the layers")
     codes = random_codes(codec.config, 4, seed=1)
     assert codec.decode(codes, seed=3).shape == (1, 1, 4 * codec.hop_length * codec.config["vq_strides"][0])
+
+
+def test_the_layers_follow_a_weight_changed_in_place():
+    """The layers copy some weights (the transposed convs' phase layout): a weight changed after a
+    decode (in place, as fine-tuning or a perturbation does) is in the next decode and the next step."""
+    from snac_fast.metrics import snr_db
+
+    codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", dtype=torch.float32)
+    codes = random_codes(codec.config, 9, seed=3)
+    before = codec.decode(codes, seed=1)
+    engine = codec.stream_engine(1)
+    with torch.no_grad():
+        codec.model.decoder.model[2].block[1].weight.mul_(1.5)  # block 1's transposed conv
+    after = codec.decode(codes, seed=1)
+    layers = codec._layer_decoder
+    codec._layer_decoder = lambda: None  # the module tree's own decode of the changed weights
+    tree = codec.decode(codes, seed=1)
+    codec._layer_decoder = layers
+    assert snr_db(tree[0, 0], before[0, 0]) < 40 and snr_db(tree[0, 0], after[0, 0]) >= 100
+    s = engine.open(1)
+    strides = codec.config["vq_strides"]
+    streamed = torch.cat([engine.advance({s: frames_of(codes, strides, 0, 9)})[s], engine.advance(finish=[s])[s]])
+    assert snr_db(tree[0, 0], streamed) >= 100
