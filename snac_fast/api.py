@@ -209,7 +209,10 @@ class FastSNAC:
         if layers is not None and self.latent_length(codes) * self.hop_length >= 3 * layers.lookahead:
             # fresh noise: a key drawn from torch's generator, so torch.manual_seed repeats it as upstream's does
             fresh = int(torch.randint(0, 1 << 62, (), dtype=torch.int64)) if seed is None else seed
-            return self._decode_layered(codes, fresh)
+            keys = torch.zeros((4, codes[0].shape[0]), dtype=torch.int64)  # (slot, frames, seed, noise row)
+            keys[2], keys[3] = fresh, torch.arange(codes[0].shape[0])
+            with torch.inference_mode():
+                return layers.decode(keys, self.model.quantizer.from_codes(codes))
         if generator is not None:
             noise = injected_noise(self.model, generator)
         elif seed is not None:
@@ -235,13 +238,6 @@ class FastSNAC:
                                     self.config.get("attn_window_size")).lookahead_samples
             self._layers = LayerStates(self.model, 0, lookahead, latent_per_frame, device=self.device, dtype=self.dtype)
         return self._layers
-
-    def _decode_layered(self, codes: list[Tensor], seed: int) -> Tensor:
-        B = codes[0].shape[0]
-        keys = torch.zeros((4, B), dtype=torch.int64)
-        keys[2], keys[3] = seed, torch.arange(B)
-        with torch.inference_mode():
-            return self._layer_decoder().decode(keys, self.model.quantizer.from_codes(codes))
 
     def warmup(self, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,), streams: int = 0,
                lookahead: int | str | None = None) -> dict[str, float]:

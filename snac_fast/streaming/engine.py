@@ -123,9 +123,9 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
                        and dtype in (torch.float32, torch.float64))
         if layered and (self.approximate_lookahead is not None or cuda_graphs):
             raise ValueError("layered=True is for exact streams without CUDA graphs")
-        # row max_streams: scratch for the padding rows of a bucket
         if compile and not layered:
             raise ValueError("compile=True compiles the per-layer step of a CPU's exact streams (layered)")
+        # row max_streams: scratch for the padding rows of a bucket
         self._layered = LayerStates(model, max_streams + 1, exact.lookahead_samples, self.strides[0],
                                     device=self.device, dtype=dtype, compile=compile) if layered else None
         if self._layered is not None:

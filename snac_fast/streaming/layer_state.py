@@ -88,8 +88,10 @@ def _time_major(y: Tensor) -> Tensor:
 
 
 class _Pointwise(_Layer):
-    def __init__(self, fn, masks: bool = False) -> None:
-        self.fn, self.masks = fn, masks
+    masks = False  # zero in, zero out
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
 
     def __call__(self, x, states, run):
         return self.fn(x), []
@@ -335,21 +337,14 @@ class LayerStates:
         ``lookahead`` samples."""
         self._current()
         slots = keys[0]
-        B = slots.shape[0]
-        if kind == PREFILL:
-            states = [torch.zeros((B,) + s.shape[1:], dtype=s.dtype, device=s.device) for s in self.states]
-        else:
-            states = [s.index_select(0, slots) for s in self.states]
+        states = self._fresh_states(slots.shape[0]) if kind == PREFILL else [s.index_select(0, slots) for s in self.states]
         if kind == FLUSH:
-            x = torch.zeros((B, self.flush_latent, self.channels), dtype=self.states[0].dtype, device=slots.device)
-        else:
-            x = latent.transpose(1, 2).contiguous()
-        if kind in (PREFILL, FLUSH) or self._compiled_step is None:
+            return self._flush(states, keys)
+        x = latent.transpose(1, 2).contiguous()
+        if kind == PREFILL or self._compiled_step is None:
             audio, new_states = self._run(x, states, keys, kind)
         else:
             audio, new_states = self._compiled_step(x, states, keys, STEP)
-        if kind == FLUSH:
-            return audio[:, :, :self.lookahead]
         for state, new in zip(self.states, new_states):
             state.index_copy_(0, slots, new)
         return audio[:, :, self.lookahead:] if kind == PREFILL else audio
@@ -357,16 +352,18 @@ class LayerStates:
     def decode(self, keys: Tensor, latent: Tensor) -> Tensor:
         """A whole decode through the layers, on states of their own (the engine's rows untouched):
         the rows' latent [B, C, n] (n whole frames) as a prefill, steps of a few frames
-        (:data:`DECODE_CHUNK_ROW_FRAMES`) and the flush. keys: int64 [4, B] (slot unused, frames consumed 0, seed, noise row) -> audio
-        [B, 1, n * hop], what a stream of the same codes and seed gives."""
+        (:data:`DECODE_CHUNK_ROW_FRAMES`) and the flush. keys: int64 [4, B] (slot unused, frames
+        consumed 0, seed, noise row) -> audio [B, 1, n * hop], what a stream of the same codes and
+        seed gives."""
         self._current()
         B, _, n = latent.shape
         x = latent.transpose(1, 2)
-        states = [torch.zeros((B,) + s.shape[1:], dtype=s.dtype, device=s.device) for s in self.states]
-        # the prefill must carry every layer past position 0 (its outputs before it are zeroed)
+        states = self._fresh_states(B)
         chunk_frames = max(1, DECODE_CHUNK_ROW_FRAMES // B)
         step = -(-chunk_frames * self.latent_per_frame // self.window) * self.window
-        first = max(step, -(-self.lookahead // self.hop // self.window) * self.window)
+        # the prefill must carry every layer past position 0 (its outputs before it are zeroed): as
+        # many whole windows as a flush pushes
+        first = max(step, self.flush_latent)
         keys = keys.clone()
         pieces, start = [], 0
         while start < n:
@@ -376,11 +373,19 @@ class LayerStates:
             pieces.append(audio if start else audio[:, :, self.lookahead:])
             start = stop
         keys[1] = n // self.latent_per_frame
-        zeros = torch.zeros((B, self.flush_latent, self.channels), dtype=latent.dtype, device=latent.device)
-        tail, _ = self._run(zeros, states, keys, FLUSH)
         samples = n * self.hop  # shorter than the lookahead: the flush holds all of it
-        pieces.append(tail[:, :, max(0, self.lookahead - samples):self.lookahead])
+        pieces.append(self._flush(states, keys)[:, :, max(0, self.lookahead - samples):])
         return torch.cat(pieces, 2)
+
+    def _fresh_states(self, rows: int) -> list[Tensor]:
+        """Zero states for ``rows`` streams at their start (the layers' left zero padding)."""
+        return [torch.zeros((rows,) + s.shape[1:], dtype=s.dtype, device=s.device) for s in self.states]
+
+    def _flush(self, states: list[Tensor], keys: Tensor) -> Tensor:
+        """The rows' ends (keys[1]: their frames): zeros pushed until their last ``lookahead`` samples
+        are out -> audio [B, 1, lookahead]."""
+        x = torch.zeros((keys.shape[1], self.flush_latent, self.channels), dtype=self.dtype, device=keys.device)
+        return self._run(x, states, keys, FLUSH)[0][:, :, :self.lookahead]
 
     def _run(self, x: Tensor, states: list[Tensor], keys: Tensor, kind: str) -> tuple[Tensor, list[Tensor]]:
         """The layers on x [B, n, C] from ``states`` (gathered for the rows): (audio [B, 1, samples],
