@@ -1,7 +1,8 @@
 """CPU streams side by side: snac-fast's exact stream (state per layer, eager and through
 torch.compile; the stage step it replaced on CPUs) against the window glue CPU users run: upstream
-SNAC decoding a 4-frame window per frame in torch, and the same windows through ONNX Runtime (the
-upstream decoder exported with torch.onnx: orpheus-cpp's path).
+SNAC decoding a 4-frame window per frame in torch (eager, and under torch.compile for that one
+shape), and the same windows through ONNX Runtime (the upstream decoder exported with torch.onnx:
+orpheus-cpp's path).
 
 Per thread count: one stream's time a frame (a push of one frame, the LM's pace; windows: one
 window decode a frame), and real-time streams per core: snac-fast with ``--streams`` streams a step
@@ -19,6 +20,7 @@ import datetime
 import multiprocessing as mp
 import os
 import platform
+from queue import SimpleQueue
 import statistics
 import tempfile
 import time
@@ -72,6 +74,8 @@ class Bench:
         self.strides = self.config["vq_strides"]
         self.frame_ms = 1000.0 * self.codec.hop_length * self.strides[0] / self.config["sampling_rate"]
         self.onnx_path = onnx_path
+        # the strongest torch peer: upstream's decode compiled for the one window shape it runs
+        self.compiled_upstream = torch.compile(self.upstream.decode, dynamic=False)
         self._sessions: dict[int, object] = {}
         self._engines: dict[tuple, object] = {}
         self.gen = torch.Generator().manual_seed(os.getpid())
@@ -105,7 +109,8 @@ class Bench:
         return times
 
     def windows(self, runtime: str) -> list[float]:
-        """ms a frame of one stream decoding a 4-frame window per frame (upstream torch or ONNX Runtime)."""
+        """ms a frame of one stream decoding a 4-frame window per frame (upstream in torch, eager or
+        compiled, or ONNX Runtime)."""
         frames = WINDOW + self.cli.frames
         codes = self.codes(1, frames)
         times = []
@@ -115,6 +120,8 @@ class Bench:
                 t0 = time.perf_counter()
                 if runtime == "onnxruntime":
                     audio = self.session().run(None, {f"codes_{i}": c.numpy() for i, c in enumerate(window)})[0]
+                elif runtime == "compiled":
+                    audio = self.compiled_upstream(window)
                 else:
                     audio = self.upstream.decode(window)
                 audio[..., 2048:4096]  # the glue keeps the window's second frame
@@ -147,13 +154,13 @@ def contenders(cli) -> list[tuple[str, int]]:
     out = []
     for form in cli.forms.split(","):
         out += [(form, b) for b in cli.streams]
-    out += [("upstream windows", 1)] + ([("onnxruntime windows", 1)] if cli.onnx else [])
-    return out
+    out += [("upstream windows", 1), ("compiled upstream windows", 1)]
+    return out + ([("onnxruntime windows", 1)] if cli.onnx else [])
 
 
 def measure(bench: Bench, name: str, streams: int) -> list[float]:
     if name.endswith("windows"):
-        return bench.windows("onnxruntime" if name.startswith("onnx") else "torch")
+        return bench.windows(name.split()[0] if name.startswith(("onnxruntime", "compiled")) else "torch")
     return bench.stream(name, streams)
 
 
@@ -202,7 +209,7 @@ def main() -> None:
             export_onnx(build_upstream(resolve_checkpoint(f"synthetic:{cli.model}")).eval(),
                         resolve_checkpoint(f"synthetic:{cli.model}").config, onnx_path)
             print(f"exported the upstream decoder to ONNX in {time.perf_counter() - t0:.1f} s", flush=True)
-        queue = mp.get_context("spawn").SimpleQueue() if cli.procs > 1 else _ListQueue()
+        queue = mp.get_context("spawn").SimpleQueue() if cli.procs > 1 else SimpleQueue()
         if cli.procs == 1:
             worker(cli, onnx_path, None, queue, 0)
         else:
@@ -257,14 +264,6 @@ def main() -> None:
     print(markdown)
     if cli.out:
         write_results(cli.out, cli.stem, {"environment": env, "results": records}, markdown)
-
-
-class _ListQueue(list):
-    def put(self, item):
-        self.append(item)
-
-    def get(self):
-        return self.pop(0)
 
 
 if __name__ == "__main__":
