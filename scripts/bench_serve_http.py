@@ -37,6 +37,7 @@ import numpy as np
 from snac_fast.serve.fake_lm import read_stats_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import colocated_lm  # noqa: E402
 from bench_common import markdown_table, write_results
 
 FRAME_S = 2048 / 24000
@@ -336,6 +337,25 @@ def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geo
                                                           "snac_fast_first_audio_seconds_count"))]}
 
 
+def late_chunks(scrape: str) -> float:
+    """The server's count of pushes whose audio took over a frame (its /metrics)."""
+    return sum(float(line.split()[-1]) for line in scrape.splitlines() if line.startswith("snac_fast_late_chunks_total"))
+
+
+def server_memory(port: int, pid: int) -> dict:
+    """The server's GPU memory: its /health's figures and nvidia-smi's per process (where it lists them)."""
+    import httpx
+
+    reading = {"health": httpx.get(f"http://127.0.0.1:{port}/health").json().get("gpu_memory")}
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout
+        reading["nvidia_smi"] = out.strip().splitlines()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return reading
+
+
 def serve_options(args) -> list[str]:
     """The options this run hands ``snac-fast serve`` (named as on both command lines)."""
     options = ["--workers", str(args.workers), "--max-streams", str(args.max_streams), "--max-batch", str(args.max_batch)]
@@ -349,10 +369,12 @@ def serve_options(args) -> list[str]:
         options += ["--engine-thread"]
     if args.engine_event_loop:
         options += ["--engine-event-loop"]
-    if args.max_wait_ms:
+    if args.max_wait_ms is not None:
         options += ["--max-wait-ms", f"{args.max_wait_ms:g}"]
     if args.lookahead != "exact":
         options += ["--lookahead", args.lookahead]
+    if args.gpu_memory_gb:
+        options += ["--gpu-memory-gb", f"{args.gpu_memory_gb:g}"]
     return options
 
 
@@ -398,6 +420,26 @@ def markdown(results: dict) -> str:
                                   "200 / complete", "chunk gap p50 / p99 / max ms", "LM chunk gap p99 / max ms",
                                   "streams stalled (150 ms buffer) / longest ms", "end past nominal p99 / max ms",
                                   "server CPU cores / ms per stream-second"], pace))
+    beside = [r for r in rows if "lm_steps_per_s" in r]
+    if beside:
+        memory = results.get("server_memory", {})
+        out += ("\n## Beside an LM on the same GPU\n\n"
+                f"`scripts/colocated_lm.py` (a Llama-3.2-3B-shaped decode step for 64 sequences in one CUDA graph, "
+                f"holding {results['args']['colocated_lm']:g} of the card) steps back to back from before the server "
+                f"starts; its steps per second in each load (from 1.5 s in) "
+                f"against the mean of the idle windows ({results['args']['lm_idle_s']:g} s, the server idle) before and "
+                f"after it. Server GPU memory after start-up (the last run): {memory}. Late pushes: the server's count of pushes whose "
+                "audio took over one frame (85.3 ms); chunk added: each audio chunk at the client after the LM sent "
+                "its last token (pcm).\n\n"
+                + markdown_table(["--max-wait-ms", "--gpu-memory-gb", "MPS", "clients", "LM pace",
+                                  "LM steps/s idle / under load", "LM loss", "late pushes",
+                                  "chunk added p99 / max ms", "chunk gap p99 / max ms"],
+                                 [["serve's" if r.get("max_wait_ms") is None else f"{r['max_wait_ms']:g}",
+                                   f"{r.get('gpu_memory_gb') or 0:g}", "yes" if r.get("mps") else "no",
+                                   r["clients"], f"{r['pace']:g}x", f"{r['lm_idle_steps_per_s']:.1f} / {r['lm_steps_per_s']:.1f}",
+                                   f"**{100 * r['lm_loss']:.1f}%**", int(r["server_late_pushes"]),
+                                   f"{r['chunk_added_p99_ms']:.1f} / {r['chunk_added_max_ms']:.1f}",
+                                   f"{r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}"] for r in beside]))
     return out
 
 
@@ -429,7 +471,7 @@ def main() -> None:
     parser.add_argument("--shared-engine", action="store_true", help="the workers feed one engine process (serve --shared-engine)")
     parser.add_argument("--engine-thread", action="store_true", help="serve --engine-thread: engine calls on a thread, not the event loop")
     parser.add_argument("--engine-event-loop", action="store_true", help="with --shared-engine: its process on one event loop")
-    parser.add_argument("--max-wait-ms", type=float, default=0.0, help="serve --max-wait-ms: an engine call's wait for fuller calls")
+    parser.add_argument("--max-wait-ms", type=float, default=None, help="serve --max-wait-ms (default: serve's)")
     parser.add_argument("--max-streams", type=int, default=1024, help="per worker")
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--device", default=None)
@@ -438,6 +480,12 @@ def main() -> None:
                         help="what the server loads (a 24 kHz model: a folder of a smaller checkpoint lets a CPU keep pace)")
     parser.add_argument("--lm-workers", type=int, default=1, help="fake LM processes")
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
+    parser.add_argument("--gpu-memory-gb", type=float, default=0.0, help="serve --gpu-memory-gb")
+    parser.add_argument("--colocated-lm", type=float, default=0.0, metavar="SHARE",
+                        help="run scripts/colocated_lm.py first, holding this share of the GPU (0.9 as vLLM's default), "
+                             "and measure its steps per second in each load and in idle windows between")
+    parser.add_argument("--lm-idle-s", type=float, default=8.0, help="with --colocated-lm: each idle window")
+    parser.add_argument("--mps", action="store_true", help="run everything under the MPS control daemon")
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default=None, help="output file name without extension (default: serve_http_24khz_<gpu>)")
     parser.add_argument("--append", action="store_true", help="add this run's rows to the report of the same stem")
@@ -450,6 +498,10 @@ def main() -> None:
     logs = Path(args.logs or tempfile.mkdtemp(prefix="bench_serve_http_"))
     logs.mkdir(parents=True, exist_ok=True)
     frames = int(args.seconds / FRAME_S)
+    mps = colocated_lm.mps_start(str(logs / "mps")) if args.mps else None
+    beside, lm_steps = None, str(logs / "colocated_lm_steps.txt")
+    if args.colocated_lm:  # first, as vLLM is up before the decoder: the server must fit beside it
+        beside = colocated_lm.start(lm_steps, args.colocated_lm, str(logs / "colocated_lm.log"))
     lm_port, port = free_port(), free_port()
     stats_dir = tempfile.mkdtemp(prefix="fake_lm_stats_")
     length = ["--chars-per-second", f"{args.lm_chars_per_second:g}"] if args.input_chars or args.text_ws else []
@@ -467,7 +519,14 @@ def main() -> None:
                                                       ("text_ws", args.text_ws), ("sentence_every", f"{args.sentence_every:g}"),
                                                       ("lm_workers", args.lm_workers),
                                                       ("client_procs", args.client_procs))) + " " + " ".join(serve_options(args)))
-    results = {"args": vars(args), "commands": [command], "server_start_s": time.monotonic() - t0, "rows": []}
+    results = {"args": vars(args), "commands": [command], "server_start_s": time.monotonic() - t0, "rows": [],
+               "mps": mps, "server_memory": server_memory(port, server.pid)}
+    idle_windows: list[float] = []
+
+    def idle_window() -> None:  # the LM alone (the server idle) for --lm-idle-s
+        start = time.monotonic()
+        time.sleep(args.lm_idle_s)
+        idle_windows.append(colocated_lm.steps_per_second(lm_steps, start + 0.5, time.monotonic()))
     geometry = stream_geometry(None if args.lookahead == "exact" else args.lookahead if args.lookahead == "fp16"
                                else int(args.lookahead))
     arrivals_kinds = args.arrivals.split(",")
@@ -480,6 +539,9 @@ def main() -> None:
                 out = logs / f"server_profile_{clients}_{arrivals}.txt"
                 subprocess.Popen(["bash", "-c", f"sleep {args.profile_delay:g} && py-spy record -p {server.pid} --subprocesses --threads --idle --nonblocking "
                                   f"-d {args.profile_server:g} -r 200 -f raw -o {out} > {out}.log 2>&1"])
+            if beside is not None:
+                idle_window()
+            late0 = late_chunks(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
             cpu0, wall0 = tree_cpu_seconds(server.pid), time.monotonic()
             records = []
             for k in range(args.repeat if clients == 1 else 1):
@@ -496,14 +558,29 @@ def main() -> None:
             row.update(clients=clients, requests=len(records), format="text-ws pcm" if args.text_ws else fmt,
                        input_chars=args.input_chars, arrivals=arrivals, pace=args.pace, lookahead=args.lookahead,
                        seconds=args.seconds, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients)
+            row.update(max_wait_ms=args.max_wait_ms, gpu_memory_gb=args.gpu_memory_gb, mps=bool(mps))
+            if beside is not None:  # the LM while every client streams (past their first audio)
+                row["lm_steps_per_s"] = colocated_lm.steps_per_second(
+                    lm_steps, wall0 + 1.5, min(wall0 + args.seconds / args.pace, wall0 + wall) - 0.5)
+                row["server_late_pushes"] = late_chunks(scrape) - late0
             results["rows"].append(row)
             print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
                    if k != "server_push_histogram"}, flush=True)
+        if beside is not None:
+            idle_window()
+            for k, row in enumerate(results["rows"]):  # beside the idle windows before and after it
+                row["lm_idle_steps_per_s"] = (idle_windows[k] + idle_windows[k + 1]) / 2
+                row["lm_loss"] = 1 - row["lm_steps_per_s"] / row["lm_idle_steps_per_s"]
+            results["server_memory_after"] = server_memory(port, server.pid)
     finally:
         server.terminate()
         lm.terminate()
         server.wait(60)
         lm.wait(10)
+        if beside is not None:
+            beside.kill()
+        if mps:
+            colocated_lm.mps_stop()
     try:
         import torch
 

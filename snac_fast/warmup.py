@@ -115,7 +115,8 @@ def warmup(codec, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,
     ``streams`` > 0, of the steps of the shared stream engine (:meth:`FastSNAC.shared_stream_engine`,
     grown to ``streams`` slots if smaller; the one of ``lookahead``) for batches of up to that many
     streams, all concurrently; then decode each shape once (CUDA graphs captured) and capture the
-    engine's steps. Returns seconds per phase: ``compile_s``, ``decode_s``, ``stream_s``."""
+    engine's steps, and hand the warm-up's transient memory back to the device. Returns seconds per
+    phase: ``compile_s``, ``decode_s``, ``stream_s``."""
     engine = None
     if streams:
         engine = codec.shared_stream_engine(lookahead)
@@ -134,6 +135,10 @@ def warmup(codec, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,
         start = time.perf_counter()
         engine.warmup(max_batch=streams, compiled=True)
         times["stream_s"] = time.perf_counter() - start
+    if codec.device.type == "cuda":
+        # the eager passes' blocks stay cached in the allocator (the graphs' own pool is theirs):
+        # handed back, a server's reserve is what it serves with
+        torch.cuda.empty_cache()
     return times
 
 

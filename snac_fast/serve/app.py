@@ -130,6 +130,10 @@ async def _health_body(server: SpeechServer) -> dict:
             "sampling_rate": server.backend.rate, "lm": {"status": lm, "url": server.settings.lm_url}}
     if why:
         body["lm"]["error"] = why
+    if state.memory:
+        body["gpu_memory"] = {k.removeprefix("gpu_").replace("_bytes", "_gb"): round(v / 1e9, 3) for k, v in state.memory.items()}
+    if server.settings.gpu_memory_gb:
+        body.setdefault("gpu_memory", {})["budget_gb"] = server.settings.gpu_memory_gb
     if status == "engine_failing":
         body["error"] = state.error
     return body
@@ -171,6 +175,8 @@ async def metrics(request):
 
     server: SpeechServer = request.app.state.server
     server.metrics.backend_values = await server.backend.metric_values()
+    if server.settings.gpu_memory_gb:
+        server.metrics.backend_values["gpu_budget_bytes"] = server.settings.gpu_memory_gb * 1e9
     return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -31,6 +31,7 @@ class Health:
     status: str  # "ok", "engine_lost" or "engine_failing"
     slots_in_use: int  # of every worker, where an engine process serves several
     error: str | None = None  # the last engine failure, when failing
+    memory: dict | None = None  # the engine's GPU memory in bytes (snac_fast.gpu_memory.memory_readings)
 
 
 class Backend(Protocol):
@@ -76,6 +77,9 @@ class InProcessBackend:
         settings.layout.check_model(codec.config)
         from snac_fast.serve.batchers import AsyncStreamBatcher
 
+        from snac_fast.gpu_memory import memory_readings
+
+        self.memory_readings = memory_readings
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.engine = codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams)
         self.device, self.max_streams = str(codec.device), self.engine.max_streams
@@ -111,13 +115,15 @@ class InProcessBackend:
     async def health(self) -> Health:
         b = self.batcher
         failing = b.failed_in_a_row >= FAILING_CALLS
-        return Health("engine_failing" if failing else "ok", self.engine.open_streams, b.last_failure if failing else None)
+        return Health("engine_failing" if failing else "ok", self.engine.open_streams, b.last_failure if failing else None,
+                      self.memory_readings(self.engine.device))
 
     async def metric_values(self) -> dict[str, float]:
         b = self.batcher
         return {"active_streams": b.open_streams, "queue_depth": b.queued, "steps": b.batches,
                 "step_requests": b.requests, "step_seconds": b.step_seconds, "failed_steps": b.failed_calls,
-                "failed_steps_in_a_row": b.failed_in_a_row, "idle_released": b.idle_released}
+                "failed_steps_in_a_row": b.failed_in_a_row, "idle_released": b.idle_released,
+                **self.memory_readings(self.engine.device)}
 
     async def close(self) -> None:
         self.batcher.close()  # runs what is queued on this loop
@@ -189,7 +195,7 @@ class EngineProcessBackend:
             return Health("engine_lost", self.stats["open_streams"])
         failing = self.stats["failed_in_a_row"] >= FAILING_CALLS
         return Health("engine_failing" if failing else "ok", self.stats["open_streams"],
-                      self.stats["last_failure"] if failing else None)
+                      self.stats["last_failure"] if failing else None, self.stats.get("memory"))
 
     async def metric_values(self) -> dict[str, float]:
         try:  # else the last counters read, and engine_up 0
@@ -199,7 +205,7 @@ class EngineProcessBackend:
         s = self.stats
         return {"engine_up": float(self.lost is None), "active_streams": s["open_streams"], "steps": s["batches"],
                 "step_requests": s["requests"], "step_seconds": s["step_seconds"], "failed_steps": s["failed_calls"],
-                "failed_steps_in_a_row": s["failed_in_a_row"]}
+                "failed_steps_in_a_row": s["failed_in_a_row"], **(s.get("memory") or {})}
 
     async def close(self) -> None:
         if self._client is not None:

@@ -11,18 +11,22 @@ the engine calls, and when.
 
 Both keep their state (requests carried to the next round, calls formed and in flight) as their
 own attributes, and both honour ``max_wait_ms`` (an unfilled call waits that long after its first
-pending push) and ``idle_timeout_s`` (a sweep every quarter of it).
+pending push, unless a stream's first audio waits on it: :meth:`BatchRounds.launch_deadline`) and
+``idle_timeout_s`` (a sweep every quarter of it).
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future
 
 from snac_fast.serve.rounds import BatchRounds
+
+FULLNESS_POLL_S = 0.005  # a thread waiting for fuller calls (max_wait_ms) looks again this often
 
 
 class ThreadDriver:
@@ -34,11 +38,12 @@ class ThreadDriver:
         self.in_flight: tuple | None = None  # the round before's last call, launched but not delivered
         self._wake = threading.Event()
         self._sleeping = False
+        self._waiting_for_more = False  # max_wait_ms: only a first audio's push wakes it
         self._thread = threading.Thread(target=self._serve, name="snac-fast-batcher", daemon=True)
         self._thread.start()
 
     def notify(self) -> None:
-        if self._sleeping:
+        if self._sleeping or (self._waiting_for_more and self.rounds.urgent_since != math.inf):
             self._wake.set()
 
     def stop(self) -> None:
@@ -62,12 +67,11 @@ class ThreadDriver:
                 if rounds.max_wait and rounds.pending and rounds.batch_unfilled(self.carried):
                     if self.in_flight is not None:
                         self._land()
-                    deadline = rounds.pending[0].queued_at + rounds.max_wait
                     while not rounds.stopping and rounds.batch_unfilled(self.carried):
-                        left = deadline - time.monotonic()
+                        left = rounds.launch_deadline() - time.monotonic()  # a first audio's push: at once
                         if left <= 0:
                             break
-                        self._sleep(left)
+                        self._wait_for_more(left)
                 taken = rounds.take_pending()
                 if rounds.stopping and not taken and not self.carried:
                     if self.in_flight is not None:
@@ -107,6 +111,15 @@ class ThreadDriver:
             rounds.mark_done(requests, time.monotonic())
             return previous
         return (requests, *launched[1:])
+
+    def _wait_for_more(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for fuller calls: woken by a push a first audio waits on;
+        looks at how full the call is every few milliseconds (a wake-up per push cost the GIL)."""
+        self._waiting_for_more = True
+        if self.rounds.urgent_since == math.inf:  # one queued between the caller's look and the flag
+            self._wake.wait(min(timeout, FULLNESS_POLL_S))
+        self._wake.clear()
+        self._waiting_for_more = False
 
     def _sleep(self, timeout: float | None) -> None:
         """Wait until a push sets the event, or ``timeout`` seconds."""
@@ -212,7 +225,7 @@ class LoopDriver:
         rounds = self.rounds
         while rounds.pending or self.carried:
             if rounds.max_wait and rounds.pending and not rounds.stopping and rounds.batch_unfilled(self.carried):
-                left = rounds.pending[0].queued_at + rounds.max_wait - time.monotonic()
+                left = rounds.launch_deadline() - time.monotonic()
                 if left > 0:
                     if self._wait_timer is None:
                         self._wait_timer = self.loop.call_later(left, self._wait_over)

@@ -10,6 +10,7 @@ import time
 
 import numpy as np
 
+from snac_fast.gpu_memory import memory_readings
 from snac_fast.serve.drivers import LoopDriver, ThreadDriver
 from snac_fast.serve.engine_wire import PUSH, TAG, error_item, read_pushes
 from snac_fast.serve.pcm import PCMBlock
@@ -18,6 +19,7 @@ from snac_fast.streaming import StreamEngine
 
 # per push in C, not in a Python loop
 _ENDED, _DROPPED, _SLOT = operator.attrgetter("ended"), operator.attrgetter("dropped"), operator.attrgetter("slot")
+_STARTED = operator.attrgetter("slot.started")
 
 
 class Front:
@@ -216,7 +218,8 @@ class EngineBatcher(BatchRounds):
         """The counters a front-end's ``stats`` op reads."""
         return {"open_streams": self.open_streams, "batches": self.batches, "requests": self.requests,
                 "failed_calls": self.failed_calls, "failed_in_a_row": self.failed_in_a_row,
-                "last_failure": self.last_failure, "step_seconds": self.step_seconds, "gpu_seconds": self.gpu_seconds}
+                "last_failure": self.last_failure, "step_seconds": self.step_seconds, "gpu_seconds": self.gpu_seconds,
+                "memory": memory_readings(self.engine.device)}
 
     def take(self, front: Front, message: bytes) -> None:
         """Queue one front-end message's requests (the reader thread, or the event loop)."""
@@ -260,5 +263,8 @@ class EngineBatcher(BatchRounds):
         if streams:
             for stream in streams:
                 stream.queued += 1
-            self.pending.append(PushBlock(front, reqs, streams, frames, rows))
+            block = PushBlock(front, reqs, streams, frames, rows)
+            if not all(map(_STARTED, streams)):  # a first audio waits on it
+                self.urgent_since = min(self.urgent_since, block.queued_at)
+            self.pending.append(block)
             self.driver.notify()

@@ -111,7 +111,7 @@ def _serve_engine(address: str, settings: ServeSettings, output: str, model_opti
             make_current(torch.device(settings.device))  # warm-up and graphs on that GPU, not the first
         codec = FastSNAC.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
                                          local_files_only=settings.local_files_only, **model_options)
-        engine = ready_engine(codec, settings, settings.cpu_threads or len(os.sched_getaffinity(0)))
+        engine, settings = ready_engine(codec, settings, settings.cpu_threads or len(os.sched_getaffinity(0)))
         batcher = EngineBatcher(engine, settings.max_batch, settings.max_wait_ms, output, settings.idle_timeout_s,
                                 event_loop=settings.engine_event_loop)
         listener = None if settings.engine_event_loop else Listener(address, family="AF_UNIX")
@@ -267,15 +267,27 @@ class EngineProcess:
         self.close()
 
 
-def ready_engine(codec, settings: ServeSettings, cpu_threads: int):
-    """The codec's shared stream engine for a worker or the engine process, ready to serve: on CUDA
-    warmed up (every step's graph), on a CPU with ``cpu_threads`` torch threads (N workers each with
-    all the host's cores would oversubscribe it)."""
+def ready_engine(codec, settings: ServeSettings, cpu_threads: int) -> tuple:
+    """The codec's shared stream engine for a worker or the engine process, ready to serve, and the
+    settings it serves with: on CUDA warmed up (every step's graph), within ``--gpu-memory-gb`` if
+    set (``max_batch`` then the largest batch whose step graphs fit; ValueError when none does); on
+    a CPU with ``cpu_threads`` torch threads (N workers each with all the host's cores would
+    oversubscribe it)."""
+    import dataclasses
+
     import torch
 
     engine = codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams)
     if codec.device.type == "cuda":
+        if settings.gpu_memory_gb:
+            from snac_fast.gpu_memory import GB, fit_max_batch
+
+            fitted, figures = fit_max_batch(engine, int(settings.gpu_memory_gb * GB), settings.warmup_streams)
+            if fitted < settings.max_batch:
+                print(f"snac-fast: --gpu-memory-gb {settings.gpu_memory_gb:g}: engine calls of at most {fitted} "
+                      f"streams (of --max-batch {settings.max_batch}; {figures})", file=sys.stderr, flush=True)
+                settings = dataclasses.replace(settings, max_batch=fitted)
         codec.warmup(streams=settings.warmup_streams, lookahead=settings.lookahead)
     elif codec.device.type == "cpu":
         torch.set_num_threads(cpu_threads)
-    return engine
+    return engine, settings

@@ -14,6 +14,11 @@ BACKEND_METRICS = {
     "failed_steps": ("snac_fast_failed_steps", "counter", "engine calls that failed"),
     "failed_steps_in_a_row": ("snac_fast_failed_steps_in_a_row", "gauge", "engine calls failed since the last that ran"),
     "idle_released": ("snac_fast_idle_released", "counter", "streams released after idling"),
+    "gpu_reserved_bytes": ("snac_fast_gpu_reserved_bytes", "gauge", "GPU memory torch's caching allocator holds (the engine's process)"),
+    "gpu_allocated_bytes": ("snac_fast_gpu_allocated_bytes", "gauge", "GPU memory in live tensors (the engine's process)"),
+    "gpu_process_bytes": ("snac_fast_gpu_process_bytes", "gauge",
+                          "GPU memory the engine's process holds, its CUDA context included (NVML; absent where it cannot say)"),
+    "gpu_budget_bytes": ("snac_fast_gpu_budget_bytes", "gauge", "--gpu-memory-gb (absent without a budget)"),
 }
 
 

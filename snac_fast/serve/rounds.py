@@ -13,6 +13,7 @@ blocks of pushes without a Python step per push.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import deque
@@ -117,6 +118,9 @@ class BatchRounds:
         self._lock = threading.Lock()  # the streams
         # pushes append to a deque (atomic: no lock on the hot path); the driver takes them
         self.pending: deque = deque()
+        # when the oldest pending push of a stream yet to start was queued (inf: none): a client
+        # waits on it for its first audio, so max_wait_ms does not hold it
+        self.urgent_since = math.inf
         self.stopping = False
         self.closed = False
         # host PCM of the engine calls in flight lands here; a call's buffer is free again once its
@@ -214,6 +218,8 @@ class BatchRounds:
             raise RuntimeError("the batcher is closed")
         request.queued_at = request.stream.last_active = time.monotonic()
         request.stream.queued += 1
+        if not request.release and not request.stream.slot.started:
+            self.urgent_since = min(self.urgent_since, request.queued_at)
         self.pending.append(request)
         self.driver.notify()
         return request.future
@@ -250,7 +256,13 @@ class BatchRounds:
 
     def take_pending(self) -> list:
         """Everything pending now, oldest first."""
+        self.urgent_since = math.inf  # before the pops: a push queued meanwhile at worst launches early
         return [self.pending.popleft() for _ in range(len(self.pending))]
+
+    def launch_deadline(self) -> float:
+        """When (time.monotonic) the pending requests' engine call launches if no fuller call forms:
+        ``max_wait_ms`` after the oldest, at once for a stream's first audio. Needs a pending request."""
+        return min(self.pending[0].queued_at + self.max_wait, self.urgent_since)
 
     @staticmethod
     def count_pushes(queued) -> int:

@@ -60,7 +60,7 @@ def app_from_environment():
                                      local_files_only=settings.local_files_only)
     from snac_fast.serve.engine_process import ready_engine
 
-    ready_engine(codec, settings, settings.threads_per_worker())
+    _, settings = ready_engine(codec, settings, settings.threads_per_worker())
     return create_app(codec, settings)
 
 

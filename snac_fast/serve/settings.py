@@ -65,9 +65,14 @@ class ServeSettings:
     max_streams: int = _option(256, "concurrent streams per worker (per engine with --shared-engine)",
                                group="engine")
     max_batch: int = _option(256, "streams per engine call", group="engine")
-    max_wait_ms: float = _option(0.0, "an engine call waits up to this long after its first push for "
-                                 "--max-batch pushes: fuller, fewer calls (0: whatever is pending when the "
-                                 "engine is free; docs/serving.md)", group="engine")
+    max_wait_ms: float = _option(60.0, "an engine call waits up to this long after its first push for "
+                                 "--max-batch pushes, but never while a stream's first audio waits: fuller, fewer "
+                                 "calls, so an LM on the same GPU loses few steps (0: whatever is pending when the "
+                                 "engine is free; docs/server.md)", group="engine")
+    gpu_memory_gb: float = _option(0.0, "GPU memory the engine's process may hold, its CUDA context included, as "
+                                   "vLLM's share beside it: the step graphs are sized to fit (fewer streams per "
+                                   "engine call), or the start fails saying what does not (0: no budget)",
+                                   group="engine")
     idle_timeout_s: float = _option(60.0, "seconds before an idle stream is released", flag="--idle-timeout",
                                     group="engine")
     lookahead: int | str | None = _option(None, "streams' lookahead: 'exact' (the receptive field), 'fp16' "
@@ -134,6 +139,8 @@ class ServeSettings:
         for name in ("idle_timeout_s", "lm_timeout_s", "max_ws_messages_per_s", "ws_idle_timeout_s", "header_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{_flag(name)} must be > 0, got {getattr(self, name):g}")
+        if self.gpu_memory_gb < 0:
+            raise ValueError(f"--gpu-memory-gb must be >= 0, got {self.gpu_memory_gb:g}")
         if self.max_wait_ms < 0:
             raise ValueError(f"--max-wait-ms must be >= 0, got {self.max_wait_ms:g}")
         if not 1 <= self.port <= 65535:

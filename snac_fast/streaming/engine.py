@@ -160,6 +160,7 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
         # audio of a server's first streams for 85-250 ms (docs/server.md)
         self._warmed_steps: set[tuple] | None = None
         self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None  # graphs replay one at a time
+        self._graph_streams: tuple | None = None  # (capture, side), made at the first capture
 
     # -- streams -------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Callable
 
 import numpy as np
+import torch
 from torch import Tensor
 
 from snac_fast.noise import patched_noise
@@ -27,7 +28,10 @@ class StageForward:
 
     def _step_graph(self, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
                     compiled: bool = False) -> StepGraph:
-        return StepGraph(self._forward, self.draw_noise, self.state, self._pool, kind, keys, codes, frames, compiled)
+        if self._graph_streams is None:
+            self._graph_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return StepGraph(self._forward, self.draw_noise, self.state, self._pool, self._graph_streams, kind, keys, codes,
+                         frames, compiled)
 
     def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
                  noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:

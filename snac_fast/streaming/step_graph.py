@@ -31,10 +31,14 @@ class StepGraph:
     first node), static audio out. Call it with new inputs, or write them into :meth:`inputs` and
     :meth:`launch` it. ``forward``, ``draw_noise``, ``state``, ``pool``: the engine's step, its
     keyed noise, its state tensors (restored after the warm-up runs) and graph memory pool.
+    ``streams``: the engine's (capture, side) CUDA streams, the same for all its graphs: the caching
+    allocator reuses a freed block only on the stream that allocated it, so a stream per graph held
+    every graph's warm-up and capture memory apart (docs/server.md, "GPU memory").
     ``compiled``: the step's kernels were compiled already (a warm-up's pass)."""
 
     def __init__(self, forward: Forward, draw_noise: Callable[[Tensor, NoiseCall], Tensor], state: list[Tensor], pool,
-                 kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int, compiled: bool = False) -> None:
+                 streams: tuple[torch.cuda.Stream, torch.cuda.Stream], kind: str, keys: np.ndarray,
+                 codes: list[np.ndarray], frames: int, compiled: bool = False) -> None:
         device = state[0].device
         sizes = [keys.size] + [c.size for c in codes]
         # each view starts 16-byte aligned, as separate tensors do: Triton specializes aligned pointers,
@@ -57,7 +61,8 @@ class StepGraph:
         keys_view, codes_views = self.static_views[0], self.static_views[1:]
         # warm up on a scratch copy of the state: compile kernels without touching any stream's context
         saved = [t.clone() for t in state]
-        stream = torch.cuda.Stream(device)
+        capture, side = streams
+        stream = capture  # the eager passes too: their freed blocks serve the next graph's
         stream.wait_stream(torch.cuda.current_stream(device))
         noise_calls: list[NoiseCall] = []
         with torch.cuda.stream(stream), torch.inference_mode():
@@ -70,7 +75,7 @@ class StepGraph:
                     lambda call: noise_calls.append(call) or draw_noise(keys_view, call))
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
-        capture, side = torch.cuda.Stream(device), torch.cuda.Stream(device)
+        capture.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool, stream=capture):
             # the upload and its event inside the graph: a call costs one launch, not a copy, an event
             # record and a launch

@@ -296,7 +296,7 @@ def test_cpu_workers_share_the_cores(monkeypatch):
     codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")
     before = torch.get_num_threads()
     try:
-        engine = ready_engine(codec, ServeSettings(device="cpu", max_streams=3), 1)
+        engine, _ = ready_engine(codec, ServeSettings(device="cpu", max_streams=3), 1)
         assert torch.get_num_threads() == 1 and engine is codec.shared_stream_engine()
         assert engine.max_streams == 3 and engine._layered is not None
     finally:

@@ -534,3 +534,33 @@ def test_pcm_block_pieces_and_spans(sizes):
         assert np.array_equal(got, np.concatenate(pieces[start:stop]) if stop > start else pcm[:0])
         assert got_offsets.tolist() == [0, *np.cumsum(sizes[start:stop]).tolist()]
         assert got.base is not None and np.shares_memory(got, pcm) or got.size == 0  # a view, no copy
+
+
+@pytest.mark.parametrize("engine_thread", [False, True])
+def test_a_first_audio_never_waits_for_fuller_calls(engine_thread):
+    """``max_wait_ms`` holds a started stream's push for a fuller call, never the push a stream's
+    first audio waits on (its prefill), on the loop's driver and on the thread's."""
+    engine = engine64(NAME, streams=2, narrow=True)
+    codes = random_codes(CONFIG, engine.prefill_frames + 1, seed=5)
+    ids = ORPHEUS.codes_to_ids(codes).tolist()
+    first = 7 * engine.prefill_frames
+
+    async def main():
+        batcher = AsyncStreamBatcher(engine, max_batch=4, max_wait_ms=30_000, layout=ORPHEUS, output="float32",
+                                     engine_thread=engine_thread)
+        sid = batcher.open(3)
+        started = time.monotonic()
+        audio = await asyncio.wait_for(batcher.push_ids(sid, ids[:first]), 10)
+        assert time.monotonic() - started < 5 and len(audio) > 0  # not held for 30 s
+        later = asyncio.ensure_future(batcher.push_ids(sid, ids[first:]))
+        await asyncio.sleep(0.5)
+        assert not later.done()  # a started stream's push waits for fuller calls
+        if engine_thread:
+            await asyncio.get_running_loop().run_in_executor(None, batcher.close)
+        else:
+            batcher.close()  # runs what is queued
+        return np.concatenate([audio, await later])
+
+    audio = asyncio.run(main())
+    want = expected_audio(codes, 3).numpy()[:len(audio)]
+    assert len(audio) > 0 and np.abs(audio - want).max() < 1e-6

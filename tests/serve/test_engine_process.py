@@ -177,25 +177,50 @@ def test_engine_batcher_blocks_keep_each_streams_order_and_fail_only_bad_pushes(
         assert np.abs(audio - expected.numpy()).max() < 1e-6, k
 
 
+def _audio_replies(front) -> int:
+    return sum(len(i[1]) for i in front.items if i[0] == "audio")
+
+
+def _wait_for_replies(front, count: int, why: str) -> None:
+    deadline = time.monotonic() + 20
+    while _audio_replies(front) < count:
+        assert time.monotonic() < deadline, why
+        time.sleep(0.01)
+
+
 def test_engine_batcher_max_wait_counts_pushes_not_messages():
     """With ``max_wait_ms`` the engine process's batcher waits for ``max_batch`` pushes, counting
-    the pushes inside each front-end message: two messages of two pushes fill a batch of four and
-    run as one call at once, not after the wait (30 s here)."""
+    the pushes inside each front-end message: once the streams have started, two messages of two
+    pushes fill a batch of four and run as one call at once, not after the wait (30 s here); a
+    stream's first audio waits for nothing."""
     config = {**published_config("snac_24khz"), **NARROW}
     engine = engine64("snac_24khz", streams=4, narrow=True)
     batcher = EngineBatcher(engine, max_batch=4, max_wait_ms=30_000, output="float32")
     front = CollectingFront()
-    codes = [random_codes(config, 1, seed=70 + k) for k in range(4)]
+    first_frames = engine.prefill_frames
+    codes = [random_codes(config, first_frames + 1, seed=70 + k) for k in range(4)]
     sids = [batcher.open(k) for k in range(4)]
     rows = [engine.row_of(engine.check_codes(c)) for c in codes]
-    for first in (0, 2):
-        batcher.take(front, push_message([first, first + 1], sids[first:first + 2], 1, rows[first:first + 2]))
-        time.sleep(0.2)
-    deadline = time.monotonic() + 20
-    while sum(len(i[1]) for i in front.items if i[0] == "audio") < 4:
-        assert time.monotonic() < deadline, "the batcher waited out max_wait_ms with a full batch queued"
-        time.sleep(0.01)
-    assert batcher.batches == 1
+    levels = [c.shape[1] for c in codes[0]]  # a row is level-major: each level's codes in turn
+    per_frame = [n // (first_frames + 1) for n in levels]
+
+    def frames_of_row(row, start, stop):
+        return np.concatenate([r[start * n:stop * n] for r, n in zip(np.split(row, np.cumsum(levels[:-1])), per_frame)])
+    head = [frames_of_row(row, 0, first_frames) for row in rows]
+    # one push of a stream yet to start: its first audio, at once
+    batcher.take(front, push_message([0], sids[:1], first_frames, np.stack(head[:1])))
+    _wait_for_replies(front, 1, "a stream's first audio waited out max_wait_ms")
+    batcher.take(front, push_message([1, 2, 3], sids[1:], first_frames, np.stack(head[1:])))
+    _wait_for_replies(front, 4, "a first audio waited out max_wait_ms")
+    assert all(s.slot.started for s in batcher.streams.values())
+    calls = batcher.batches
+    tail = [frames_of_row(row, first_frames, first_frames + 1) for row in rows]
+    batcher.take(front, push_message([4, 5], sids[:2], 1, np.stack(tail[:2])))
+    time.sleep(0.2)
+    assert _audio_replies(front) == 4, "a started stream's push ran before max_wait_ms with the call unfilled"
+    batcher.take(front, push_message([6, 7], sids[2:], 1, np.stack(tail[2:])))
+    _wait_for_replies(front, 8, "the batcher waited out max_wait_ms with a full batch queued")
+    assert batcher.batches == calls + 1
     batcher.stopping = True  # nothing queued: stop without the 30 s wait
     batcher.close()
 

@@ -1,0 +1,113 @@
+"""Where a serving engine's GPU memory goes, phase by phase (issue 75).
+
+Builds what `snac-fast serve` builds on one GPU (the shared stream engine of --max-streams slots,
+warmed for --max-batch streams) and, after each phase, reads the caching allocator (reserved,
+allocated, the phase's peak), the device's used memory (mem_get_info: what nvidia-smi shows, the
+CUDA context included) and the allocator's segments by pool (the default pool and each graph pool).
+Then it runs real-time-like steps of --streams streams and reads them again.
+
+    python scripts/profile_memory.py --max-streams 1024 --max-batch 256 --streams 256 --out benchmarks
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from snac_fast import FastSNAC  # noqa: E402
+
+GB = 1e9
+
+
+def reading(phase: str, device: torch.device, started: float) -> dict:
+    torch.cuda.synchronize(device)
+    free, total = torch.cuda.mem_get_info(device)
+    pools: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0, 0])
+    for segment in torch.cuda.memory_snapshot():
+        pool = "default" if tuple(segment.get("segment_pool_id", (0, 0))) == (0, 0) else f"graph{segment['segment_pool_id']}"
+        pools[pool][0] += segment["total_size"] / GB
+        pools[pool][1] += segment["allocated_size"] / GB
+        pools[pool][2] += 1
+    stats = torch.cuda.memory_stats(device)
+    row = {"phase": phase, "s": round(time.perf_counter() - started, 2),
+           "reserved_gb": torch.cuda.memory_reserved(device) / GB,
+           "allocated_gb": torch.cuda.memory_allocated(device) / GB,
+           "peak_allocated_gb": stats.get("allocated_bytes.all.peak", 0) / GB,
+           "peak_reserved_gb": stats.get("reserved_bytes.all.peak", 0) / GB,
+           "device_used_gb": (total - free) / GB,
+           "pools": {k: {"reserved_gb": v[0], "allocated_gb": v[1], "segments": v[2]} for k, v in pools.items()}}
+    print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items() if k != "pools"}), flush=True)
+    for k, v in sorted(pools.items(), key=lambda kv: -kv[1][0])[:6]:
+        print(f"    {k}: reserved {v[0]:.3f} GB, allocated {v[1]:.3f} GB, {v[2]} segments", flush=True)
+    torch.cuda.reset_peak_memory_stats(device)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="synthetic:snac_24khz")
+    parser.add_argument("--max-streams", type=int, default=1024)
+    parser.add_argument("--max-batch", type=int, default=256)
+    parser.add_argument("--streams", type=int, default=256, help="streams stepped after the warm-up")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--empty-cache", action="store_true", help="torch.cuda.empty_cache() after the warm-up")
+    parser.add_argument("--stream-per-graph", action="store_true",
+                        help="the engine before issue 75: new CUDA streams for each step graph's capture")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--stem", default="memory_24khz_h200")
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    started = time.perf_counter()
+    torch.cuda.init()
+    rows = [reading("cuda context", device, started)]
+    codec = FastSNAC.from_pretrained(args.model, device=device)
+    rows.append(reading("codec loaded", device, started))
+    engine = codec.shared_stream_engine(max_streams=args.max_streams)
+    rows.append(reading(f"engine of {args.max_streams} slots", device, started))
+    from snac_fast.warmup import compile_kernels
+
+    compile_kernels(codec, [(1, 4)], engine=engine, streams=args.max_batch)
+    rows.append(reading("compile pass (decode 1x4, steps)", device, started))
+    codec.decode([torch.zeros(1, 4 * r, dtype=torch.long, device=device) for r in [1, 2, 4]], seed=0)
+    rows.append(reading("decode graph 1x4", device, started))
+    if args.stream_per_graph:
+        step_graph = engine._step_graph
+
+        def fresh_streams(*a, **k):
+            engine._graph_streams = None
+            return step_graph(*a, **k)
+        engine._step_graph = fresh_streams
+    graphs = engine.warmup(max_batch=args.max_batch, compiled=True)
+    rows.append(reading(f"step graphs ({graphs}) to {args.max_batch} streams", device, started))
+    if args.empty_cache:
+        torch.cuda.empty_cache()
+        rows.append(reading("empty_cache", device, started))
+    streams = [engine.open(seed=i) for i in range(args.streams)]
+    group = engine.frames_per_group
+    rng = np.random.default_rng(0)
+    for step in range(args.steps):
+        pushes = {s: [torch.from_numpy(rng.integers(0, 4096, (1, group * r))) for r in engine._ratios] for s in streams}
+        engine.advance(pushes)
+    rows.append(reading(f"{args.steps} steps of {args.streams} streams", device, started))
+    engine.advance({}, finish=streams)
+    rows.append(reading("streams finished", device, started))
+    torch.cuda.empty_cache()
+    rows.append(reading("empty_cache at the end", device, started))
+    result = {"device": torch.cuda.get_device_name(device), "date": time.strftime("%Y-%m-%d"),
+              "command": "python scripts/profile_memory.py " + " ".join(sys.argv[1:]), "rows": rows}
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""GPU memory of a serving process: what it holds, and a stream engine's warm-up sized to a budget.
+
+A stream engine holds its weights, its state rows (``max_streams`` of them) and one memory pool that
+all its step graphs share (they replay one at a time, on one capture stream). That pool is about
+the largest graph's intermediates, which grow with its rows; a warm-up's eager passes need as much
+again while they run. :func:`fit_max_batch` measures those intermediates at two small batch buckets
+(a shapes-only pass: no kernel runs), extrapolates them by rows and returns the largest bucket whose
+warm-up fits a budget; calls of more streams then run as several steps.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from snac_fast.compiling import compiling_concurrently
+from snac_fast.ops.device import device_scope
+from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP, warmup_buckets
+
+GB = 1e9
+# the CUDA context, cuBLAS and the loaded kernels: what a process holds outside torch's allocator
+# where NVML cannot say (seen on an H200 with torch 2.11: see docs/server.md, "GPU memory")
+CONTEXT_BYTES_ESTIMATE = int(0.6 * GB)
+# a capture's pool and the warm-up's eager pass beside it, with the allocator's rounding on top
+WARMUP_FACTOR = 2.2
+CALIBRATION_ROWS = (16, 64)
+
+
+def process_bytes(device: torch.device) -> int | None:
+    """GPU memory this process holds on ``device`` as nvidia-smi counts it (NVML), or None where
+    NVML is missing or does not list processes (some containers)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.device(device).index
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if index is None else index)
+        import os
+
+        for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if proc.pid == os.getpid() and proc.usedGpuMemory:
+                return int(proc.usedGpuMemory)
+    except Exception:  # noqa: BLE001 - no NVML, no permission, a container's pid namespace
+        return None
+    return None
+
+
+def memory_readings(device: torch.device | str) -> dict[str, float]:
+    """The process's GPU memory in bytes: ``gpu_reserved_bytes`` (torch's caching allocator),
+    ``gpu_allocated_bytes`` (in live tensors) and, where NVML tells, ``gpu_process_bytes`` (all of
+    it, the CUDA context included). Empty off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return {}
+    readings = {"gpu_reserved_bytes": float(torch.cuda.memory_reserved(device)),
+                "gpu_allocated_bytes": float(torch.cuda.memory_allocated(device))}
+    held = process_bytes(device)
+    if held is not None:
+        readings["gpu_process_bytes"] = float(held)
+    return readings
+
+
+def context_bytes(device: torch.device) -> int:
+    """What this process holds outside torch's allocator: NVML's figure less the reserve, else the estimate."""
+    held = process_bytes(device)
+    if held is None:
+        return CONTEXT_BYTES_ESTIMATE
+    return max(0, held - torch.cuda.memory_reserved(device))
+
+
+def step_intermediates(engine, rows: int) -> int:
+    """Bytes the largest step of ``rows`` rows allocates beyond what is live before it (the most of
+    a prefill, a one-group step and a flush), measured by a shapes-only pass (no kernel runs)."""
+    import numpy as np
+
+    device = engine.device
+    most = 0
+    with engine._lock, torch.inference_mode(), device_scope(device), compiling_concurrently():
+        # the one-group step first: it records the launch choices the others reuse (ops.launch)
+        for kind, frames in ((STEP, engine.frames_per_group), (PREFILL, engine.prefill_frames), (FLUSH, 0)):
+            keys = np.zeros((4, rows), np.int64)
+            keys[0] = engine.max_streams  # the scratch row
+            codes = [] if kind == FLUSH else [torch.zeros((rows, frames * r), dtype=torch.int64, device=device)
+                                              for r in engine._ratios]
+            torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            engine._forward(kind, torch.from_numpy(keys).to(device), codes, frames)
+            most = max(most, torch.cuda.max_memory_allocated(device) - before)
+    return most
+
+
+def fit_max_batch(engine, budget_bytes: int, max_batch: int) -> tuple[int, dict]:
+    """The largest batch bucket up to ``max_batch`` whose step graphs (and their warm-up) fit in
+    ``budget_bytes`` of GPU memory for the whole process, given what it holds now (weights, the
+    engine's state rows) and its CUDA context. Returns (that bucket, the figures it was chosen
+    from); raises ValueError naming what does not fit when not even one-row steps do."""
+    device = engine.device
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved(device) + context_bytes(device)
+    (r1, r2) = CALIBRATION_ROWS
+    m1, m2 = step_intermediates(engine, r1), step_intermediates(engine, r2)
+    torch.cuda.empty_cache()
+    per_row = max(0.0, (m2 - m1) / (r2 - r1))
+    state = sum(t.numel() * t.element_size() for t in engine.state)
+    return choose_max_batch(budget_bytes, held, max(0.0, m1 - per_row * r1), per_row, max_batch,
+                            f"{state / GB:.2f} GB of state for {engine.max_streams} streams")
+
+
+def choose_max_batch(budget_bytes: float, held: float, fixed: float, per_row: float, max_batch: int,
+                     state: str = "") -> tuple[int, dict]:
+    """The largest warm-up bucket up to ``max_batch`` whose steps need at most ``budget_bytes`` with
+    ``held`` bytes held already, a step of r rows allocating ``fixed + per_row * r``; (bucket,
+    figures). ValueError when not one row fits."""
+    def need(rows: int) -> float:
+        return held + WARMUP_FACTOR * (fixed + per_row * rows)
+
+    figures = {"budget_gb": round(budget_bytes / GB, 3), "held_gb": round(held / GB, 3),
+               "per_row_mb": round(per_row / 1e6, 3), "fixed_mb": round(fixed / 1e6, 1)}
+    fitting = [b for b in warmup_buckets(max_batch) if need(b) <= budget_bytes]
+    if not fitting:
+        raise ValueError(
+            f"--gpu-memory-gb {budget_bytes / GB:g} does not fit this engine: the process holds {held / GB:.2f} GB "
+            f"(the CUDA context, the weights{' and ' + state if state else ''}) and one-stream steps need "
+            f"{(need(1) - held) / 1e6:.0f} MB more: raise the budget or lower --max-streams")
+    top = fitting[-1]
+    figures.update(max_batch=top, need_gb=round(need(top) / GB, 3))
+    return top, figures

@@ -1,0 +1,77 @@
+"""GPU memory: the warm-up's bucket choice under a budget (CPU), and what an engine holds (gpu)."""
+
+import pytest
+import torch
+
+from snac_fast.gpu_memory import GB, WARMUP_FACTOR, choose_max_batch, memory_readings
+from snac_fast.serve import ServeSettings
+from snac_fast.streaming.shapes import warmup_buckets
+
+
+@pytest.mark.parametrize("per_row_mb", [0.3, 1.5, 7.0])
+@pytest.mark.parametrize("budget_gb", [1.0, 2.0, 8.0])
+def test_the_largest_bucket_that_fits_is_chosen(per_row_mb, budget_gb):
+    held, fixed, per_row = 0.7 * GB, 20e6, per_row_mb * 1e6
+    need = lambda rows: held + WARMUP_FACTOR * (fixed + per_row * rows)  # noqa: E731
+    top, figures = choose_max_batch(budget_gb * GB, held, fixed, per_row, 512)
+    buckets = warmup_buckets(512)
+    assert top in buckets and need(top) <= budget_gb * GB
+    larger = [b for b in buckets if b > top]
+    assert not larger or need(larger[0]) > budget_gb * GB
+    assert figures["max_batch"] == top and figures["need_gb"] <= budget_gb
+
+
+def test_the_choice_grows_with_the_budget_and_stops_at_max_batch():
+    tops = [choose_max_batch(b * GB, 0.6 * GB, 10e6, 2e6, 256)[0] for b in (0.8, 1.0, 1.5, 2.0, 4.0, 64.0)]
+    assert tops == sorted(tops) and tops[-1] == 256 and tops[0] < 256
+
+
+def test_a_budget_that_fits_no_step_is_refused_by_name():
+    with pytest.raises(ValueError, match=r"--gpu-memory-gb 0\.5 does not fit .*0\.70 GB .*lower --max-streams"):
+        choose_max_batch(0.5 * GB, 0.7 * GB, 10e6, 2e6, 256, "0.08 GB of state for 1024 streams")
+
+
+def test_the_budget_setting_is_checked():
+    assert ServeSettings(gpu_memory_gb=2).check().gpu_memory_gb == 2
+    with pytest.raises(ValueError, match="--gpu-memory-gb must be >= 0"):
+        ServeSettings(gpu_memory_gb=-1).check()
+
+
+def test_no_gpu_memory_is_read_off_cuda():
+    assert memory_readings("cpu") == {}
+
+
+@pytest.mark.gpu
+def test_the_readme_recipe_reserves_what_it_serves_with():
+    """shared_stream_engine(max_streams=1024) and warmup(streams=256): the step graphs share one pool
+    on one capture stream and the warm-up's transients are handed back: within 1.5 GB reserved."""
+    from snac_fast import FastSNAC
+
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_reserved()
+    codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
+    codec.shared_stream_engine(max_streams=1024)
+    codec.warmup(streams=256)
+    reserved = torch.cuda.memory_reserved() - before
+    assert reserved <= 1.5 * GB, f"{reserved / GB:.2f} GB reserved"
+
+
+@pytest.mark.gpu
+def test_a_budget_is_honoured_by_the_warm_up():
+    """fit_max_batch's bucket, warmed up, stays inside the budget (the process's reserve plus the
+    CUDA context as estimated) and smaller budgets choose smaller buckets."""
+    from snac_fast import FastSNAC
+    from snac_fast.gpu_memory import context_bytes, fit_max_batch
+
+    codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
+    engine = codec.stream_engine(1024)
+    tops = []
+    for budget in (1.0, 2.0):
+        top, figures = fit_max_batch(engine, int(budget * GB), 512)
+        tops.append(top)
+    assert tops[0] <= tops[1]
+    torch.cuda.reset_peak_memory_stats()
+    engine.warmup(max_batch=tops[0])
+    torch.cuda.empty_cache()
+    peak = torch.cuda.max_memory_reserved() + context_bytes(engine.device)
+    assert peak <= 1.0 * GB * 1.05, f"{peak / GB:.2f} GB at the peak for a 1 GB budget ({figures})"
