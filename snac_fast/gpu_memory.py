@@ -10,6 +10,8 @@ warm-up fits a budget; calls of more streams then run as several steps.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from snac_fast.compiling import compiling_concurrently
@@ -25,23 +27,27 @@ WARMUP_FACTOR = 2.2
 CALIBRATION_ROWS = (16, 64)
 
 
-def process_bytes(device: torch.device) -> int | None:
-    """GPU memory this process holds on ``device`` as nvidia-smi counts it (NVML), or None where
-    NVML is missing or does not list processes (some containers)."""
+def process_bytes(device: torch.device | str) -> int | None:
+    """GPU memory this process holds on ``device`` as nvidia-smi counts it (NVML, from the serve
+    extra's nvidia-ml-py), or None where NVML is missing or lists no such process (a container
+    that hides other pid namespaces' processes, say)."""
     try:
         import pynvml
 
-        pynvml.nvmlInit()
+        if not _nvml_ready:
+            pynvml.nvmlInit()
+            _nvml_ready.append(True)
         index = torch.device(device).index
         handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if index is None else index)
-        import os
-
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == os.getpid() and proc.usedGpuMemory:
                 return int(proc.usedGpuMemory)
-    except Exception:  # noqa: BLE001 - no NVML, no permission, a container's pid namespace
+    except Exception:  # noqa: BLE001 - no NVML library, no driver, no permission
         return None
     return None
+
+
+_nvml_ready: list = []  # nvmlInit() done once per process
 
 
 def memory_readings(device: torch.device | str) -> dict[str, float]:
