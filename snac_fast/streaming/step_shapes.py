@@ -61,7 +61,10 @@ class StepShapes:
 
     def _warmup_shapes(self, max_batch: int | None, frames: Sequence[int]) -> list[tuple[str, int, int]]:
         top = min(max_batch or self.max_streams, self.max_streams)
-        buckets = sorted({self._bucket(b) for b in warmup_buckets(top)})
+        # the largest bucket first: the graphs share one memory pool, and a smaller graph's blocks fit
+        # in a larger one's, never the other way (captured smallest first, a 256-stream warm-up's pool
+        # grew to about the sum of every bucket's: 2.9 GB on an H200)
+        buckets = sorted({self._bucket(b) for b in warmup_buckets(top)}, reverse=True)
         more = sorted({self._step_frames(int(k)) for k in frames} - {0, self.frames_per_group})
         # each bucket's one-frame step first: it records the launches the others reuse
         shapes = [(kind, b, k) for b in buckets for kind, k in
