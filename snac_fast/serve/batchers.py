@@ -41,9 +41,9 @@ DEFAULT_MAX_BATCH = 64  # a library batcher's: servers choose theirs (snac_fast.
 class StreamBatcher(BatchRounds):
     """Runs the pushes of many streams in batches on one engine, for threads.
 
-    max_batch: most streams per engine call (larger batches run in several calls); max_wait_ms: how
-    long the engine thread, finding fewer than max_batch requests, waits for more (0: whatever is
-    pending when the GPU frees). layout: token layout for :meth:`push_ids`
+    max_batch: most streams per engine call (larger batches run in several calls); max_wait_ms: while
+    fewer than max_batch requests are pending, rounds of engine calls start at most this often, a
+    stream's first audio at once (0: whatever is pending when the GPU frees). layout: token layout for :meth:`push_ids`
     (:data:`snac_fast.orpheus.ORPHEUS`). output: ``"tensor"`` (1-D GPU tensors in the engine's
     dtype), ``"float32"`` or ``"int16"`` (1-D numpy PCM). idle_timeout_s: release a stream no push
     touched for that long. A stream's requests run in order; a bad request fails its own future (or

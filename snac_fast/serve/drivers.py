@@ -10,9 +10,9 @@ the engine calls, and when.
   between the engine's CUDA calls (on some hosts that hand-over stalls them: docs/serving.md).
 
 Both keep their state (requests carried to the next round, calls formed and in flight) as their
-own attributes, and both honour ``max_wait_ms`` (an unfilled call waits that long after its first
-pending push, unless a stream's first audio waits on it: :meth:`BatchRounds.launch_deadline`) and
-``idle_timeout_s`` (a sweep every quarter of it).
+own attributes, and both honour ``max_wait_ms`` (an unfilled round starts that long after the last,
+at once for a stream's first audio: :meth:`BatchRounds.launch_deadline`) and ``idle_timeout_s`` (a
+sweep every quarter of it).
 """
 
 from __future__ import annotations

@@ -93,8 +93,8 @@ def streams_done(streams: list[Stream], now: float) -> None:
 class BatchRounds:
     """Streams on one engine and the engine calls of their pushes, in rounds (a stream once a round).
 
-    max_batch: most streams per engine call; max_wait_ms: how long a driver waits for max_batch
-    pushes after the first pending one; layout: the token layout of id pushes; output: ``"tensor"``
+    max_batch: most streams per engine call; max_wait_ms: how long after the last round a driver
+    waits for max_batch pushes (:meth:`launch_deadline`); layout: the token layout of id pushes; output: ``"tensor"``
     (GPU tensors), ``"float32"`` or ``"int16"`` (host numpy PCM, copied once per call through pinned
     memory); idle_timeout_s: release a stream no push touched for that long. :attr:`driver` must be
     set before the first request (the batchers do)."""
@@ -121,6 +121,7 @@ class BatchRounds:
         # when the oldest pending push of a stream yet to start was queued (inf: none): a client
         # waits on it for its first audio, so max_wait_ms does not hold it
         self.urgent_since = math.inf
+        self.last_round_at = -math.inf  # when the last round took what was pending (time.monotonic)
         self.stopping = False
         self.closed = False
         # host PCM of the engine calls in flight lands here; a call's buffer is free again once its
@@ -257,12 +258,16 @@ class BatchRounds:
     def take_pending(self) -> list:
         """Everything pending now, oldest first."""
         self.urgent_since = math.inf  # before the pops: a push queued meanwhile at worst launches early
+        self.last_round_at = time.monotonic()
         return [self.pending.popleft() for _ in range(len(self.pending))]
 
     def launch_deadline(self) -> float:
         """When (time.monotonic) the pending requests' engine call launches if no fuller call forms:
-        ``max_wait_ms`` after the oldest, at once for a stream's first audio. Needs a pending request."""
-        return min(self.pending[0].queued_at + self.max_wait, self.urgent_since)
+        ``max_wait_ms`` after the last round, so rounds come at most that often while pushes keep
+        coming, but a push after a quieter spell, or one a stream's first audio waits on, at once.
+        (Held ``max_wait_ms`` from its own arrival instead, a lone stream's pushes, each awaited
+        before the next, waited the whole time each: its playback stalled on a CPU.)"""
+        return min(self.last_round_at + self.max_wait, self.urgent_since)
 
     @staticmethod
     def count_pushes(queued) -> int:

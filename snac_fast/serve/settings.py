@@ -65,8 +65,8 @@ class ServeSettings:
     max_streams: int = _option(256, "concurrent streams per worker (per engine with --shared-engine)",
                                group="engine")
     max_batch: int = _option(256, "streams per engine call", group="engine")
-    max_wait_ms: float = _option(60.0, "an engine call waits up to this long after its first push for "
-                                 "--max-batch pushes, but never while a stream's first audio waits: fuller, fewer "
+    max_wait_ms: float = _option(60.0, "while pushes keep coming, engine calls start at most this often (or once "
+                                 "--max-batch pushes wait), never holding a stream's first audio: fuller, fewer "
                                  "calls, so an LM on the same GPU loses few steps (0: whatever is pending when the "
                                  "engine is free; docs/server.md)", group="engine")
     gpu_memory_gb: float = _option(0.0, "GPU memory the engine's process may hold, its CUDA context included, as "
