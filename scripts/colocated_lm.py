@@ -119,11 +119,10 @@ def main() -> None:
         step()
     free, total = torch.cuda.mem_get_info(device)
     # what vLLM takes: its share of the card in all, the rest of it as one reserve (its KV cache blocks)
-    reserve = None
     if args.gpu_memory_utilization:
         extra = int(args.gpu_memory_utilization * total) - (total - free)
-        if extra > 0:
-            reserve = torch.empty(extra, dtype=torch.uint8, device=device)
+        if extra > 0:  # held beside the step's own tensors until the process is killed
+            step.reserve = torch.empty(extra, dtype=torch.uint8, device=device)
     free, _ = torch.cuda.mem_get_info(device)
     print(f"colocated LM: batch {args.batch}, context {args.context}, holding {(total - free) / 1e9:.1f} of "
           f"{total / 1e9:.1f} GB (pid {os.getpid()})", flush=True)
@@ -137,7 +136,6 @@ def main() -> None:
             if now >= next_report:
                 log.write(f"{now:.6f} {steps}\n")
                 next_report = now + args.report_every
-    del reserve
 
 
 if __name__ == "__main__":

@@ -75,22 +75,19 @@ def context_bytes(device: torch.device) -> int:
 
 def step_intermediates(engine, rows: int) -> int:
     """Bytes the largest step of ``rows`` rows allocates beyond what is live before it (the most of
-    a prefill, a one-group step and a flush), measured by a shapes-only pass (no kernel runs)."""
-    import numpy as np
-
+    a prefill, a one-group step and a flush), measured by a shapes-only pass (no kernel runs) before
+    the warm-up (a shape already captured has no inputs to measure)."""
     device = engine.device
+    # the one-group step first: it records the launch choices the others reuse (ops.launch)
+    inputs = engine._warmup_inputs([(STEP, rows, engine.frames_per_group), (PREFILL, rows, engine.prefill_frames),
+                                    (FLUSH, rows, 0)])
     most = 0
     with engine._lock, torch.inference_mode(), device_scope(device), compiling_concurrently():
-        # the one-group step first: it records the launch choices the others reuse (ops.launch)
-        for kind, frames in ((STEP, engine.frames_per_group), (PREFILL, engine.prefill_frames), (FLUSH, 0)):
-            keys = np.zeros((4, rows), np.int64)
-            keys[0] = engine.max_streams  # the scratch row
-            codes = [] if kind == FLUSH else [torch.zeros((rows, frames * r), dtype=torch.int64, device=device)
-                                              for r in engine._ratios]
+        for shape, shape_inputs in inputs.items():
             torch.cuda.synchronize(device)
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            engine._forward(kind, torch.from_numpy(keys).to(device), codes, frames)
+            engine._launch_shapes({shape: shape_inputs})
             most = max(most, torch.cuda.max_memory_allocated(device) - before)
     return most
 

@@ -283,7 +283,7 @@ def ready_engine(codec, settings: ServeSettings, cpu_threads: int) -> tuple:
             from snac_fast.gpu_memory import GB, fit_max_batch
 
             fitted, figures = fit_max_batch(engine, int(settings.gpu_memory_gb * GB), settings.warmup_streams)
-            if fitted < settings.max_batch:
+            if fitted < settings.warmup_streams:
                 print(f"snac-fast: --gpu-memory-gb {settings.gpu_memory_gb:g}: engine calls of at most {fitted} "
                       f"streams (of --max-batch {settings.max_batch}; {figures})", file=sys.stderr, flush=True)
                 settings = dataclasses.replace(settings, max_batch=fitted)
