@@ -60,8 +60,6 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256, help="streams stepped after the warm-up")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--empty-cache", action="store_true", help="torch.cuda.empty_cache() after the warm-up")
-    parser.add_argument("--stream-per-graph", action="store_true",
-                        help="the engine before issue 75: new CUDA streams for each step graph's capture")
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default="memory_24khz_h200")
     args = parser.parse_args()
@@ -79,13 +77,6 @@ def main() -> None:
     rows.append(reading("compile pass (decode 1x4, steps)", device, started))
     codec.decode([torch.zeros(1, 4 * r, dtype=torch.long, device=device) for r in [1, 2, 4]], seed=0)
     rows.append(reading("decode graph 1x4", device, started))
-    if args.stream_per_graph:
-        step_graph = engine._step_graph
-
-        def fresh_streams(*a, **k):
-            engine._graph_streams = None
-            return step_graph(*a, **k)
-        engine._step_graph = fresh_streams
     graphs = engine.warmup(max_batch=args.max_batch, compiled=True)
     rows.append(reading(f"step graphs ({graphs}) to {args.max_batch} streams", device, started))
     if args.empty_cache:

@@ -1,9 +1,9 @@
 """GPU memory of a serving process: what it holds, and a stream engine's warm-up sized to a budget.
 
 A stream engine holds its weights, its state rows (``max_streams`` of them) and one memory pool that
-all its step graphs share (they replay one at a time, on one capture stream). That pool is about
-the largest graph's intermediates, which grow with its rows; a warm-up's eager passes need as much
-again while they run. :func:`fit_max_batch` measures those intermediates at two small batch buckets
+all its step graphs share (they replay one at a time, on one capture stream), reserved as one
+segment a tenth larger than the largest step's intermediates, which grow with its rows; the
+warm-up's eager passes run inside it too. :func:`fit_max_batch` measures those intermediates at two small batch buckets
 (a shapes-only pass: no kernel runs), extrapolates them by rows and returns the largest bucket whose
 warm-up fits a budget; calls of more streams then run as several steps.
 """
@@ -14,16 +14,15 @@ import os
 
 import torch
 
-from snac_fast.compiling import compiling_concurrently
-from snac_fast.ops.device import device_scope
-from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP, warmup_buckets
+from snac_fast.streaming.shapes import warmup_buckets
 
 GB = 1e9
 # the CUDA context, cuBLAS and the loaded kernels: what a process holds outside torch's allocator
 # where NVML cannot say (seen on an H200 with torch 2.11: see docs/server.md, "GPU memory")
 CONTEXT_BYTES_ESTIMATE = int(0.6 * GB)
-# a capture's pool and the warm-up's eager pass beside it, with the allocator's rounding on top
-WARMUP_FACTOR = 2.2
+# the pool (the largest step's intermediates and a tenth: StepShapes._reserve_pool), with the
+# allocator's rounding and the graphs' small outputs on top
+WARMUP_FACTOR = 1.25
 CALIBRATION_ROWS = (16, 64)
 
 
@@ -73,25 +72,6 @@ def context_bytes(device: torch.device) -> int:
     return max(0, held - torch.cuda.memory_reserved(device))
 
 
-def step_intermediates(engine, rows: int) -> int:
-    """Bytes the largest step of ``rows`` rows allocates beyond what is live before it (the most of
-    a prefill, a one-group step and a flush), measured by a shapes-only pass (no kernel runs) before
-    the warm-up (a shape already captured has no inputs to measure)."""
-    device = engine.device
-    # the one-group step first: it records the launch choices the others reuse (ops.launch)
-    inputs = engine._warmup_inputs([(STEP, rows, engine.frames_per_group), (PREFILL, rows, engine.prefill_frames),
-                                    (FLUSH, rows, 0)])
-    most = 0
-    with engine._lock, torch.inference_mode(), device_scope(device), compiling_concurrently():
-        for shape, shape_inputs in inputs.items():
-            torch.cuda.synchronize(device)
-            before = torch.cuda.memory_allocated(device)
-            torch.cuda.reset_peak_memory_stats(device)
-            engine._launch_shapes({shape: shape_inputs})
-            most = max(most, torch.cuda.max_memory_allocated(device) - before)
-    return most
-
-
 def fit_max_batch(engine, budget_bytes: int, max_batch: int) -> tuple[int, dict]:
     """The largest batch bucket up to ``max_batch`` whose step graphs (and their warm-up) fit in
     ``budget_bytes`` of GPU memory for the whole process, given what it holds now (weights, the
@@ -101,7 +81,7 @@ def fit_max_batch(engine, budget_bytes: int, max_batch: int) -> tuple[int, dict]
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(device) + context_bytes(device)
     (r1, r2) = CALIBRATION_ROWS
-    m1, m2 = step_intermediates(engine, r1), step_intermediates(engine, r2)
+    m1, m2 = engine.intermediates(r1), engine.intermediates(r2)
     torch.cuda.empty_cache()
     per_row = max(0.0, (m2 - m1) / (r2 - r1))
     state = sum(t.numel() * t.element_size() for t in engine.state)

@@ -145,46 +145,56 @@ class LMClient:
             await self._session.close()
 
 
-async def _ids_of_events(events: AsyncIterator[str], offset: int) -> AsyncIterator[list[int]]:
-    """Audio token ids (>= ``offset``) from a completions stream's ``data:`` fields, a list per chunk
-    that completes any; ends at ``[DONE]`` or the end of speech. LMOutputError for a chunk that is
-    not a completion."""
+async def _ids_of_events(batches: AsyncIterator[list[str]], offset: int) -> AsyncIterator[list[int]]:
+    """Audio token ids (>= ``offset``) from a completions stream's ``data:`` fields, one list per
+    batch of fields that completes any (all the events that had arrived when it was read: a stream
+    whose consumer fell behind takes all it missed in one list, and so pushes all its whole frames
+    at once instead of one a round); ends at ``[DONE]`` or the end of speech. LMOutputError for a
+    chunk that is not a completion."""
     tail = ""  # text after the last whole token: a token can be cut between two chunks
-    async for data in events:
-        if data == "[DONE]":
-            return
-        try:
-            text_piece = json.loads(data)["choices"][0].get("text") or ""
-        except (ValueError, KeyError, IndexError, TypeError):
-            raise LMOutputError(f"the language model sent a chunk that is not a completion: {data[:120]!r}") from None
-        tail += text_piece
-        ids, end, cut = [], False, 0
-        for match in CUSTOM_TOKEN.finditer(tail):
-            cut = match.end()
-            token = CUSTOM_TOKEN_ID + int(match.group(1))
-            if token == END_OF_SPEECH:
+    async for batch in batches:
+        ids, end = [], False
+        for data in batch:
+            if data == "[DONE]":
                 end = True
                 break
-            if token >= offset:
-                ids.append(token)
-        tail = tail[cut:]
-        start = tail.rfind("<")
-        tail = tail[start:] if start >= 0 and len(tail) - start < 32 else ""  # keep only a token's beginning
+            try:
+                text_piece = json.loads(data)["choices"][0].get("text") or ""
+            except (ValueError, KeyError, IndexError, TypeError):
+                if ids:  # the good ids before it first: their audio goes out before the error
+                    yield ids
+                raise LMOutputError(f"the language model sent a chunk that is not a completion: {data[:120]!r}") from None
+            tail += text_piece
+            cut = 0
+            for match in CUSTOM_TOKEN.finditer(tail):
+                cut = match.end()
+                token = CUSTOM_TOKEN_ID + int(match.group(1))
+                if token == END_OF_SPEECH:
+                    end = True
+                    break
+                if token >= offset:
+                    ids.append(token)
+            if end:
+                break
+            tail = tail[cut:]
+            start = tail.rfind("<")
+            tail = tail[start:] if start >= 0 and len(tail) - start < 32 else ""  # keep only a token's beginning
         if ids:
             yield ids
         if end:
             return
 
 
-async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
-    """The ``data:`` fields of a server-sent-event stream, read from raw bytes as they arrive (text
-    and line decoders cost a fifth of the event loop at 256 streams)."""
+async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[str]]:
+    """The ``data:`` fields of a server-sent-event stream, read from raw bytes as they arrive: a list
+    of those each read completed (text and line decoders cost a fifth of the event loop at 256
+    streams)."""
     buffer = b""
     async for raw in chunks:
         buffer += raw
         *lines, buffer = buffer.split(b"\n")
-        for line in lines:
-            if line.startswith(b"data:"):
-                yield line[5:].strip().decode()
+        fields = [line[5:].strip().decode() for line in lines if line.startswith(b"data:")]
+        if fields:
+            yield fields
     if buffer.startswith(b"data:"):
-        yield buffer[5:].strip().decode()
+        yield [buffer[5:].strip().decode()]

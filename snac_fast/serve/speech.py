@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import json
 import logging
 import time
@@ -234,6 +235,19 @@ async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice:
                 raise LMOutputError(f"the stream ended while the language model was still sending: {e}") from None
             raise LMOutputError(f"the language model sent a token that is not audio: {e}") from None
 
+    async def whole_frames(ids: list[int]) -> AsyncIterator[np.ndarray]:
+        """The audio of whole frames' ids: all that arrived in one push (a stream that fell behind
+        catches up in one call); where one of them is not audio, the frames before it a push each,
+        so that their audio goes out before the error (a push is checked whole before it runs)."""
+        try:
+            yield await push(ids)
+            return
+        except LMOutputError:
+            if len(ids) <= frame_size or not server.backend.is_open(sid):
+                raise
+        for start in range(0, len(ids), frame_size):
+            yield await push(ids[start:start + frame_size])
+
     try:
         first = True
         held: list[int] = []  # ids of a frame not yet whole: only whole frames are pushed
@@ -249,14 +263,15 @@ async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice:
             if not whole:
                 continue
             started = time.perf_counter()
-            audio = await push(held[:whole])
+            async with contextlib.aclosing(whole_frames(held[:whole])) as pieces:
+                async for audio in pieces:
+                    if audio.size:
+                        if first:
+                            times.frames_ready, times.audio = started, time.perf_counter()
+                            server.metrics.first_audio.observe(times.audio - started)
+                            first = False
+                        yield audio
             held = held[whole:]
-            if audio.size:
-                if first:
-                    times.frames_ready, times.audio = started, time.perf_counter()
-                    server.metrics.first_audio.observe(times.audio - started)
-                    first = False
-                yield audio
         if held:  # an incomplete last frame: its ids are checked, then dropped by the flush
             await push(held)
         finished = True

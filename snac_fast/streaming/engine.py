@@ -159,7 +159,10 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
         # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
         # audio of a server's first streams for 85-250 ms (docs/server.md)
         self._warmed_steps: set[tuple] | None = None
-        self._pool = torch.cuda.graph_pool_handle() if cuda_graphs else None  # graphs replay one at a time
+        # one memory pool for every step graph (they replay one at a time), which the warm-up's eager
+        # passes use too; reserved as one segment before the first (StepShapes._reserve_pool)
+        self._pool = torch.cuda.MemPool() if cuda_graphs else None
+        self._pool_reserved = False
         self._graph_streams: tuple | None = None  # (capture, side), made at the first capture
 
     # -- streams -------------------------------------------------------------------------------

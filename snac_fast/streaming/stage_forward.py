@@ -4,6 +4,8 @@ receptive field lay inside that buffer (the package docstring of :mod:`snac_fast
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Callable
 
 import numpy as np
@@ -28,10 +30,21 @@ class StageForward:
 
     def _step_graph(self, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
                     compiled: bool = False) -> StepGraph:
+        return StepGraph(self._forward, self.draw_noise, self.state, self._pool, self._capture_streams(), kind, keys,
+                         codes, frames, compiled)
+
+    def _capture_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The engine's (capture, side) CUDA streams, made at the first use."""
         if self._graph_streams is None:
             self._graph_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
-        return StepGraph(self._forward, self.draw_noise, self.state, self._pool, self._graph_streams, kind, keys, codes,
-                         frames, compiled)
+        return self._graph_streams
+
+    @contextlib.contextmanager
+    def _in_graph_pool(self) -> Iterator[None]:
+        """This thread's allocations from the step graphs' pool, on their capture stream (the caching
+        allocator reuses a freed block only on the stream that allocated it)."""
+        with torch.cuda.stream(self._capture_streams()[0]), torch.cuda.use_mem_pool(self._pool, self.device):
+            yield
 
     def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
                  noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:

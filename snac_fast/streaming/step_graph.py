@@ -30,7 +30,7 @@ class StepGraph:
     """One captured step: static keys and codes in (one pinned host buffer, uploaded by the graph's
     first node), static audio out. Call it with new inputs, or write them into :meth:`inputs` and
     :meth:`launch` it. ``forward``, ``draw_noise``, ``state``, ``pool``: the engine's step, its
-    keyed noise, its state tensors (restored after the warm-up runs) and graph memory pool.
+    keyed noise, its state tensors (restored after the warm-up runs) and graph memory pool (a ``torch.cuda.MemPool``).
     ``streams``: the engine's (capture, side) CUDA streams, the same for all its graphs: the caching
     allocator reuses a freed block only on the stream that allocated it, so a stream per graph held
     every graph's warm-up and capture memory apart (docs/server.md, "GPU memory").
@@ -65,7 +65,8 @@ class StepGraph:
         stream = capture  # the eager passes too: their freed blocks serve the next graph's
         stream.wait_stream(torch.cuda.current_stream(device))
         noise_calls: list[NoiseCall] = []
-        with torch.cuda.stream(stream), torch.inference_mode():
+        # in the graphs' pool: the eager passes' blocks are the capture's, not a second reserve beside it
+        with torch.cuda.stream(stream), torch.inference_mode(), torch.cuda.use_mem_pool(pool, device):
             if not compiled:  # a shapes-only pass: the kernels compile concurrently
                 with compiling_concurrently():
                     forward(kind, keys_view, codes_views, frames, None)
@@ -76,7 +77,7 @@ class StepGraph:
         torch.cuda.current_stream(device).wait_stream(stream)
         self.graph = torch.cuda.CUDAGraph()
         capture.wait_stream(torch.cuda.current_stream(device))
-        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool, stream=capture):
+        with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool.id, stream=capture):
             # the upload and its event inside the graph: a call costs one launch, not a copy, an event
             # record and a launch
             self.static.copy_(self.host, non_blocking=True)

@@ -3,6 +3,7 @@ and captures every CUDA graph a server's steps will need, before the first strea
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import numpy as np
@@ -19,6 +20,9 @@ from snac_fast.streaming.shapes import (
     joined_audio,
     warmup_buckets,
 )
+
+POOL_ROUNDING = 2 << 20  # the caching allocator's large segments are whole 2 MiB pages
+POOL_SLACK = 1.1  # room for the graphs' outputs, which stay allocated in the pool
 
 
 class StepShapes:
@@ -37,6 +41,7 @@ class StepShapes:
         shapes = self._warmup_shapes(max_batch, frames)
         inputs = self._warmup_inputs(shapes)
         with self._lock, torch.inference_mode(), device_scope(self.device):
+            self._reserve_pool(shapes)
             if not compiled:
                 self._launch_shapes(inputs)
             for shape, (keys, codes) in inputs.items():
@@ -55,8 +60,10 @@ class StepShapes:
         (:func:`snac_fast.warmup.warmup` compiles the decode shapes and the steps in one pass)."""
         if not self.cuda_graphs:
             return
-        inputs = self._warmup_inputs(self._warmup_shapes(max_batch, frames))
+        shapes = self._warmup_shapes(max_batch, frames)
+        inputs = self._warmup_inputs(shapes)
         with self._lock, torch.inference_mode(), device_scope(self.device):
+            self._reserve_pool(shapes)
             self._launch_shapes(inputs)
 
     def _warmup_shapes(self, max_batch: int | None, frames: Sequence[int]) -> list[tuple[str, int, int]]:
@@ -77,10 +84,12 @@ class StepShapes:
 
     def _warmup_inputs(self, shapes: list[tuple[str, int, int]]) -> dict:
         """Scratch-row keys and zero codes for each shape not captured yet."""
+        return self._shape_inputs([shape for shape in shapes if shape not in self._graphs])
+
+    def _shape_inputs(self, shapes: list[tuple[str, int, int]]) -> dict:
+        """Scratch-row keys and zero codes for each shape."""
         inputs = {}
         for kind, bucket, k in shapes:
-            if (kind, bucket, k) in self._graphs:
-                continue
             keys = np.zeros((4, bucket), np.int64)
             keys[0] = self.max_streams  # the scratch row
             inputs[kind, bucket, k] = keys, [] if kind in CODELESS else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
@@ -88,11 +97,48 @@ class StepShapes:
 
     def _launch_shapes(self, inputs: dict) -> None:
         """One shapes-only pass over every step first: all their kernels compile at once, instead of
-        each graph's compiling while the others wait (an empty Triton cache)."""
-        with compiling_concurrently():
+        each graph's compiling while the others wait (an empty Triton cache). Its blocks come from
+        the graphs' pool, once reserved: the pass needs no reserve of its own."""
+        with self._in_graph_pool() if self._pool_reserved else contextlib.nullcontext(), compiling_concurrently():
             for (kind, bucket, k), (keys, codes) in inputs.items():
                 self._forward(kind, torch.from_numpy(keys).to(self.device),
                               [torch.from_numpy(c).to(self.device) for c in codes], k)
+
+    def intermediates(self, rows: int) -> int:
+        """Bytes the largest step of ``rows`` rows (a prefill, a one-group step or a flush) allocates
+        beyond what is live before it, measured by a shapes-only pass (no kernel runs; it compiles
+        those not compiled yet). CUDA only."""
+        # the one-group step first: it records the launch choices the others reuse (ops.launch)
+        return self._peak_of([(STEP, rows, self.frames_per_group), (PREFILL, rows, self.prefill_frames), (FLUSH, rows, 0)])
+
+    def _peak_of(self, shapes: list[tuple[str, int, int]]) -> int:
+        """The most bytes one of ``shapes`` allocates beyond what is live before it (a shapes-only pass)."""
+        most = 0
+        with self._lock, torch.inference_mode(), device_scope(self.device):
+            for shape, (keys, codes) in self._shape_inputs(shapes).items():
+                torch.cuda.synchronize(self.device)
+                before = torch.cuda.memory_allocated(self.device)
+                torch.cuda.reset_peak_memory_stats(self.device)
+                self._launch_shapes({shape: (keys, codes)})
+                most = max(most, torch.cuda.max_memory_allocated(self.device) - before)
+        return most
+
+    def _reserve_pool(self, shapes: list[tuple[str, int, int]]) -> None:
+        """Once, before the first pass or capture into it: the graphs' pool reserved as one segment a
+        little larger than the largest step's intermediates (the graphs' outputs stay in it). The
+        passes and the captures then split and merge blocks of that one segment; left to grow on
+        demand, the pool came to twice the largest step's (1.97 GB for 0.94 GB on an H200, 256
+        streams: each request's segment too small for the next's)."""
+        if self._pool is None or self._pool_reserved or not shapes:
+            return
+        top = max(bucket for _, bucket, _ in shapes)
+        most = self._peak_of([shape for shape in shapes if shape[1] == top])
+        torch.cuda.empty_cache()  # the measuring pass's blocks, back before the pool takes its own
+        size = -(-int(most * POOL_SLACK) // POOL_ROUNDING) * POOL_ROUNDING
+        with self._in_graph_pool():
+            block = torch.empty(size, dtype=torch.uint8, device=self.device)
+        del block  # free in the pool: what the passes and captures take their blocks from
+        self._pool_reserved = True
 
     def _step_frames(self, pending: int) -> int:
         """The largest step of a power-of-two number of groups that fits what a stream holds."""

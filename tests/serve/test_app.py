@@ -361,6 +361,49 @@ def test_lm_client_streams_as_many_requests_at_once_as_the_server_has_streams():
         assert asyncio.run(run()) == streams
 
 
+def test_lm_client_hands_a_late_reader_every_id_that_arrived_in_one_list():
+    """A stream whose consumer was busy (its last push, its encoder) gets all the ids that arrived
+    meanwhile at once, so it pushes all its whole frames in one call: read one event at a time, a
+    server's mp3 streams pushed one frame a round and fell seconds behind the LM. Tokens cut
+    between events, the order, and the end of speech mid-burst (nothing after it) hold."""
+    tokens = list(range(10, 45))  # 5 frames of 7
+    text = "".join(f"<custom_token_{t}>" for t in tokens)
+    pieces = [text[i:i + 9] for i in range(0, len(text), 9)]  # tokens cut across events
+    events = b"".join(b'data: %s\n\n' % json.dumps({"choices": [{"text": p}]}).encode() for p in pieces)
+    late = b'data: {"choices": [{"text": "<custom_token_50><custom_token_2><custom_token_51>"}]}\n\n'
+    first = b'data: {"choices": [{"text": "<custom_token_60>"}]}\n\n'
+    sent = asyncio.Event()
+
+    async def run() -> list:
+        async def handle(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for part in [first, events, late]:
+                writer.write(b"%x\r\n%s\r\n" % (len(part), part))
+                await writer.drain()
+                await sent.wait()  # the next part once the reader has fallen behind
+                sent.clear()
+            writer.write(b"0\r\n\r\n")
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        client = LMClient(ServeSettings(lm_url=f"http://127.0.0.1:{port}/v1"))
+        got = []
+        async for ids in client.ids("busy", "tara", None):
+            got.append(ids)
+            sent.set()
+            await asyncio.sleep(0.2)  # busy: the next part has arrived by the time it reads again
+        await client.aclose()
+        server.close()
+        return got
+
+    got = asyncio.run(run())
+    # custom_token_2 is the end of speech (2 ends it): what followed it is dropped
+    assert got == [[CUSTOM_TOKEN_ID + 60], [CUSTOM_TOKEN_ID + t for t in tokens], [CUSTOM_TOKEN_ID + 50]]
+
+
 def test_lm_client_retries_a_pooled_connection_the_lm_closed_but_not_a_cut_answer():
     """An LM that closes a kept-alive connection as the next request arrives on it (uvicorn's 5 s
     keep-alive against a busy loop): the request goes again on a new connection, once. An answer

@@ -100,8 +100,12 @@ def test_openai_sdk_plain_call_gets_every_format_and_mp3_by_default(codec):
     for fmt in texts:
         check_audio(fmt or "mp3", got[fmt], want)
     pcm = np.frombuffer(got["pcm"], "<i2")
-    for fmt in ("flac", "wav"):  # lossless: exactly the PCM of the same request
-        assert np.array_equal(np.rint(decoded(got[fmt], fmt)[0] * 32768).astype(np.int16), pcm), fmt
+    # lossless (exact for one stream's PCM: test_stream_encoder_chunks_join_to_the_whole): the pcm
+    # request's audio to 1 LSB, as another request's frames may step in other groups (as they
+    # arrived), which moves a float32 rounding tie
+    for fmt in ("flac", "wav"):
+        lossless = np.rint(decoded(got[fmt], fmt)[0] * 32768).astype(np.int32)
+        assert len(lossless) == len(pcm) and np.abs(lossless - pcm).max() <= 1, fmt
 
 
 def test_openai_async_streaming_chunks_are_each_a_valid_continuation(codec):
@@ -180,7 +184,8 @@ def test_unstreamed_wav_has_its_true_length(codec):
         assert np.abs(got.astype(np.int32) - want).max() <= 1
     assert int(r.headers["content-length"]) == len(r.content)
     assert streamed.content[4:8] == b"\xff\xff\xff\xff"  # streamed: sizes unknown when the header left
-    assert streamed.content[44:] == r.content[44:]
+    both = [np.frombuffer(x.content[44:], "<i2").astype(np.int32) for x in (streamed, r)]
+    assert len(both[0]) == len(both[1]) and np.abs(both[0] - both[1]).max() <= 1  # to 1 LSB: steps grouped as frames arrived
 
 
 def test_voices_models_limits_and_instructions(codec):
