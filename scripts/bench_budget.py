@@ -24,6 +24,11 @@ from bench_common import markdown_table, write_results  # noqa: E402
 GB = 1e9
 
 
+def gigabytes(readings: dict[str, float]) -> dict[str, float]:
+    """``memory_readings``' bytes as GB (1e9), named so: ``gpu_process_bytes`` -> ``gpu_process_gb``."""
+    return {k.replace("_bytes", "_gb"): v / GB for k, v in readings.items()}
+
+
 def one(budget: float, max_streams: int, max_batch: int, streams: int, rounds: int) -> dict:
     """In this process: the engine, its budgeted warm-up, NVML's figure and the round latency."""
     import numpy as np
@@ -44,7 +49,7 @@ def one(budget: float, max_streams: int, max_batch: int, streams: int, rounds: i
             return {**row, "error": str(e)}
     engine.warmup(max_batch=chosen)
     torch.cuda.empty_cache()
-    row.update(call_size=chosen, **{k: v / GB for k, v in memory_readings("cuda").items()})
+    row.update(call_size=chosen, **gigabytes(memory_readings("cuda")))
     opened = [engine.open(seed=i) for i in range(min(streams, max_streams))]
     rng = np.random.default_rng(0)
     group = engine.frames_per_group
@@ -58,7 +63,7 @@ def one(budget: float, max_streams: int, max_batch: int, streams: int, rounds: i
         if r >= 5:
             times.append((time.perf_counter() - start) * 1e3)
     row.update(streams=len(opened), round_ms_p50=statistics.median(times), round_ms_max=max(times),
-               **{f"after_rounds_{k}": v / GB for k, v in memory_readings("cuda").items()})
+               **{f"after_rounds_{k}": v for k, v in gigabytes(memory_readings("cuda")).items()})
     return row
 
 
@@ -94,8 +99,8 @@ def main() -> None:
         ["--max-streams", "--gpu-memory-gb", "call size chosen", "process GB (nvidia-smi)", "reserved GB",
          "round of N streams p50 / max ms"],
         [[r["max_streams"], r["budget_gb"] or "none", r.get("call_size", "-"),
-          f"{r['gpu_process_bytes']:.3f}" if "gpu_process_bytes" in r else r.get("error", "-")[:160],
-          f"{r['gpu_reserved_bytes']:.3f}" if "gpu_reserved_bytes" in r else "-",
+          f"{r['gpu_process_gb']:.3f}" if "gpu_process_gb" in r else r.get("error", "-")[:160],
+          f"{r['gpu_reserved_gb']:.3f}" if "gpu_reserved_gb" in r else "-",
           f"{r['streams']}: {r['round_ms_p50']:.2f} / {r['round_ms_max']:.2f}" if "round_ms_p50" in r else "-"]
          for r in rows])
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"

@@ -3,9 +3,10 @@
 A stream engine holds its weights, its state rows (``max_streams`` of them) and one memory pool that
 all its step graphs share (they replay one at a time, on one capture stream), reserved as one
 segment a tenth larger than the largest step's intermediates, which grow with its rows; the
-warm-up's eager passes run inside it too. :func:`fit_max_batch` measures those intermediates at two small batch buckets
-(a shapes-only pass: no kernel runs), extrapolates them by rows and returns the largest bucket whose
-warm-up fits a budget; calls of more streams then run as several steps.
+warm-up's eager passes run inside it too. :func:`fit_max_batch` measures those intermediates at
+two small batch buckets (a shapes-only pass: no kernel runs), extrapolates them by rows and
+returns the largest bucket whose warm-up fits a budget; calls of more streams then run as several
+steps.
 """
 
 from __future__ import annotations

@@ -112,7 +112,9 @@ class StepShapes:
         return self._peak_of([(STEP, rows, self.frames_per_group), (PREFILL, rows, self.prefill_frames), (FLUSH, rows, 0)])
 
     def _peak_of(self, shapes: list[tuple[str, int, int]]) -> int:
-        """The most bytes one of ``shapes`` allocates beyond what is live before it (a shapes-only pass)."""
+        """The most bytes one of ``shapes`` allocates beyond what is live before it (a shapes-only pass).
+        It resets the device's peak memory statistics (``torch.cuda.reset_peak_memory_stats``): a
+        caller's peak reading spans only what follows."""
         most = 0
         with self._lock, torch.inference_mode(), device_scope(self.device):
             for shape, (keys, codes) in self._shape_inputs(shapes).items():
