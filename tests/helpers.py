@@ -73,6 +73,31 @@ def random_codes(config: dict, coarse: int, batch: int = 1, seed: int = 0) -> li
     return [torch.randint(0, config["codebook_size"], (batch, coarse * strides[0] // s), generator=gen) for s in strides]
 
 
+def quiet_codec():
+    """A narrow 24 kHz FastSNAC on the CPU with its NoiseBlocks' gains zeroed: a stream's noise (the
+    text WebSockets take no seed) then leaves the audio as it is, comparable with an offline decode."""
+    from snac.layers import NoiseBlock
+
+    from snac_fast import FastSNAC
+
+    model = synthetic_model("snac_24khz", **NARROW)
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, NoiseBlock):
+                module.linear.parametrizations.weight.original0.zero_()
+    return FastSNAC(model, device="cpu", fuse=False)
+
+
+def joined_pcm(codec, codes: list[list[torch.Tensor]], seed: int | None = None):
+    """The int16 PCM (float64 numpy) of the decode of every segment's codes joined in order: what a
+    server's one stream of those segments sends, to its rounding."""
+    import numpy as np
+
+    joined = [torch.cat([c[level] for c in codes], dim=1) for level in range(len(codes[0]))]
+    audio = codec.decode(joined, seed=seed)[0, 0].double().numpy()
+    return np.rint(np.clip(audio, -1, 1) * 32767)
+
+
 _UPSTREAM: dict = {}
 
 

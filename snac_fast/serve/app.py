@@ -2,9 +2,9 @@
 client, metrics) in ``app.state.server``, and thin routes that fetch it from there.
 
 Routes: ``GET /`` (a page to try it, :mod:`snac_fast.serve.page`), ``POST /v1/audio/speech``
-(:mod:`snac_fast.serve.speech`), ``WS /v1/text-to-speech/{voice_id}/stream-input`` (text in,
-:mod:`snac_fast.serve.text_stream`), ``WS /v1/audio/stream`` (ids in,
-:mod:`snac_fast.serve.websocket`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
+(:mod:`snac_fast.serve.speech`), ``WS /v1/text-to-speech/{voice_id}/stream-input`` and
+``.../multi-stream-input`` (text in, :mod:`snac_fast.serve.text_stream`,
+:mod:`snac_fast.serve.text_contexts`), ``WS /v1/audio/stream`` (ids in, :mod:`snac_fast.serve.websocket`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
 (liveness: the process and its engine), ``GET /ready`` (readiness: the engine and the LM answer),
 ``GET /metrics`` (Prometheus text). With an API key, every route but ``/health`` and ``/`` needs it
 (:mod:`snac_fast.serve.auth`).
@@ -30,6 +30,7 @@ from snac_fast.serve.page import page
 from snac_fast.serve.protocol import OPENAI_MODELS, models_list, voices_list
 from snac_fast.serve.settings import ServeSettings
 from snac_fast.serve.speech import speech
+from snac_fast.serve.text_contexts import multi_stream_input
 from snac_fast.serve.text_stream import stream_input
 from snac_fast.serve.websocket import stream_ids
 
@@ -207,6 +208,7 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     app = Starlette(routes=[Route("/", page), Route("/v1/audio/speech", speech, methods=["POST"]),
                             WebSocketRoute("/v1/audio/stream", stream_ids),
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", stream_input),
+                            WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", multi_stream_input),
                             Route("/v1/audio/voices", voices), Route("/v1/models", models),
                             Route("/health", health), Route("/ready", ready), Route("/metrics", metrics)],
                     middleware=middleware, lifespan=lifespan)

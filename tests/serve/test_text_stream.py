@@ -9,37 +9,16 @@ import subprocess
 
 import numpy as np
 import pytest
-from helpers import NARROW, random_codes
+from helpers import joined_pcm, quiet_codec, random_codes
 from live_server import serving
 
-from snac_fast import FastSNAC
-from snac_fast.synthetic import synthetic_model
 
 SENTENCES = ["Hello there.", "How are you today?", "I am well, thank you!"]
 
 
 @pytest.fixture(scope="module")
 def codec():
-    """Its decoder's noise gains zeroed: a connection's noise (no seed in this protocol) then leaves
-    the audio as it is, so it can be compared with an offline decode."""
-    import torch
-    from snac.layers import NoiseBlock
-
-    model = synthetic_model("snac_24khz", **NARROW)
-    with torch.no_grad():
-        for module in model.modules():
-            if isinstance(module, NoiseBlock):
-                module.linear.parametrizations.weight.original0.zero_()
-    return FastSNAC(model, device="cpu", fuse=False)
-
-
-def joined_pcm(codec, codes, seed=None):
-    """The int16 PCM of the decode of every sentence's codes, concatenated (the server's rounding)."""
-    import torch
-
-    joined = [torch.cat([c[level] for c in codes], dim=1) for level in range(len(codes[0]))]
-    audio = codec.decode(joined, seed=seed)[0, 0].double().numpy()
-    return np.rint(np.clip(audio, -1, 1) * 32767)
+    return quiet_codec()
 
 
 def ws_url(server, voice="tara", **query):

@@ -1,0 +1,71 @@
+"""Text that arrives in pieces (a voice agent's LLM writing it), spoken into one engine stream.
+
+Text is buffered until a sentence ends (or a flush); each sentence (cut at ``--segment-chars`` if
+longer) is one LM request, and every request's ids go into the one stream
+(:func:`snac_fast.serve.speech.speech_chunks`), so the audio runs on across sentences with no seam.
+The text WebSockets (:mod:`snac_fast.serve.text_stream`, :mod:`snac_fast.serve.text_contexts`) hold
+one of these per stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from snac_fast.serve.formats import StreamEncoder
+from snac_fast.serve.segments import ended_sentences, split_text
+from snac_fast.serve.speech import speech_chunks
+
+
+class SpokenText:
+    """One stream (``sid``, already open) speaking text as it comes, in ``voice``; ``send`` gets the
+    encoded audio (``encoder``'s bytes), in order, as it becomes final. :attr:`task` ends once
+    :meth:`end` was called and everything queued is spoken (an LM or engine failure: its exception);
+    the stream's slot is released however it ends (its owner still calls ``stream_ended``)."""
+
+    def __init__(self, server, sid: int, voice: str, encoder: StreamEncoder,
+                 send: Callable[[bytes], Awaitable[None]]) -> None:
+        self.server, self.sid, self.voice, self.encoder, self._send = server, sid, voice, encoder, send
+        self.buffer = ""  # text not spoken yet: its sentence has not ended
+        self.ended = False
+        self._texts: asyncio.Queue = asyncio.Queue()  # segments to speak, in order; None: no more
+        self.task = asyncio.create_task(self._speak())
+
+    def add(self, text: str, flush: bool = False) -> None:
+        """More text: its ended sentences queued to speak (with ``flush``, all of it)."""
+        if self.ended:
+            raise ValueError("text after the end")
+        self.buffer += text
+        done, self.buffer = (self.buffer, "") if flush else ended_sentences(self.buffer)
+        self._queue(done)
+
+    def end(self, speak_rest: bool = True) -> None:
+        """No more text: what is buffered is spoken too (``speak_rest``) or dropped."""
+        if self.ended:
+            return
+        if speak_rest:
+            self._queue(self.buffer)
+        self.buffer, self.ended = "", True
+        self._texts.put_nowait(None)
+
+    def cancel(self) -> None:
+        """Stop speaking now (a client gone); the slot is released."""
+        self.ended = True
+        self.task.cancel()
+
+    def _queue(self, text: str) -> None:
+        for segment in split_text(text, self.server.settings.segment_chars) if text.strip() else []:
+            self._texts.put_nowait(segment)
+
+    async def _sentences(self) -> AsyncIterator[str]:
+        while (text := await self._texts.get()) is not None:
+            yield text
+
+    async def _speak(self) -> None:
+        async for audio in speech_chunks(self.server, self.sid, self._sentences(), self.voice, None):
+            data = self.encoder.encode(audio)
+            if data:
+                await self._send(data)
+        rest = self.encoder.finish()
+        if rest:
+            await self._send(rest)

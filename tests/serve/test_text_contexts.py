@@ -1,0 +1,206 @@
+"""`WS /v1/text-to-speech/{voice}/multi-stream-input` (ElevenLabs' multi-context WebSocket): several
+contexts on one connection, each one stream whose audio runs on across its sentences. A client
+written from their published protocol, then Pipecat's and LiveKit's ElevenLabs services with their
+base URL pointed here."""
+
+import asyncio
+import base64
+import json
+import logging
+
+import numpy as np
+import pytest
+from helpers import joined_pcm, quiet_codec, random_codes
+from live_server import serving
+
+
+@pytest.fixture(scope="module")
+def codec():
+    return quiet_codec()
+
+
+def ws_url(server, voice="tara", **query):
+    return server.url.replace("http", "ws") + f"/v1/text-to-speech/{voice}/multi-stream-input" + \
+        ("?" + "&".join(f"{k}={v}" for k, v in query.items()) if query else "")
+
+
+def prompts_of(lm) -> list[str]:
+    return [p.split(": ", 1)[1].split("<|eot_id|>")[0] for p in lm.prompts]
+
+
+def pcm_of(messages, context) -> np.ndarray:
+    data = b"".join(base64.b64decode(m["audio"]) for m in messages if m.get("audio") and m["contextId"] == context)
+    return np.frombuffer(data, "<i2").astype(np.float64)
+
+
+def test_two_contexts_on_one_connection_each_speak_their_sentences_as_one_stream(codec):
+    from websockets.asyncio.client import connect
+
+    script = {"Hello there.": 5, "How are you today?": 4, "I am well, thank you!": 6}
+    codes = {text: random_codes(codec.config, n, seed=80 + k) for k, (text, n) in enumerate(script.items())}
+    with serving(codec, api_key="sesame") as (server, lm, state):
+        for text, c in codes.items():
+            lm.script(text, c)
+
+        async def talk():
+            messages = []
+            async with connect(ws_url(server, output_format="pcm_24000", model_id="eleven_flash_v2_5"),
+                               additional_headers={"xi-api-key": "sesame"}) as ws:
+                for context in ("a", "b"):
+                    await ws.send(json.dumps({"text": " ", "context_id": context, "voice_settings": {"speed": 1}}))
+                await ws.send(json.dumps({"text": "Hello ", "context_id": "a"}))
+                await ws.send(json.dumps({"text": "How are", "context_id": "b"}))
+                await ws.send(json.dumps({"text": "there. ", "context_id": "a"}))  # a's sentence has ended
+                first = json.loads(await asyncio.wait_for(ws.recv(), 60))  # its audio while b's text goes on
+                await ws.send(json.dumps({"text": " you today? ", "context_id": "b"}))
+                await ws.send(json.dumps({"text": "", "context_id": "b"}))  # keep-alives
+                await ws.send(json.dumps({"text": ""}))
+                await ws.send(json.dumps({"text": "Never flushed, never said", "context_id": "a"}))
+                await ws.send(json.dumps({"context_id": "a", "close_context": True}))
+                await ws.send(json.dumps({"context_id": "a", "close_context": True}))  # a is closed already
+                await ws.send("{not json")
+                await ws.send(json.dumps({"text": "I am well, thank you!", "context_id": "b", "flush": True}))
+                await ws.send(json.dumps({"close_socket": True}))
+                messages.append(first)
+                async for raw in ws:
+                    messages.append(json.loads(raw))
+                return messages, ws.close_code
+        messages, code = asyncio.run(talk())
+    assert code == 1000
+    assert prompts_of(lm) == list(script)  # the unflushed text of the closed context was dropped
+    assert messages[0]["contextId"] == "a" and set(messages[0]) == {"audio", "isFinal", "normalizedAlignment",
+                                                                    "alignment", "contextId"}
+    errors = [m for m in messages if "error" in m]
+    assert [e["error"] for e in errors] == ["invalid_message", "invalid_message"]
+    assert errors[0]["contextId"] == "a" and "no open context" in errors[0]["message"] and "JSON" in errors[1]["message"]
+    for context, spoken in (("a", ["Hello there."]), ("b", ["How are you today?", "I am well, thank you!"])):
+        final = [k for k, m in enumerate(messages) if m.get("isFinal") and m["contextId"] == context]
+        audio = [k for k, m in enumerate(messages) if m.get("audio") and m["contextId"] == context]
+        assert len(final) == 1 and audio and max(audio) < final[0]  # isFinal after all of its audio
+        want = joined_pcm(codec, [codes[text] for text in spoken])
+        got = pcm_of(messages, context)
+        assert got.shape == want.shape and np.abs(got - want).max() <= 1  # b's join is the decoder's own
+    assert state.backend.open_streams == 0
+
+
+def test_contexts_are_limited_closed_when_silent_and_checked(codec):
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosedError
+
+    quiet = random_codes(codec.config, 4, seed=90)
+    with serving(codec) as (server, lm, state):
+        lm.script("Quiet now.", quiet)
+
+        async def replies_until_closed(url, send, pause=0.0):
+            async with connect(url) as ws:
+                for message in send:
+                    await ws.send(message if isinstance(message, str) else json.dumps(message))
+                    await asyncio.sleep(pause)
+                replies = []
+                with pytest.raises(ConnectionClosedError):  # a close other than 1000
+                    while True:
+                        replies.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+                return replies, ws.close_code, ws.close_reason
+        too_many = asyncio.run(replies_until_closed(
+            ws_url(server), [{"text": " ", "context_id": f"c{k}"} for k in range(6)]))
+        silent = asyncio.run(replies_until_closed(
+            ws_url(server, output_format="ulaw_8000", inactivity_timeout=1),
+            [{"text": " ", "context_id": "q"}, {"text": "Quiet now. ", "context_id": "q"}]))
+        bad = asyncio.run(replies_until_closed(
+            ws_url(server, inactivity_timeout=1),
+            [{"text": "Hi. ", "context_id": 7}, {"text": 3}, {"voice_settings": {}}, {"flush": True}]))
+    replies, code, reason = too_many  # a sixth open context, as ElevenLabs answers it
+    assert code == 1008 and replies[-1]["error"] == "max_active_conversations" and "(5)" in replies[-1]["message"]
+    replies, code, reason = silent  # the context spoken and closed for silence, then the connection
+    assert [r for r in replies if r.get("isFinal")] == [{"isFinal": True, "contextId": "q"}]
+    ulaw = b"".join(base64.b64decode(r["audio"]) for r in replies if r.get("audio"))
+    assert len(ulaw) == pytest.approx(4 * 2048 / 3, abs=200)  # 4 frames at 8 kHz, a byte a sample
+    assert code == 1008 and "inactivity_timeout" in reason and replies[-1]["error"] == "input_timeout_exceeded"
+    replies, code, reason = bad
+    assert [r["error"] for r in replies[:3]] == ["invalid_message"] * 3
+    assert "context_id" in replies[0]["message"] and "string" in replies[1]["message"]
+    assert "needs 'text'" in replies[2]["message"] and code == 1008  # a flush of no context: nothing
+    assert prompts_of(lm) == ["Quiet now."] and state.backend.open_streams == 0
+
+
+def test_pipecat_speaks_through_the_server(codec):
+    """Pipecat's ElevenLabsTTSService (multi-context WebSocket), its url pointed here, in a pipeline
+    that speaks one turn; every audio frame it pushes is the decode of the turn's codes."""
+    from loguru import logger
+    from pipecat.frames.frames import EndFrame, ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame, TTSStoppedFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
+    from pipecat.workers.runner import WorkerRunner
+
+    logger.remove()  # pipecat logs every step at DEBUG
+
+    class Collected(FrameProcessor):
+        def __init__(self):
+            super().__init__()
+            self.frames = []
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            self.frames.append(frame)
+            await self.push_frame(frame, direction)
+
+    codes = {text: random_codes(codec.config, n, seed=100 + k)
+             for k, (text, n) in enumerate({"Hello there.": 4, "How are you today?": 5}.items())}
+    with serving(codec, api_key="sesame") as (server, lm, state):
+        for text, c in codes.items():
+            lm.script(text, c)
+
+        async def speak():
+            tts = ElevenLabsTTSService(api_key="sesame", url=server.url.replace("http", "ws"), sample_rate=24000,
+                                       settings=ElevenLabsTTSService.Settings(voice="tara"))
+            collected = Collected()
+            worker = PipelineWorker(Pipeline([tts, collected]), params=PipelineParams(audio_out_sample_rate=24000))
+            await worker.queue_frames([TTSSpeakFrame("Hello there. How are you today?"), EndFrame()])
+            runner = WorkerRunner(handle_sigint=False)
+            await runner.add_workers(worker)
+            await runner.run()
+            return collected.frames
+        frames = asyncio.run(speak())
+    assert not [f for f in frames if isinstance(f, ErrorFrame)] and any(isinstance(f, TTSStoppedFrame) for f in frames)
+    audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]
+    assert {f.sample_rate for f in audio} == {24000}
+    pcm = np.frombuffer(b"".join(f.audio for f in audio), "<i2").astype(np.float64)
+    want = joined_pcm(codec, list(codes.values()))
+    assert prompts_of(lm) == list(codes) and pcm.shape == want.shape and np.abs(pcm - want).max() <= 1
+    assert state.backend.open_streams == 0
+
+
+def test_livekit_speaks_through_the_server(codec):
+    """LiveKit Agents' ElevenLabs plugin (its streaming TTS: the multi-context WebSocket), its base
+    URL pointed here, fed text in pieces as an agent's LLM writes it."""
+    import aiohttp
+    from livekit.plugins import elevenlabs
+
+    logging.getLogger("livekit").setLevel(logging.WARNING)
+    text = "Hello there. How are you today?"
+    codes = random_codes(codec.config, 7, seed=110)
+    with serving(codec, api_key="sesame") as (server, lm, state):
+        lm.script(text, codes)
+
+        async def speak():
+            async with aiohttp.ClientSession() as session:
+                tts = elevenlabs.TTS(api_key="sesame", base_url=server.url + "/v1", voice_id="tara",
+                                     http_session=session, encoding="pcm_24000")
+                frames = []
+                async with tts.stream() as stream:
+                    for piece in ("Hello there. ", "How are you ", "today?"):
+                        stream.push_text(piece)
+                    stream.end_input()
+                    async for event in stream:
+                        frames.append(event.frame)
+                await tts.aclose()
+                return frames
+        frames = asyncio.run(speak())
+    assert {f.sample_rate for f in frames} == {24000} and {f.num_channels for f in frames} == {1}
+    pcm = np.concatenate([np.frombuffer(bytes(f.data), "<i2") for f in frames]).astype(np.float64)
+    want = joined_pcm(codec, [codes])
+    # LiveKit sends what its tokenizer gathered as one piece, flushed at the end of input: one LM request
+    assert prompts_of(lm) == [text] and pcm.shape == want.shape and np.abs(pcm - want).max() <= 1
+    assert state.backend.open_streams == 0
