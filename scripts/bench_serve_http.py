@@ -194,8 +194,8 @@ def all_clients(server: str, offsets: list[float], tag: str, procs: int, request
     return [r for part in parts for r in part]
 
 
-def tree_cpu_seconds(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid`` and every descendant alive now (/proc)."""
+def process_tree(pid: int) -> dict[int, float]:
+    """Process ``pid`` and every descendant alive now: pid -> CPU seconds (user + system) so far (/proc)."""
     import os
 
     parents, cpu = {}, {}
@@ -211,7 +211,12 @@ def tree_cpu_seconds(pid: int) -> float:
         more = {p for p, parent in parents.items() if parent in tree} - tree
         tree |= more
         grew = bool(more)
-    return sum(cpu.get(p, 0.0) for p in tree)
+    return {p: cpu.get(p, 0.0) for p in tree}
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """CPU seconds of process ``pid`` and its descendants (:func:`process_tree`)."""
+    return sum(process_tree(pid).values())
 
 
 def stream_geometry(lookahead: int | str | None = None) -> dict:
@@ -343,17 +348,31 @@ def late_chunks(scrape: str) -> float:
 
 
 def server_memory(port: int, pid: int) -> dict:
-    """The server's GPU memory: its /health's figures and nvidia-smi's per process (where it lists them)."""
+    """The server's GPU memory: its /health's figures, nvidia-smi's per process, and ``server_mib``,
+    the sum of nvidia-smi's MiB over the server's process tree (workers and engine process; not a
+    co-located LM's)."""
     import httpx
 
     reading = {"health": httpx.get(f"http://127.0.0.1:{port}/health").json().get("gpu_memory")}
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
                              capture_output=True, text=True, timeout=30).stdout
-        reading["nvidia_smi"] = out.strip().splitlines()
     except (OSError, subprocess.TimeoutExpired):
-        pass
+        return reading
+    listed = {int(p): float(mib) for p, mib in (line.split(",") for line in out.strip().splitlines() if "," in line)}
+    reading["nvidia_smi_mib"] = listed
+    tree = process_tree(pid)
+    reading["server_mib"] = sum(mib for p, mib in listed.items() if p in tree)
     return reading
+
+
+def _memory_cell(reading: dict | None) -> str:
+    """A colocation row's memory: nvidia-smi MiB over the server's processes / allocator reserve GB."""
+    if not reading:
+        return "not read"
+    mib = reading.get("server_mib")
+    reserved = (reading.get("health") or {}).get("reserved_gb")
+    return f"{'?' if mib is None else f'{mib:,.0f}'} / {'?' if reserved is None else f'{reserved:.2f}'}"
 
 
 def serve_options(args) -> list[str]:
@@ -422,21 +441,22 @@ def markdown(results: dict) -> str:
                                   "server CPU cores / ms per stream-second"], pace))
     beside = [r for r in rows if "lm_steps_per_s" in r]
     if beside:
-        memory = results.get("server_memory", {})
         out += ("\n## Beside an LM on the same GPU\n\n"
                 f"`scripts/colocated_lm.py` (a Llama-3.2-3B-shaped decode step for 64 sequences in one CUDA graph, "
                 f"holding {results['args']['colocated_lm']:g} of the card) steps back to back from before the server "
                 f"starts; its steps per second in each load (from 1.5 s in) "
                 f"against the mean of the idle windows ({results['args']['lm_idle_s']:g} s, the server idle) before and "
-                f"after it. Server GPU memory after start-up (the last run): {memory}. Late pushes: the server's count of pushes whose "
+                f"after it. Server GPU MiB: nvidia-smi's, summed over the server's processes after start-up (its CUDA "
+                "contexts included); reserved: torch's allocator in the process that decodes. Late pushes: the server's count of pushes whose "
                 "audio took over one frame (85.3 ms); chunk added: each audio chunk at the client after the LM sent "
                 "its last token (pcm).\n\n"
                 + markdown_table(["--max-wait-ms", "--gpu-memory-gb", "MPS", "clients", "LM pace",
-                                  "LM steps/s idle / under load", "LM loss", "late pushes",
+                                  "server GPU MiB / reserved GB", "LM steps/s idle / under load", "LM loss", "late pushes",
                                   "chunk added p99 / max ms", "chunk gap p99 / max ms"],
                                  [["serve's" if r.get("max_wait_ms") is None else f"{r['max_wait_ms']:g}",
                                    f"{r.get('gpu_memory_gb') or 0:g}", "yes" if r.get("mps") else "no",
-                                   r["clients"], f"{r['pace']:g}x", f"{r['lm_idle_steps_per_s']:.1f} / {r['lm_steps_per_s']:.1f}",
+                                   r["clients"], f"{r['pace']:g}x", _memory_cell(r.get("server_memory")),
+                                   f"{r['lm_idle_steps_per_s']:.1f} / {r['lm_steps_per_s']:.1f}",
                                    f"**{100 * r['lm_loss']:.1f}%**", int(r["server_late_pushes"]),
                                    f"{r['chunk_added_p99_ms']:.1f} / {r['chunk_added_max_ms']:.1f}",
                                    f"{r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}"] for r in beside]))
@@ -558,7 +578,8 @@ def main() -> None:
             row.update(clients=clients, requests=len(records), format="text-ws pcm" if args.text_ws else fmt,
                        input_chars=args.input_chars, arrivals=arrivals, pace=args.pace, lookahead=args.lookahead,
                        seconds=args.seconds, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients)
-            row.update(max_wait_ms=args.max_wait_ms, gpu_memory_gb=args.gpu_memory_gb, mps=bool(mps))
+            row.update(max_wait_ms=args.max_wait_ms, gpu_memory_gb=args.gpu_memory_gb, mps=bool(mps),
+                       server_memory=results["server_memory"])  # this run's, after start-up
             if beside is not None:  # the LM while every client streams (past their first audio)
                 row["lm_steps_per_s"] = colocated_lm.steps_per_second(
                     lm_steps, wall0 + 1.5, min(wall0 + args.seconds / args.pace, wall0 + wall) - 0.5)
