@@ -8,7 +8,9 @@ import base64
 import dataclasses
 import re
 
+from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import FORMATS, AudioFormat
+from snac_fast.serve.lm_client import LMOutputError
 
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 INACTIVITY_TIMEOUT_S = (20.0, 180.0)  # ElevenLabs' default and largest
@@ -75,8 +77,5 @@ async def close_with_error(websocket, message: str, error: str | None, code: int
 
 def error_kind(e: BaseException) -> str:
     """A speaker's failure as the error name a client reads."""
-    from snac_fast.serve.engine_client import EngineLostError
-    from snac_fast.serve.lm_client import LMOutputError
-
     return "engine_unavailable" if isinstance(e, EngineLostError) else \
         "lm_output_error" if isinstance(e, LMOutputError) else "engine_error"
