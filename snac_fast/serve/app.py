@@ -2,9 +2,11 @@
 client, metrics) in ``app.state.server``, and thin routes that fetch it from there.
 
 Routes: ``GET /`` (a page to try it, :mod:`snac_fast.serve.page`), ``POST /v1/audio/speech``
-(:mod:`snac_fast.serve.speech`), ``WS /v1/text-to-speech/{voice_id}/stream-input`` and
+(:mod:`snac_fast.serve.speech`), ``POST /v1/text-to-speech/{voice_id}[/stream]`` (ElevenLabs',
+:mod:`snac_fast.serve.elevenlabs_speech`), ``WS /v1/text-to-speech/{voice_id}/stream-input`` and
 ``.../multi-stream-input`` (text in, :mod:`snac_fast.serve.text_stream`,
-:mod:`snac_fast.serve.text_contexts`), ``WS /v1/audio/stream`` (ids in, :mod:`snac_fast.serve.websocket`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
+:mod:`snac_fast.serve.text_contexts`), ``WS /v1/audio/stream`` (ids in,
+:mod:`snac_fast.serve.websocket`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
 (liveness: the process and its engine), ``GET /ready`` (readiness: the engine and the LM answer),
 ``GET /metrics`` (Prometheus text). With an API key, every route but ``/health`` and ``/`` needs it
 (:mod:`snac_fast.serve.auth`).
@@ -22,6 +24,7 @@ import numpy as np
 from snac_fast.serve.auth import BearerKey
 from snac_fast.serve.backend import Backend, EngineProcessBackend, InProcessBackend
 from snac_fast.serve.batchers import freeze_startup_objects
+from snac_fast.serve.elevenlabs_speech import text_to_speech
 from snac_fast.serve.formats import FORMATS, StreamEncoder, pcm_bytes
 from snac_fast.serve.limits import BodyLimit, StreamOwners
 from snac_fast.serve.lm_client import LMClient
@@ -206,6 +209,8 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     if settings.api_key:
         middleware.insert(0, Middleware(BearerKey, key=settings.api_key))  # outermost: the key first
     app = Starlette(routes=[Route("/", page), Route("/v1/audio/speech", speech, methods=["POST"]),
+                            Route("/v1/text-to-speech/{voice_id}", text_to_speech, methods=["POST"]),
+                            Route("/v1/text-to-speech/{voice_id}/stream", text_to_speech, methods=["POST"]),
                             WebSocketRoute("/v1/audio/stream", stream_ids),
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", stream_input),
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", multi_stream_input),

@@ -16,13 +16,14 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from snac_fast.serve.engine_client import EngineLostError
-from snac_fast.serve.formats import FLOAT_FORMATS, FORMATS, StreamEncoder
+from snac_fast.serve.formats import FLOAT_FORMATS, FORMATS, AudioFormat, StreamEncoder
 from snac_fast.serve.limits import TooManyStreams, client_of
 from snac_fast.serve.lm_client import LMBusyError, LMOutputError
 from snac_fast.serve.protocol import RequestError, SpeechRequest
@@ -35,9 +36,10 @@ ERROR_TYPES = {"engine_lost": "engine_unavailable", "lm_error": "lm_output_error
 ERROR_STATUS = {"engine_lost": 503, "lm_error": 502, "engine_error": 500}
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", **headers):
+def error_response(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
+                   **headers):
     """An error in OpenAI's shape: ``{"error": {"message", "type", "param", "code"}}``."""
-    return _error(RequestError(message, status=status, kind=kind), **headers)
+    return _error(RequestError(message, status=status, kind=kind, code=code), **headers)
 
 
 def _error(error: RequestError, **headers):
@@ -70,8 +72,6 @@ class FirstAudioTimes:
 
 async def speech(request):
     """The route."""
-    from starlette.responses import Response, StreamingResponse
-
     times = FirstAudioTimes(time.perf_counter())
     server = request.app.state.server
     try:
@@ -86,19 +86,30 @@ async def speech(request):
     except RequestError as e:
         server.metrics.outcome("speech", "bad_request")
         return _error(e)
+    fmt = (FLOAT_FORMATS if speech_request.sample_format == "f32" else FORMATS)[speech_request.response_format]
+    return await spoken_response(request, speech_request, fmt, times, error_response)
+
+
+async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioFormat, times: FirstAudioTimes,
+                          error: Callable[..., Any], endpoint: str = "speech"):
+    """A checked request spoken in ``fmt``: its stream opened, the LM asked, the response (streamed,
+    or whole with ``stream`` false) once the first audio is encoded. ``error(status, message,
+    kind, code=None, **headers)``: a refusal in the endpoint's protocol (OpenAI's, ElevenLabs');
+    ``endpoint``: its label in the metrics."""
+    from starlette.responses import Response, StreamingResponse
+
+    server = request.app.state.server
     try:
         sid = await server.open_stream(speech_request.seed, client_of(request.scope))
     except EngineLostError as e:
-        server.metrics.outcome("speech", "engine_lost")
-        return error_response(503, str(e), "engine_unavailable")
+        server.metrics.outcome(endpoint, "engine_lost")
+        return error(503, str(e), "engine_unavailable")
     except TooManyStreams as e:
-        server.metrics.outcome("speech", "client_limit")
-        return _error(RequestError(str(e), status=429, kind="rate_limit_exceeded", code="too_many_streams"),
-                      **{"Retry-After": "1"})
+        server.metrics.outcome(endpoint, "client_limit")
+        return error(429, str(e), "rate_limit_exceeded", code="too_many_streams", **{"Retry-After": "1"})
     if sid is None:
-        server.metrics.outcome("speech", "busy")
-        return error_response(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
-    fmt = (FLOAT_FORMATS if speech_request.sample_format == "f32" else FORMATS)[speech_request.response_format]
+        server.metrics.outcome(endpoint, "busy")
+        return error(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
     encoder = StreamEncoder(fmt, server.backend.rate, speech_request.sample_rate, seekable=not speech_request.stream)
     chunks = _encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
                                              speech_request.model, times))
@@ -109,19 +120,19 @@ async def speech(request):
         first = b""
     except LMBusyError as e:  # the LM is overloaded: the client may retry, as after a full engine
         log.warning("speech request failed before its first audio: %s", e)
-        server.metrics.outcome("speech", "lm_busy")
-        return error_response(503, str(e), "lm_busy", **{"Retry-After": e.retry_after or "1"})
+        server.metrics.outcome(endpoint, "lm_busy")
+        return error(503, str(e), "lm_busy", **{"Retry-After": e.retry_after or "1"})
     except LMOutputError as e:
         log.warning("speech request failed before its first audio: %s", e)
-        server.metrics.outcome("speech", "lm_error")
-        return error_response(502, str(e), "lm_output_error")
+        server.metrics.outcome(endpoint, "lm_error")
+        return error(502, str(e), "lm_output_error")
     except EngineLostError as e:
-        server.metrics.outcome("speech", "engine_lost")
-        return error_response(503, str(e), "engine_unavailable")
+        server.metrics.outcome(endpoint, "engine_lost")
+        return error(503, str(e), "engine_unavailable")
     except RuntimeError as e:  # the engine call failed (out of memory, a device error): this request only
         log.error("speech request failed in the engine: %s", e)
-        server.metrics.outcome("speech", "engine_error")
-        return error_response(500, f"the engine call failed: {e}", "engine_error")
+        server.metrics.outcome(endpoint, "engine_error")
+        return error(500, f"the engine call failed: {e}", "engine_error")
     headers = {"X-Sample-Rate": str(encoder.rate), "X-Sample-Format": speech_request.sample_format,
                "Server-Timing": times.header()}
     if not speech_request.stream:  # the whole file, its sizes true
@@ -129,12 +140,12 @@ async def speech(request):
             rest = b"".join([chunk async for chunk in chunks])
         except (LMOutputError, RuntimeError) as e:
             outcome = _outcome(e)
-            server.metrics.outcome("speech", outcome)
-            return error_response(ERROR_STATUS[outcome], str(e), ERROR_TYPES[outcome])
+            server.metrics.outcome(endpoint, outcome)
+            return error(ERROR_STATUS[outcome], str(e), ERROR_TYPES[outcome])
         return Response(first + rest, media_type=fmt.media_type, headers=headers)
     if speech_request.stream_format == "sse":
         return StreamingResponse(_sse(server, first, chunks), media_type="text/event-stream", headers=headers)
-    return StreamingResponse(_audio(server, first, chunks), media_type=fmt.media_type, headers=headers)
+    return StreamingResponse(_audio(server, first, chunks, endpoint), media_type=fmt.media_type, headers=headers)
 
 
 async def _encoded(encoder: StreamEncoder, audio: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
@@ -290,7 +301,7 @@ def _outcome(error: Exception) -> str:
     return "lm_error" if isinstance(error, LMOutputError) else "engine_error"
 
 
-async def _audio(server, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+async def _audio(server, first: bytes, chunks: AsyncIterator[bytes], endpoint: str) -> AsyncIterator[bytes]:
     if first:
         yield first
     try:
@@ -298,7 +309,7 @@ async def _audio(server, first: bytes, chunks: AsyncIterator[bytes]) -> AsyncIte
             yield chunk
     except (LMOutputError, RuntimeError) as e:  # after the headers: the body ends short (the error is in the log and metrics)
         log.warning("speech stream cut: %s", e)
-        server.metrics.outcome("speech", _outcome(e))
+        server.metrics.outcome(endpoint, _outcome(e))
         raise
 
 

@@ -1,0 +1,71 @@
+"""``POST /v1/text-to-speech/{voice_id}`` and ``.../stream``: ElevenLabs' HTTP speech (their API
+reference, "Create speech" and "Stream speech"; their Python SDK's ``text_to_speech.convert`` and
+``.stream``, LiveKit's ``synthesize``), spoken as ``POST /v1/audio/speech`` is
+(:func:`snac_fast.serve.speech.spoken_response`).
+
+Honoured: the path's voice (one of ``--voices``); the query's ``output_format`` (named as the
+WebSockets name it, :func:`~snac_fast.serve.elevenlabs_protocol.elevenlabs_format`; default
+``mp3_44100_128``); the body's ``text`` (at most ``--max-input-chars``; a long one is spoken
+segment by segment into one stream) and ``seed`` (the decoder's noise). Accepted and unused:
+``model_id``, ``voice_settings``, ``language_code``, ``previous_text``, ``next_text``,
+``optimize_streaming_latency`` and the rest. ``/stream`` sends the audio as it is made; without it,
+the whole file in one response. Errors in ElevenLabs' shape: ``{"detail": {"status", "message"}}``.
+"""
+
+from __future__ import annotations
+
+import time
+
+from snac_fast.noise import check_seed
+from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format
+from snac_fast.serve.protocol import SpeechRequest
+from snac_fast.serve.speech import FirstAudioTimes, spoken_response
+
+
+async def text_to_speech(request):
+    """The route (both paths)."""
+    times = FirstAudioTimes(time.perf_counter())
+    server = request.app.state.server
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    name = request.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT)
+    fmt = elevenlabs_format(name)
+    voice = request.path_params["voice_id"]
+    problem, text, seed = _checked(body, server.settings.max_input_chars)
+    if problem is None and voice not in server.settings.voice_names:
+        problem = f"voice_id must be one of {list(server.settings.voice_names)}, got {voice!r}"
+    if problem is None and fmt is None:
+        problem = f"output_format must be pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000 or mp3_<rate>_<kbps>, got {name!r}"
+    if problem is not None:
+        server.metrics.outcome("text_to_speech", "bad_request")
+        return error_response(400, problem, "invalid_request")
+    streamed = request.url.path.endswith("/stream")
+    speech_request = SpeechRequest(text, voice, None, fmt.name, None, "s16", "audio", streamed, seed)
+    return await spoken_response(request, speech_request, fmt, times, error_response, "text_to_speech")
+
+
+def _checked(body, max_chars: int) -> tuple[str | None, str | None, int | None]:
+    """(what is wrong with the body, or None; its text; its seed)."""
+    if not isinstance(body, dict):
+        return "the body must be a JSON object with 'text'", None, None
+    text = body.get("text")
+    if not isinstance(text, str) or not text.strip():
+        return "'text' must be a non-empty string", None, None
+    if len(text) > max_chars:
+        return f"'text' is {len(text)} characters; at most {max_chars}", None, None
+    seed = body.get("seed")
+    if seed is not None:
+        try:
+            seed = check_seed(seed)
+        except ValueError as e:
+            return f"'seed': {e}", None, None
+    return None, text, seed
+
+
+def error_response(status: int, message: str, kind: str, code: str | None = None, **headers):
+    """An error in ElevenLabs' shape."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse({"detail": {"status": code or kind, "message": message}}, status_code=status, headers=headers)
