@@ -28,6 +28,8 @@ class SpokenText:
         self.server, self.sid, self.voice, self.encoder, self._send = server, sid, voice, encoder, send
         self.buffer = ""  # text not spoken yet: its sentence has not ended
         self.ended = False
+        self.interrupted = False  # stopped by its client before all its text was spoken
+        self._queued = self._flushed = 0  # segments queued so far; of them, up to the last flush
         self._texts: asyncio.Queue = asyncio.Queue()  # segments to speak, in order; None: no more
         self.task = asyncio.create_task(self._speak())
 
@@ -38,6 +40,13 @@ class SpokenText:
         self.buffer += text
         done, self.buffer = (self.buffer, "") if flush else ended_sentences(self.buffer)
         self._queue(done)
+        if flush:
+            self._flushed = self._queued
+
+    @property
+    def all_flushed(self) -> bool:
+        """Whether a flush came after all of its text (a turn's end, not a barge-in)."""
+        return self._flushed == self._queued and not self.buffer.strip()
 
     def end(self, speak_rest: bool = True) -> None:
         """No more text: what is buffered is spoken too (``speak_rest``) or dropped."""
@@ -53,9 +62,15 @@ class SpokenText:
         self.ended = True
         self.task.cancel()
 
+    def interrupt(self) -> None:
+        """Stop speaking now at the client's word (a barge-in): no more audio, the slot released."""
+        self.interrupted = True
+        self.cancel()
+
     def _queue(self, text: str) -> None:
         for segment in split_text(text, self.server.settings.segment_chars) if text.strip() else []:
             self._texts.put_nowait(segment)
+            self._queued += 1
 
     async def _sentences(self) -> AsyncIterator[str]:
         while (text := await self._texts.get()) is not None:

@@ -13,17 +13,19 @@ or ``contextId``; none: the default context):
 - ``{"text": "...", "context_id", "flush"?}`` adds text; ``{"context_id", "flush": true}`` speaks
   what is buffered now;
 - ``{"text": "", "context_id"}`` keeps a context alive (``{"text": ""}`` alone, the connection);
-- ``{"context_id", "close_context": true}``: no more text; what was flushed or whose sentence had
-  ended is still spoken, the rest dropped; then ``{"isFinal": true, "contextId"}``. The id may be
-  used again for a new context;
+- ``{"context_id", "close_context": true}``: no more text. If a flush came after all of the
+  context's text (a turn's end: Pipecat and LiveKit flush, then close), it is all spoken first;
+  else (a barge-in) the speaking stops at once, the LM's request with it. Then
+  ``{"isFinal": true, "contextId"}``; the id may be used again for a new context;
 - ``{"close_socket": true}``: every context's text is spoken (flushed), each ends with its
   ``isFinal``, and the server closes 1000.
 
 Audio replies are ``{"audio", "isFinal": null, "normalizedAlignment": null, "alignment": null,
-"contextId"}``. A context with no message for ``inactivity_timeout`` seconds (default 20) is closed
-as by ``close_context``; a connection with no context and no message for as long closes 1008. A
-sixth open context closes the connection 1008 (``max_active_conversations``), as theirs does; an LM
-or engine failure closes it 1011 after an error naming the context. The query's ``output_format``
+"contextId"}``. A context with no message for ``inactivity_timeout`` seconds (default 20) is closed:
+its ended sentences spoken, the rest dropped, then its isFinal; a connection with no context and no
+message for as long closes 1008. A sixth open context closes the connection 1008
+(``max_active_conversations``), as theirs does; an LM or engine failure closes it 1011 after an
+error naming the context. The query's ``output_format``
 and ``inactivity_timeout`` are honoured; ``model_id``, ``auto_mode``, ``sync_alignment``,
 ``language_code`` and the rest are accepted and unused (docs/server.md).
 """
@@ -158,10 +160,16 @@ class _Connection:
         self.last_message[cid] = time.monotonic()
         text.add(message.get("text") or "", flush=bool(message.get("flush")))
 
-    def _close(self, cid: str | None) -> None:
-        """No more text for the context: what was flushed or had ended is spoken, the rest dropped."""
+    def _close(self, cid: str | None, by_client: bool = True) -> None:
+        """No more text for the context, then its isFinal. Closed by its client: if a flush came
+        after all of its text (a turn's end), all of it is spoken first, else (a barge-in) the
+        speaking stops now. Closed for silence: its ended sentences are spoken, the rest dropped."""
         del self.last_message[cid]
-        self.open.pop(cid).end(speak_rest=False)
+        text = self.open.pop(cid)
+        if text.all_flushed or not by_client:
+            text.end(speak_rest=False)
+        else:
+            text.interrupt()
 
     async def _open(self, cid: str | None) -> SpokenText | None:
         """A new context's stream and speaker, or None once the connection is ending (why: its outcome)."""
@@ -197,9 +205,9 @@ class _Connection:
 
         try:
             await asyncio.wait([text.task])
-            if text.task.cancelled():
+            if text.task.cancelled() and not text.interrupted:  # the connection is ending
                 return
-            e = text.task.exception()
+            e = None if text.task.cancelled() else text.task.exception()
             if isinstance(e, (LMOutputError, RuntimeError)):  # the LM failed, or the engine
                 self._end((error_kind(e), error_kind(e), f"context {cid!r}: {e}", 1011))
             elif e is not None:  # the client went away while audio was sent
@@ -221,7 +229,7 @@ class _Connection:
             await asyncio.sleep(min(1.0, self.timeout / 4))
             now = time.monotonic()
             for cid in [cid for cid in self.open if now - self.last_message[cid] > self.timeout]:
-                self._close(cid)
+                self._close(cid, by_client=False)
             if not self.open and not self.watchers and now - self.heard > self.timeout:
                 self._end(("timed_out", "input_timeout_exceeded",
                            f"no message for {self.timeout:g} s (inactivity_timeout)", 1008))

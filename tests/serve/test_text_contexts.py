@@ -33,53 +33,69 @@ def pcm_of(messages, context) -> np.ndarray:
     return np.frombuffer(data, "<i2").astype(np.float64)
 
 
-def test_two_contexts_on_one_connection_each_speak_their_sentences_as_one_stream(codec):
+def test_contexts_on_one_connection_each_speak_their_sentences_as_one_stream(codec):
+    """Three contexts at once: "a" flushed then closed (a turn's end: all of it spoken, then its
+    isFinal), "b" written in pieces and spoken across two sentences as one stream, "c" closed
+    while it speaks with text never flushed (a barge-in: its audio stops at once)."""
     from websockets.asyncio.client import connect
 
     script = {"Hello there.": 5, "How are you today?": 4, "I am well, thank you!": 6}
     codes = {text: random_codes(codec.config, n, seed=80 + k) for k, (text, n) in enumerate(script.items())}
+    cut = random_codes(codec.config, 40, seed=89)
     with serving(codec, api_key="sesame") as (server, lm, state):
         for text, c in codes.items():
             lm.script(text, c)
+        lm.script("Stopped midway.", cut, delay=0.05)  # 40 frames, a chunk of tokens every 50 ms
 
         async def talk():
             messages = []
             async with connect(ws_url(server, output_format="pcm_24000", model_id="eleven_flash_v2_5"),
                                additional_headers={"xi-api-key": "sesame"}) as ws:
-                for context in ("a", "b"):
-                    await ws.send(json.dumps({"text": " ", "context_id": context, "voice_settings": {"speed": 1}}))
-                await ws.send(json.dumps({"text": "Hello ", "context_id": "a"}))
-                await ws.send(json.dumps({"text": "How are", "context_id": "b"}))
-                await ws.send(json.dumps({"text": "there. ", "context_id": "a"}))  # a's sentence has ended
-                first = json.loads(await asyncio.wait_for(ws.recv(), 60))  # its audio while b's text goes on
-                await ws.send(json.dumps({"text": " you today? ", "context_id": "b"}))
-                await ws.send(json.dumps({"text": "", "context_id": "b"}))  # keep-alives
-                await ws.send(json.dumps({"text": ""}))
-                await ws.send(json.dumps({"text": "Never flushed, never said", "context_id": "a"}))
-                await ws.send(json.dumps({"context_id": "a", "close_context": True}))
-                await ws.send(json.dumps({"context_id": "a", "close_context": True}))  # a is closed already
+                async def until(seen):  # messages in until one meets ``seen``
+                    while not any(seen(m) for m in messages):
+                        messages.append(json.loads(await asyncio.wait_for(ws.recv(), 60)))
+
+                async def send(**message):
+                    await ws.send(json.dumps(message))
+                for context in ("a", "b", "c"):
+                    await send(text=" ", context_id=context, voice_settings={"speed": 1})
+                await send(text="Hello ", context_id="a")
+                await send(text="How are", context_id="b")
+                await send(text="Stopped midway. Never said either", context_id="c")
+                await send(text="there. ", context_id="a", flush=True)
+                await until(lambda m: m.get("contextId") == "a" and m.get("audio"))  # while b's text goes on
+                await send(context_id="a", close_context=True)  # a's turn is over: spoken to its end
+                await send(text=" you today? ", context_id="b")
+                await send(text="", context_id="b")  # keep-alives
+                await send(text="")
+                await until(lambda m: m.get("contextId") == "c" and m.get("audio"))
+                await send(context_id="c", close_context=True)  # c never flushed: a barge-in
+                await send(context_id="c", close_context=True)  # c is closed already
                 await ws.send("{not json")
-                await ws.send(json.dumps({"text": "I am well, thank you!", "context_id": "b", "flush": True}))
-                await ws.send(json.dumps({"close_socket": True}))
-                messages.append(first)
+                await send(text="I am well, thank you!", context_id="b", flush=True)
+                await send(close_socket=True)
                 async for raw in ws:
                     messages.append(json.loads(raw))
                 return messages, ws.close_code
         messages, code = asyncio.run(talk())
     assert code == 1000
-    assert prompts_of(lm) == list(script)  # the unflushed text of the closed context was dropped
-    assert messages[0]["contextId"] == "a" and set(messages[0]) == {"audio", "isFinal", "normalizedAlignment",
-                                                                    "alignment", "contextId"}
+    assert sorted(prompts_of(lm)) == sorted([*script, "Stopped midway."])  # c's unended text never asked
+    audio = next(m for m in messages if m.get("audio"))
+    assert set(audio) == {"audio", "isFinal", "normalizedAlignment", "alignment", "contextId"}
     errors = [m for m in messages if "error" in m]
     assert [e["error"] for e in errors] == ["invalid_message", "invalid_message"]
-    assert errors[0]["contextId"] == "a" and "no open context" in errors[0]["message"] and "JSON" in errors[1]["message"]
-    for context, spoken in (("a", ["Hello there."]), ("b", ["How are you today?", "I am well, thank you!"])):
+    assert errors[0]["contextId"] == "c" and "no open context" in errors[0]["message"] and "JSON" in errors[1]["message"]
+    for context, spoken in (("a", ["Hello there."]), ("b", ["How are you today?", "I am well, thank you!"]),
+                            ("c", None)):
         final = [k for k, m in enumerate(messages) if m.get("isFinal") and m["contextId"] == context]
-        audio = [k for k, m in enumerate(messages) if m.get("audio") and m["contextId"] == context]
-        assert len(final) == 1 and audio and max(audio) < final[0]  # isFinal after all of its audio
-        want = joined_pcm(codec, [codes[text] for text in spoken])
+        sent = [k for k, m in enumerate(messages) if m.get("audio") and m["contextId"] == context]
+        assert len(final) == 1 and sent and max(sent) < final[0]  # isFinal after all of its audio
         got = pcm_of(messages, context)
-        assert got.shape == want.shape and np.abs(got - want).max() <= 1  # b's join is the decoder's own
+        want = joined_pcm(codec, [cut] if spoken is None else [codes[text] for text in spoken])
+        if spoken is None:  # stopped: a part of its audio, as far as it came
+            assert 0 < got.size < want.size / 2 and np.abs(got - want[:got.size]).max() <= 1
+        else:
+            assert got.shape == want.shape and np.abs(got - want).max() <= 1  # b's join is the decoder's own
     assert state.backend.open_streams == 0
 
 
