@@ -279,7 +279,10 @@ def first_audio_parts(record: dict, stats: dict, geometry: dict) -> dict[str, fl
     frames: not the server's); ``added`` (total - lm_own: what the server and HTTP add); and from
     the server's ``Server-Timing``: ``setup`` (arrival to the LM request), ``lm_client`` (the LM's
     part as the server saw it, less lm_own: connecting, transit, parsing, waits on the event loop),
-    ``engine``, ``encode``, and ``http`` (total less the server's own span: accept, parsing, sending)."""
+    ``engine``, ``encode``, and ``http`` (total less the server's own span: accept, parsing, sending);
+    ``lm_client`` split by the server's clock marks into ``lm_request`` (the server's LM request sent
+    to the LM's handler starting: mostly the LM's) and ``lm_response`` (the LM's chunk sent to the
+    server's having read it: mostly the server's event loop)."""
     if not record["chunks"] or stats.get("received") is None:
         return None
     needed = geometry["first_frames"] * geometry["per_frame"]
@@ -294,6 +297,9 @@ def first_audio_parts(record: dict, stats: dict, geometry: dict) -> dict[str, fl
     if "total" in timing and "lm" in timing:
         parts.update(setup=timing["setup"], lm_client=timing["lm"] - lm_own, engine=timing.get("engine", float("nan")),
                      encode=timing.get("encode", float("nan")), http=total - timing["total"])
+    if "lm_asked_at" in timing and "frames_ready_at" in timing:  # the server's clock is the host's monotonic one
+        parts.update(lm_request=stats["received"] * 1e3 - timing["lm_asked_at"],
+                     lm_response=timing["frames_ready_at"] - ready * 1e3)
     return parts
 
 
@@ -309,7 +315,8 @@ def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geo
     known = [r for r in ok if all(t in lm_stats for t in texts[r["text"]])]
     parts = [p for r in known for p in [first_audio_parts(r, lm_stats[texts[r["text"]][0]], geometry)] if p is not None]
     first = {}
-    for name in ("total", "lm_own", "added", "setup", "lm_client", "engine", "encode", "http"):
+    for name in ("total", "lm_own", "added", "setup", "lm_client", "lm_request", "lm_response", "engine", "encode",
+                 "http"):
         values = [p[name] for p in parts if name in p and np.isfinite(p[name])]
         first.update({f"first_{name}_p50_ms": pct(values, 50), f"first_{name}_p99_ms": pct(values, 99),
                       f"first_{name}_max_ms": max(values, default=float("nan"))})
@@ -407,7 +414,9 @@ def markdown(results: dict) -> str:
     first = [[r["format"], f"{r['pace']:g}x", r["lookahead"], "in turn" if r["clients"] == 1 else r["arrivals"], r["clients"], f"{r['ok']} / {r['first_audio_timed']}",
               _ms(r, "total", "p50", "p99"), _ms(r, "lm_own", "p50", "p99"), f"**{_ms(r, 'added', 'p50', 'p99')}** / "
               f"{r['first_added_max_ms']:.1f}", " / ".join(f"{r[f'first_{n}_p99_ms']:.1f}" for n in
-                                                          ("setup", "lm_client", "engine", "encode", "http"))] for r in rows]
+                                                          ("setup", "lm_client", "engine", "encode", "http")),
+              " / ".join(f"{r.get(f'first_{n}_p99_ms', float('nan')):.1f}" for n in ("lm_request", "lm_response"))]
+             for r in rows]
     pace = [[r["format"], f"{r['pace']:g}x", r["arrivals"], r["clients"],
              f"{r.get('audio_s_per_client', float('nan')):.0f} / {r.get('lm_requests_per_client', float('nan')):.1f}",
              r["ok"] if r["complete_audio"] is None else f"{r['ok']} / {r['complete_audio']}",
@@ -425,11 +434,14 @@ def markdown(results: dict) -> str:
            "to the chunk completing the first decodable frames (4 frames exact; fewer with a lookahead). Added: total "
            "less the LM's own: what the server and HTTP add. Parts (the server's `Server-Timing` header): set-up "
            "(arrival to the LM request), LM client (the LM's span as the server saw it, less the LM's own), engine, "
-           "encoder, HTTP (total less the server's span). Arrivals: `poisson` at clients / seconds-of-audio a second, "
+           "encoder, HTTP (total less the server's span). The LM client's part split by the server's clock marks: "
+           "request (the server's LM request sent to the LM's handler starting: the LM's accept and parsing, mostly) "
+           "and response (the LM's chunk sent to the server's having read it: the server's event loop, mostly). Arrivals: `poisson` at clients / seconds-of-audio a second, "
            "`burst` all at once, `stagger` over one frame; 1 client: requests one after another.\n\n"
            + markdown_table(["format", "LM pace", "lookahead", "arrivals", "clients", "200 / timed", "total p50 / p99 ms",
                              "LM own p50 / p99 ms", "added p50 / p99 / max ms",
-                             "p99 ms: set-up / LM client / engine / encoder / HTTP"], first))
+                             "p99 ms: set-up / LM client / engine / encoder / HTTP",
+                             "LM client p99 ms: request / response"], first))
     if pace:
         out += ("\n## Keeping pace\n\n"
                 "Chunk gaps between successive audio chunks at the client beside the LM's between its chunks; end past "

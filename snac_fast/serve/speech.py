@@ -62,10 +62,14 @@ class FirstAudioTimes:
 
     def header(self) -> str:
         """``Server-Timing``: ``setup`` (to the LM request), ``lm_first`` (to the LM's first ids),
-        ``lm`` (to the chunk completing the first decodable frames), ``engine``, ``encode``, ``total``."""
+        ``lm`` (to the chunk completing the first decodable frames), ``engine``, ``encode``, ``total``;
+        and two clock marks, ``lm_asked_at`` and ``frames_ready_at`` (ms on the host's monotonic
+        clock, which ``time.perf_counter`` reads on Linux), with which a harness on the same host
+        splits ``lm`` into the request's way to the LM and the answer's way back."""
         marks = [("setup", self.received, self.lm_asked), ("lm_first", self.lm_asked, self.lm_first_ids),
                  ("lm", self.lm_asked, self.frames_ready), ("engine", self.frames_ready, self.audio),
-                 ("encode", self.audio, self.encoded), ("total", self.received, self.encoded)]
+                 ("encode", self.audio, self.encoded), ("total", self.received, self.encoded),
+                 ("lm_asked_at", 0.0, self.lm_asked), ("frames_ready_at", 0.0, self.frames_ready)]
         return ", ".join(f"{name};dur={(end - start) * 1e3:.2f}" for name, start, end in marks
                          if start is not None and end is not None)
 

@@ -103,9 +103,13 @@ def test_speech_wav_int16_sse_and_early_stop(codec):
     assert wav[36:40] == b"data"  # the plain 44-byte header that clients which skip 44 bytes expect
     # the way to the first audio, step by step, in Server-Timing (ms): each step >= 0, within the total
     timing = {k: float(v) for k, v in (part.strip().split(";dur=") for part in h1["server-timing"].split(","))}
+    marks = {name: timing.pop(name) for name in ("lm_asked_at", "frames_ready_at")}
     assert set(timing) == {"setup", "lm_first", "lm", "engine", "encode", "total"}, timing
     assert min(timing.values()) >= 0 and timing["lm_first"] <= timing["lm"]
     assert timing["setup"] + timing["lm"] + timing["engine"] + timing["encode"] <= timing["total"] + 0.05
+    # the clock marks: the host's monotonic clock (ms), the LM's span between them, before now
+    assert abs(marks["frames_ready_at"] - marks["lm_asked_at"] - timing["lm"]) <= 0.02
+    assert 0 < marks["frames_ready_at"] < time.monotonic() * 1e3
     pcm = np.frombuffer(wav[44:], "<i2").astype(np.float64)
     want = expected(codec, c, 1).double().numpy()
     assert pcm.shape == want.shape and np.abs(pcm - np.rint(want * 32767)).max() <= 1
