@@ -114,3 +114,48 @@ def test_any_text_websocket_messages_get_audio_or_errors_then_final(live, messag
     replies = [json.loads(r) for r in replies]
     assert all(("audio" in r) or ("isFinal" in r) or (r.get("error") and r.get("message")) for r in replies)
     assert code == 1000 and replies[-1] == {"isFinal": True}, (code, replies[-3:])
+
+
+context_ids = st.sampled_from(["a", "b", "c"]) | st.none() | values
+context_messages = st.lists(st.one_of(
+    st.builds(lambda t, c: json.dumps({"text": t, "context_id": c}), st.text(max_size=40), context_ids),
+    st.builds(lambda t, c: json.dumps({"text": t + ". ", "context_id": c, "flush": True}), st.text(max_size=20), context_ids),
+    st.builds(lambda c: json.dumps({"context_id": c, "close_context": True}), context_ids),
+    values.map(json.dumps), st.text(max_size=20)), max_size=8)
+
+
+@pytest.mark.heavy
+@HYPOTHESIS
+@given(messages=context_messages)
+def test_any_multi_context_messages_get_audio_or_errors_then_each_context_final(live, messages):
+    server, _ = live
+    url = server.url.replace("http", "ws") + "/v1/text-to-speech/tara/multi-stream-input?output_format=pcm_16000"
+    replies, code = exchange(url, [*messages, json.dumps({"close_socket": True})])
+    replies = [json.loads(r) for r in replies]
+    assert all(("audio" in r and "contextId" in r) or r.get("isFinal") or (r.get("error") and r.get("message"))
+               for r in replies)
+    finals = [r["contextId"] for r in replies if r.get("isFinal")]
+    for context in {r["contextId"] for r in replies if "audio" in r}:  # every context that spoke ended
+        assert context in finals
+        last_audio = max(k for k, r in enumerate(replies) if "audio" in r and r["contextId"] == context)
+        assert last_audio < max(k for k, r in enumerate(replies) if r.get("isFinal") and r["contextId"] == context)
+    assert code in (1000, 1008), (code, replies[-3:])  # 1008: a sixth context, or too many messages
+
+
+@pytest.mark.heavy
+@HYPOTHESIS
+@given(body=bodies, raw=st.one_of(st.none(), st.binary(max_size=64)),
+       output_format=st.sampled_from(["pcm_16000", "mp3_22050_32", "ulaw_8000", "wav", ""]))
+def test_any_elevenlabs_speech_body_gets_audio_or_a_clear_error(live, body, raw, output_format):
+    server, _ = live
+    if isinstance(body, dict) and "input" in body:
+        body["text"] = body.pop("input")
+    content = raw if raw is not None else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/text-to-speech/tara/stream", content=content, timeout=BOUND_S,
+                   params={"output_format": output_format}, headers={"Content-Type": "application/json"})
+    if r.status_code == 200:
+        assert r.content
+    else:
+        assert r.status_code in (400, 413, 429, 502, 503), r.status_code
+        detail = r.json()["detail"]
+        assert isinstance(detail["message"], str) and detail["message"] and detail["status"]
