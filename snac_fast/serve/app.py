@@ -2,7 +2,7 @@
 client, metrics) in ``app.state.server``, and thin routes that fetch it from there.
 
 Routes: ``GET /`` (a page to try it, :mod:`snac_fast.serve.page`), ``POST /v1/audio/speech``
-(:mod:`snac_fast.serve.speech`), ``POST /v1/text-to-speech/{voice_id}[/stream]`` (ElevenLabs',
+(:mod:`snac_fast.serve.speech`), ``POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]`` (ElevenLabs',
 :mod:`snac_fast.serve.elevenlabs_speech`), ``WS /v1/text-to-speech/{voice_id}/stream-input`` and
 ``.../multi-stream-input`` (text in, :mod:`snac_fast.serve.text_stream`,
 :mod:`snac_fast.serve.text_contexts`), ``WS /v1/audio/stream`` (ids in,
@@ -209,8 +209,8 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     if settings.api_key:
         middleware.insert(0, Middleware(BearerKey, key=settings.api_key))  # outermost: the key first
     app = Starlette(routes=[Route("/", page), Route("/v1/audio/speech", speech, methods=["POST"]),
-                            Route("/v1/text-to-speech/{voice_id}", text_to_speech, methods=["POST"]),
-                            Route("/v1/text-to-speech/{voice_id}/stream", text_to_speech, methods=["POST"]),
+                            *[Route(f"/v1/text-to-speech/{{voice_id}}{form}", text_to_speech, methods=["POST"])
+                              for form in ("", "/stream", "/with-timestamps", "/stream/with-timestamps")],
                             WebSocketRoute("/v1/audio/stream", stream_ids),
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", stream_input),
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", multi_stream_input),

@@ -1,7 +1,10 @@
-"""``POST /v1/text-to-speech/{voice_id}`` and ``.../stream``: ElevenLabs' HTTP speech (their API
-reference, "Create speech" and "Stream speech"; their Python SDK's ``text_to_speech.convert`` and
-``.stream``, LiveKit's ``synthesize``), spoken as ``POST /v1/audio/speech`` is
-(:func:`snac_fast.serve.speech.spoken_response`).
+"""``POST /v1/text-to-speech/{voice_id}`` and ``.../stream``, each also ``.../with-timestamps``:
+ElevenLabs' HTTP speech (their API reference, "Create speech", "Stream speech" and their "with
+timestamps" forms; their Python SDK's ``text_to_speech.convert`` and ``.stream``, LiveKit's
+``synthesize``, Pipecat's ``ElevenLabsHttpTTSService``), spoken as ``POST /v1/audio/speech`` is
+(:func:`snac_fast.serve.speech.spoken_response`). The "with timestamps" forms send JSON
+(``{"audio_base64", "alignment": null, "normalized_alignment": null}``, a line per piece of audio
+when streamed): this server has no character timings.
 
 Honoured: the path's voice (one of ``--voices``); the query's ``output_format`` (named as the
 WebSockets name it, :func:`~snac_fast.serve.elevenlabs_protocol.elevenlabs_format`; default
@@ -19,7 +22,7 @@ import time
 from snac_fast.noise import check_seed
 from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format
 from snac_fast.serve.protocol import SpeechRequest
-from snac_fast.serve.speech import FirstAudioTimes, spoken_response
+from snac_fast.serve.speech import TIMESTAMPED, FirstAudioTimes, spoken_response
 
 
 async def text_to_speech(request):
@@ -41,8 +44,9 @@ async def text_to_speech(request):
     if problem is not None:
         server.metrics.outcome("text_to_speech", "bad_request")
         return error_response(400, problem, "invalid_request")
-    streamed = request.url.path.endswith("/stream")
-    speech_request = SpeechRequest(text, voice, None, fmt.name, None, "s16", "audio", streamed, seed)
+    path = request.url.path.removesuffix("/with-timestamps")
+    form = TIMESTAMPED if path != request.url.path else "audio"
+    speech_request = SpeechRequest(text, voice, None, fmt.name, None, "s16", form, path.endswith("/stream"), seed)
     return await spoken_response(request, speech_request, fmt, times, error_response, "text_to_speech")
 
 

@@ -34,6 +34,7 @@ log = logging.getLogger("snac_fast.serve")
 # a failed speech request's outcome label in the metrics -> its error type (SSE, JSON)
 ERROR_TYPES = {"engine_lost": "engine_unavailable", "lm_error": "lm_output_error", "engine_error": "engine_error"}
 ERROR_STATUS = {"engine_lost": 503, "lm_error": 502, "engine_error": 500}
+TIMESTAMPED = "timestamped"  # a stream_format of ElevenLabs' routes: their "with timestamps" JSON, timings null
 
 
 def error_response(status: int, message: str, kind: str = "invalid_request_error", code: str | None = None,
@@ -146,9 +147,14 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
             outcome = _outcome(e)
             server.metrics.outcome(endpoint, outcome)
             return error(ERROR_STATUS[outcome], str(e), ERROR_TYPES[outcome])
+        if speech_request.stream_format == TIMESTAMPED:
+            return Response(_timestamped(first + rest), media_type="application/json", headers=headers)
         return Response(first + rest, media_type=fmt.media_type, headers=headers)
     if speech_request.stream_format == "sse":
         return StreamingResponse(_sse(server, first, chunks), media_type="text/event-stream", headers=headers)
+    if speech_request.stream_format == TIMESTAMPED:
+        return StreamingResponse(_timestamped_lines(server, first, chunks, endpoint), media_type="application/json",
+                                 headers=headers)
     return StreamingResponse(_audio(server, first, chunks, endpoint), media_type=fmt.media_type, headers=headers)
 
 
@@ -303,6 +309,19 @@ def _outcome(error: Exception) -> str:
     if isinstance(error, EngineLostError):
         return "engine_lost"
     return "lm_error" if isinstance(error, LMOutputError) else "engine_error"
+
+
+def _timestamped(audio: bytes) -> bytes:
+    """ElevenLabs' "with timestamps" shape of a piece of audio, as a line: base64 audio and no
+    character timings (this server has none)."""
+    return json.dumps({"audio_base64": base64.b64encode(audio).decode(), "alignment": None,
+                       "normalized_alignment": None}).encode() + b"\n"
+
+
+async def _timestamped_lines(server, first: bytes, chunks: AsyncIterator[bytes], endpoint: str) -> AsyncIterator[bytes]:
+    """ElevenLabs' streamed "with timestamps" body: a JSON line per piece of audio."""
+    async for chunk in _audio(server, first, chunks, endpoint):
+        yield _timestamped(chunk)
 
 
 async def _audio(server, first: bytes, chunks: AsyncIterator[bytes], endpoint: str) -> AsyncIterator[bytes]:

@@ -2,6 +2,7 @@
 LiveKit's plugin (`synthesize`) with their base URL pointed here, and the refusals."""
 
 import asyncio
+import base64
 import io
 
 import httpx
@@ -71,3 +72,56 @@ def test_the_http_routes_refuse_in_elevenlabs_shape(codec):
     assert "voice_id" in messages[0] and "output_format" in messages[1] and "'text'" in messages[2]
     assert "'seed'" in messages[3] and "at most 20000" in messages[4]
     assert lm.prompts == [] and state.backend.open_streams == 0
+
+
+def test_pipecat_speaks_through_the_with_timestamps_route(codec):
+    """Pipecat's ElevenLabsHttpTTSService (POST .../stream/with-timestamps), its base URL pointed
+    here; and the whole-file form of the route."""
+    import aiohttp
+    from loguru import logger
+    from pipecat.frames.frames import EndFrame, ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService
+    from pipecat.workers.runner import WorkerRunner
+
+    logger.remove()  # pipecat logs every step at DEBUG
+
+    class Collected(FrameProcessor):
+        def __init__(self):
+            super().__init__()
+            self.frames = []
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            self.frames.append(frame)
+            await self.push_frame(frame, direction)
+
+    codes = {text: random_codes(codec.config, n, seed=130 + k) for k, (text, n) in enumerate({TEXT: 9, "Hi.": 4}.items())}
+    with serving(codec, api_key="sesame") as (server, lm, state):
+        for text, c in codes.items():
+            lm.script(text, c)
+
+        async def speak():
+            async with aiohttp.ClientSession() as session:
+                tts = ElevenLabsHttpTTSService(api_key="sesame", base_url=server.url, aiohttp_session=session,
+                                               sample_rate=24000, settings=ElevenLabsHttpTTSService.Settings(voice="tara"))
+                collected = Collected()
+                worker = PipelineWorker(Pipeline([tts, collected]), params=PipelineParams(audio_out_sample_rate=24000))
+                await worker.queue_frames([TTSSpeakFrame(TEXT), EndFrame()])
+                runner = WorkerRunner(handle_sigint=False)
+                await runner.add_workers(worker)
+                await runner.run()
+                return collected.frames
+        frames = asyncio.run(speak())
+        whole = httpx.post(server.url + "/v1/text-to-speech/tara/with-timestamps", json={"text": "Hi."},
+                           headers={"xi-api-key": "sesame"}, params={"output_format": "pcm_24000"}, timeout=60)
+    assert not [f for f in frames if isinstance(f, ErrorFrame)]
+    pcm = np.frombuffer(b"".join(f.audio for f in frames if isinstance(f, TTSAudioRawFrame)), "<i2").astype(np.float64)
+    want = joined_pcm(codec, [codes[TEXT]])
+    assert pcm.shape == want.shape and np.abs(pcm - want).max() <= 1
+    body = whole.json()
+    assert whole.status_code == 200 and body["alignment"] is None and body["normalized_alignment"] is None
+    one = np.frombuffer(base64.b64decode(body["audio_base64"]), "<i2").astype(np.float64)
+    assert np.abs(one - joined_pcm(codec, [codes["Hi."]])).max() <= 1 and state.backend.open_streams == 0
