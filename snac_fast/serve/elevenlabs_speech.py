@@ -9,8 +9,9 @@ when streamed): this server has no character timings.
 Honoured: the path's voice (one of ``--voices``); the query's ``output_format`` (named as the
 WebSockets name it, :func:`~snac_fast.serve.elevenlabs_protocol.elevenlabs_format`; default
 ``mp3_44100_128``); the body's ``text`` (at most ``--max-input-chars``; a long one is spoken
-segment by segment into one stream) and ``seed`` (the decoder's noise). Accepted and unused:
-``model_id``, ``voice_settings``, ``language_code``, ``previous_text``, ``next_text``,
+segment by segment into one stream), ``seed`` (the decoder's noise) and ``voice_settings.speed``
+(as OpenAI's ``speed``: FFmpeg's ``atempo``). Accepted and unused: ``model_id``, the rest of
+``voice_settings``, ``language_code``, ``previous_text``, ``next_text``,
 ``optimize_streaming_latency`` and the rest. ``/stream`` sends the audio as it is made; without it,
 the whole file in one response. Errors in ElevenLabs' shape: ``{"detail": {"status", "message"}}``.
 """
@@ -21,6 +22,7 @@ import time
 
 from snac_fast.noise import check_seed
 from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format
+from snac_fast.serve.formats import SPEEDS
 from snac_fast.serve.protocol import SpeechRequest
 from snac_fast.serve.speech import TIMESTAMPED, FirstAudioTimes, spoken_response
 
@@ -36,7 +38,7 @@ async def text_to_speech(request):
     name = request.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT)
     fmt = elevenlabs_format(name)
     voice = request.path_params["voice_id"]
-    problem, text, seed = _checked(body, server.settings.max_input_chars)
+    problem, text, seed, speed = _checked(body, server.settings.max_input_chars)
     if problem is None and voice not in server.settings.voice_names:
         problem = f"voice_id must be one of {list(server.settings.voice_names)}, got {voice!r}"
     if problem is None and fmt is None:
@@ -46,26 +48,33 @@ async def text_to_speech(request):
         return error_response(400, problem, "invalid_request")
     path = request.url.path.removesuffix("/with-timestamps")
     form = TIMESTAMPED if path != request.url.path else "audio"
-    speech_request = SpeechRequest(text, voice, None, fmt.name, None, "s16", form, path.endswith("/stream"), seed)
+    speech_request = SpeechRequest(text, voice, None, fmt.name, None, "s16", form, path.endswith("/stream"), seed, speed)
     return await spoken_response(request, speech_request, fmt, times, error_response, "text_to_speech")
 
 
-def _checked(body, max_chars: int) -> tuple[str | None, str | None, int | None]:
-    """(what is wrong with the body, or None; its text; its seed)."""
+def _checked(body, max_chars: int) -> tuple[str | None, str | None, int | None, float]:
+    """(what is wrong with the body, or None; its text; its seed; its ``voice_settings.speed``)."""
+    failed = (None, None, 1.0)
     if not isinstance(body, dict):
-        return "the body must be a JSON object with 'text'", None, None
+        return "the body must be a JSON object with 'text'", *failed
     text = body.get("text")
     if not isinstance(text, str) or not text.strip():
-        return "'text' must be a non-empty string", None, None
+        return "'text' must be a non-empty string", *failed
     if len(text) > max_chars:
-        return f"'text' is {len(text)} characters; at most {max_chars}", None, None
+        return f"'text' is {len(text)} characters; at most {max_chars}", *failed
     seed = body.get("seed")
     if seed is not None:
         try:
             seed = check_seed(seed)
         except ValueError as e:
-            return f"'seed': {e}", None, None
-    return None, text, seed
+            return f"'seed': {e}", *failed
+    settings = body.get("voice_settings")
+    speed = settings.get("speed", 1.0) if isinstance(settings, dict) else 1.0
+    if speed is None:
+        speed = 1.0
+    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not SPEEDS[0] <= speed <= SPEEDS[1]:
+        return f"'voice_settings.speed' must be a number within {SPEEDS[0]}-{SPEEDS[1]}, got {speed!r}", *failed
+    return None, text, seed, float(speed)
 
 
 def error_response(status: int, message: str, kind: str, code: str | None = None, **headers):

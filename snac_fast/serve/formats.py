@@ -90,7 +90,8 @@ class StreamEncoder:
     ``in_rate``). ``seekable``: write into a seekable buffer, returned whole by :meth:`finish`, so
     that muxers write their true sizes (a WAV header's length) instead of streaming placeholders."""
 
-    def __init__(self, fmt: AudioFormat, in_rate: int, rate: int | None = None, *, seekable: bool = False) -> None:
+    def __init__(self, fmt: AudioFormat, in_rate: int, rate: int | None = None, *, seekable: bool = False,
+                 speed: float = 1.0) -> None:
         import io
 
         import av
@@ -118,6 +119,8 @@ class StreamEncoder:
         self._resampler = av.AudioResampler(format=sample_format, layout="mono", rate=self.rate)
         self._av = av
         self._float = fmt.encoder == "pcm_f32le"  # float32 in and out, no int16 rounding
+        # speed: FFmpeg's atempo before the resampler (time scaled, pitch kept); 1.0 leaves the samples as they are
+        self._tempo = None if speed == 1.0 else Tempo(speed, in_rate, "flt" if self._float else "s16")
         self._samples_in = 0
         self._done = False
 
@@ -129,8 +132,9 @@ class StreamEncoder:
             # timestamps in samples: the muxers need them (unset, FFmpeg makes some up and warns per packet)
             frame.sample_rate, frame.pts, frame.time_base = self.in_rate, self._samples_in, Fraction(1, self.in_rate)
             self._samples_in += len(samples)
-            for resampled in self._resampler.resample(frame):
-                self._write(resampled)
+            for scaled in [frame] if self._tempo is None else self._tempo.frames(frame):
+                for resampled in self._resampler.resample(scaled):
+                    self._write(resampled)
         return b"" if self._seekable else self._sink.take()
 
     def finish(self) -> bytes:
@@ -138,6 +142,9 @@ class StreamEncoder:
         ``seekable``, the whole file)."""
         if not self._done:
             self._done = True
+            for scaled in [] if self._tempo is None else self._tempo.frames(None):
+                for resampled in self._resampler.resample(scaled):
+                    self._write(resampled)
             for resampled in self._resampler.resample(None):
                 self._write(resampled)
             self._write(None)
@@ -152,3 +159,46 @@ class StreamEncoder:
         else:
             for packet in self._context.encode(frame):
                 self._sink.write(bytes(packet))
+
+
+SPEEDS = (0.25, 4.0)  # OpenAI's range of ``speed``
+
+
+def tempo_factors(speed: float) -> list[float]:
+    """``speed`` as a chain of atempo factors, each within the filter's range (0.5 and up)."""
+    factors = []
+    while speed < 0.5:
+        factors.append(0.5)
+        speed /= 0.5
+    return factors + [speed]
+
+
+class Tempo:
+    """One stream's time scale: FFmpeg's ``atempo`` filter (WSOLA: the pitch kept), ``speed`` times
+    as fast, on mono frames of ``sample_format`` at ``rate``. :meth:`frames` takes a frame (None:
+    the end) and returns the scaled frames ready; the output depends only on the samples, not on how
+    they were cut into frames (tested)."""
+
+    def __init__(self, speed: float, rate: int, sample_format: str) -> None:
+        import av
+
+        if not SPEEDS[0] <= speed <= SPEEDS[1]:
+            raise ValueError(f"speed must be within {SPEEDS[0]}-{SPEEDS[1]}, got {speed}")
+        self._errors = (av.error.BlockingIOError, av.error.EOFError)
+        self.graph = av.filter.Graph()
+        node = self.graph.add_abuffer(format=sample_format, sample_rate=rate, layout="mono", time_base=Fraction(1, rate))
+        for factor in tempo_factors(speed):
+            scaled = self.graph.add("atempo", f"{factor:.9g}")
+            node.link_to(scaled)
+            node = scaled
+        node.link_to(self.graph.add("abuffersink"))
+        self.graph.configure()
+
+    def frames(self, frame) -> list:
+        self.graph.push(frame)
+        out = []
+        while True:
+            try:
+                out.append(self.graph.pull())
+            except self._errors:  # nothing more until the next frame, or the end
+                return out

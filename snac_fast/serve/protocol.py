@@ -4,8 +4,9 @@ voices lists), checked before any stream opens.
 Request fields, as OpenAI documents them: ``input`` (at most the server's ``--max-input-chars``),
 ``model``, ``voice``, ``response_format`` (``mp3``, the default, ``opus``, ``aac``, ``flac``,
 ``wav``, ``pcm``; also ``pcm_8000`` ... ``pcm_48000``, ``ulaw_8000``, ``alaw_8000``), ``speed``
-(only 1.0: any other value is refused, never ignored), ``instructions`` (accepted, unused: an
-Orpheus LM takes no instructions), ``stream_format`` (``audio`` or ``sse``). Extensions:
+(0.25-4.0: FFmpeg's ``atempo``, the pitch kept; 1.0 leaves the audio as decoded),
+``instructions`` (accepted, unused: an Orpheus LM takes no instructions), ``stream_format``
+(``audio`` or ``sse``). Extensions:
 ``sample_rate`` (the output rate, for the formats without a fixed one), ``sample_format`` (``s16``
 or ``f32``, for ``pcm`` and ``wav``), ``seed`` (the decoder's noise), ``stream`` (false: the whole
 audio in one response with its true length, a WAV header's sizes included).
@@ -16,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from snac_fast.noise import check_seed
-from snac_fast.serve.formats import FORMATS, OPENAI_FORMATS, OPUS_RATES
+from snac_fast.serve.formats import FORMATS, OPENAI_FORMATS, OPUS_RATES, SPEEDS
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
 SAMPLE_FORMATS = ("s16", "f32")
@@ -52,6 +53,7 @@ class SpeechRequest:
     stream_format: str
     stream: bool
     seed: int | None
+    speed: float = 1.0
 
     @classmethod
     def parse(cls, body, voices: tuple[str, ...], default_voice: str, max_chars: int) -> "SpeechRequest":
@@ -78,8 +80,8 @@ class SpeechRequest:
                                f"{', '.join(n for n in FORMATS if n not in OPENAI_FORMATS)}), got {name!r}",
                                param="response_format")
         speed = body.get("speed", 1.0)
-        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or speed != 1.0:
-            raise RequestError(f"'speed' {speed!r} is not supported: this server speaks at 1.0 only", param="speed")
+        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not SPEEDS[0] <= speed <= SPEEDS[1]:
+            raise RequestError(f"'speed' must be a number within {SPEEDS[0]}-{SPEEDS[1]}, got {speed!r}", param="speed")
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise RequestError("'instructions' must be a string", param="instructions")
@@ -112,7 +114,7 @@ class SpeechRequest:
                 seed = check_seed(seed)  # an integer of 64 signed bits (the noise's Philox key)
             except ValueError as e:
                 raise RequestError(f"'seed': {e}", param="seed") from None
-        return cls(text, voice, model, name, rate, sample_format, stream_format, stream, seed)
+        return cls(text, voice, model, name, rate, sample_format, stream_format, stream, seed, float(speed))
 
 
 def models_list(models: tuple[str, ...]) -> dict:

@@ -115,7 +115,8 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
     if sid is None:
         server.metrics.outcome(endpoint, "busy")
         return error(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
-    encoder = StreamEncoder(fmt, server.backend.rate, speech_request.sample_rate, seekable=not speech_request.stream)
+    encoder = StreamEncoder(fmt, server.backend.rate, speech_request.sample_rate, seekable=not speech_request.stream,
+                            speed=speech_request.speed)
     chunks = _encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
                                              speech_request.model, times))
     try:  # the status is decided by the first audio: an LM that fails before it gets a clear 502

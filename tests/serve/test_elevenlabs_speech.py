@@ -32,6 +32,8 @@ def test_the_elevenlabs_sdk_and_livekit_speak_through_the_http_routes(codec):
         whole = b"".join(client.text_to_speech.convert(voice_id="tara", text=TEXT, output_format="pcm_24000",
                                                         model_id="eleven_flash_v2_5", seed=7))
         mp3 = b"".join(client.text_to_speech.stream(voice_id="tara", text=TEXT, output_format="mp3_44100_128"))
+        faster = httpx.post(server.url + "/v1/text-to-speech/tara", json={"text": TEXT, "voice_settings": {"speed": 1.2}},
+                            headers={"xi-api-key": "sesame"}, params={"output_format": "pcm_24000"}, timeout=60)
 
         async def livekit():
             async with aiohttp.ClientSession() as session:
@@ -52,7 +54,8 @@ def test_the_elevenlabs_sdk_and_livekit_speak_through_the_http_routes(codec):
     assert container.format.name == "mp3" and container.streams.audio[0].rate == 44100
     decoded = np.concatenate([f.to_ndarray().reshape(-1) for f in container.decode(audio=0)])
     assert abs(decoded.size - want.size * 44100 / 24000) < 2 * 1152  # within two MP3 frames of the audio's length
-    assert len(lm.prompts) == 3 and state.backend.open_streams == 0
+    assert faster.status_code == 200 and abs(len(faster.content) / 2 - want.size / 1.2) < 0.01 * want.size
+    assert len(lm.prompts) == 4 and state.backend.open_streams == 0
 
 
 def test_the_http_routes_refuse_in_elevenlabs_shape(codec):
@@ -65,12 +68,13 @@ def test_the_http_routes_refuse_in_elevenlabs_shape(codec):
                    post("/v1/text-to-speech/tara/stream", {"text": "Hi."}, output_format="opus_48000_64"),
                    post("/v1/text-to-speech/tara", {"input": "Hi."}),
                    post("/v1/text-to-speech/tara", {"text": "Hi.", "seed": "many"}),
-                   post("/v1/text-to-speech/tara", {"text": "x" * 20001})]
+                   post("/v1/text-to-speech/tara", {"text": "x" * 20001}),
+                   post("/v1/text-to-speech/tara", {"text": "Hi.", "voice_settings": {"speed": 9}})]
         no_key = post("/v1/text-to-speech/tara", {"text": "Hi."}, headers={})
-    assert [r.status_code for r in replies] == [400] * 5 and no_key.status_code == 401
+    assert [r.status_code for r in replies] == [400] * 6 and no_key.status_code == 401
     messages = [r.json()["detail"]["message"] for r in replies]
     assert "voice_id" in messages[0] and "output_format" in messages[1] and "'text'" in messages[2]
-    assert "'seed'" in messages[3] and "at most 20000" in messages[4]
+    assert "'seed'" in messages[3] and "at most 20000" in messages[4] and "voice_settings.speed" in messages[5]
     assert lm.prompts == [] and state.backend.open_streams == 0
 
 

@@ -21,7 +21,7 @@ from live_server import LiveServer, serving
 from snac_fast import FastSNAC
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.fake_lm import FakeLM
-from snac_fast.serve.formats import FORMATS, StreamEncoder, int16_samples
+from snac_fast.serve.formats import FORMATS, StreamEncoder, Tempo, int16_samples
 from snac_fast.serve.protocol import ORPHEUS_VOICES
 from snac_fast.synthetic import synthetic_model
 
@@ -199,8 +199,9 @@ def test_voices_models_limits_and_instructions(codec):
         voices = httpx.get(server.url + "/v1/audio/voices").json()
         with pytest.raises(BadRequestError, match="at most 20000"):
             client.audio.speech.create(model="orpheus", voice="tara", input="x" * 20001)
-        with pytest.raises(BadRequestError, match="speed"):
-            client.audio.speech.create(model="orpheus", voice="tara", input="ok", speed=2.0)
+        for speed in (4.5, 0.2):
+            with pytest.raises(BadRequestError, match="speed"):
+                client.audio.speech.create(model="orpheus", voice="tara", input="ok", speed=speed)
         with pytest.raises(BadRequestError, match="voice"):
             client.audio.speech.create(model="orpheus", voice="alloy", input="ok")
         fine = client.audio.speech.create(model="orpheus", voice="tara", input="ok", speed=1.0,
@@ -308,3 +309,42 @@ def test_stream_encoder_chunks_join_to_the_whole(name):
     if name == "opus":
         got, rate = decoded(b"".join(parts), name)
         assert rate == 48000 and abs(len(got) - 2 * len(audio)) <= 2 * 960
+
+
+@pytest.mark.parametrize("speed", [1.5, 0.3])
+def test_speed_scales_time_keeps_pitch_and_ignores_chunking(speed):
+    """The encoder's speed (FFmpeg's atempo): audio speed times as short, a tone's pitch where it
+    was, and chunks of any size give the samples of one whole pass."""
+    rng = np.random.default_rng(2)
+    t = np.arange(2 * RATE) / RATE
+    tone = (0.4 * np.sin(2 * np.pi * 330 * t)).astype(np.float32)
+    whole = StreamEncoder(FORMATS["pcm"], RATE, speed=speed)
+    one = np.frombuffer(whole.encode(tone) + whole.finish(), "<i2").astype(np.float64)
+    pieces = StreamEncoder(FORMATS["pcm"], RATE, speed=speed)
+    cuts = np.cumsum(rng.integers(1, 3000, 40))
+    parts = [pieces.encode(p) for p in np.split(tone, cuts[cuts < len(tone)])] + [pieces.finish()]
+    assert b"".join(parts) == one.astype("<i2").tobytes()
+    assert abs(len(one) - len(tone) / speed) <= 0.01 * len(tone) / speed
+    spectrum = np.abs(np.fft.rfft(one * np.hanning(len(one))))
+    assert abs(np.argmax(spectrum) * RATE / len(one) - 330) <= 2  # the pitch kept (a resample would move it)
+
+
+def test_the_sdk_gets_speed_applied_to_the_decode(codec):
+    """speed 1.25 through the openai SDK: the offline decode's PCM through atempo in one pass (to the
+    1 LSB by which the server's steps, grouped as frames arrive, may round otherwise)."""
+    from openai import OpenAI
+
+    c = random_codes(codec.config, 8, seed=12)
+    with serving(codec) as (server, lm, state):
+        lm.script("Faster, please.", c)
+        client = OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0)
+        got = client.audio.speech.create(model="orpheus", voice="tara", input="Faster, please.", speed=1.25,
+                                         response_format="pcm", extra_body={"seed": 4}).read()
+        assert slots_freed(state)
+    tempo = Tempo(1.25, RATE, "s16")
+    pcm = expected_pcm(codec, c, 4)
+    frame = av.AudioFrame.from_ndarray(pcm[None], format="s16", layout="mono")
+    frame.sample_rate = RATE
+    want = np.concatenate([f.to_ndarray().reshape(-1) for f in tempo.frames(frame) + tempo.frames(None)])
+    got = np.frombuffer(got, "<i2").astype(np.float64)
+    assert got.shape == want.shape and np.abs(got - want).max() <= 1  # the server's PCM is the decode's to 1 LSB
