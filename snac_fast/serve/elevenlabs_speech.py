@@ -21,8 +21,7 @@ from __future__ import annotations
 import time
 
 from snac_fast.noise import check_seed
-from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format
-from snac_fast.serve.formats import SPEEDS
+from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format, voice_speed
 from snac_fast.serve.protocol import SpeechRequest
 from snac_fast.serve.speech import TIMESTAMPED, FirstAudioTimes, spoken_response
 
@@ -68,13 +67,11 @@ def _checked(body, max_chars: int) -> tuple[str | None, str | None, int | None, 
             seed = check_seed(seed)
         except ValueError as e:
             return f"'seed': {e}", *failed
-    settings = body.get("voice_settings")
-    speed = settings.get("speed", 1.0) if isinstance(settings, dict) else 1.0
-    if speed is None:
-        speed = 1.0
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not SPEEDS[0] <= speed <= SPEEDS[1]:
-        return f"'voice_settings.speed' must be a number within {SPEEDS[0]}-{SPEEDS[1]}, got {speed!r}", *failed
-    return None, text, seed, float(speed)
+    try:
+        speed = voice_speed(body.get("voice_settings"))
+    except ValueError as e:
+        return str(e), *failed
+    return None, text, seed, speed
 
 
 def error_response(status: int, message: str, kind: str, code: str | None = None, **headers):

@@ -33,6 +33,17 @@ class SpokenText:
         self._texts: asyncio.Queue = asyncio.Queue()  # segments to speak, in order; None: no more
         self.task = asyncio.create_task(self._speak())
 
+    @property
+    def has_text(self) -> bool:
+        """Whether any text came (spoken, queued or buffered)."""
+        return bool(self._queued or self.buffer)
+
+    def set_speed(self, speed: float) -> None:
+        """Speak ``speed`` times as fast (FFmpeg's atempo, the pitch kept): before any text."""
+        if self.has_text:
+            raise ValueError("the speed is set before any text")
+        self.encoder = StreamEncoder(self.encoder.format, self.encoder.in_rate, self.encoder.rate, speed=speed)
+
     def add(self, text: str, flush: bool = False) -> None:
         """More text: its ended sentences queued to speak (with ``flush``, all of it)."""
         if self.ended:

@@ -8,8 +8,9 @@ its text as :class:`~snac_fast.serve.spoken_text.SpokenText` does (sentences buf
 end or a flush, one LM request each, the audio seamless across them). Messages (``context_id``,
 or ``contextId``; none: the default context):
 
-- ``{"text": " ", "context_id"}`` (with ``voice_settings`` etc., accepted and unused) opens a
-  context; any text for an id not open opens one too;
+- ``{"text": " ", "context_id"}`` opens a context (its ``voice_settings.speed`` honoured as
+  OpenAI's ``speed``; the rest of ``voice_settings`` and ``generation_config`` accepted and unused);
+  any text for an id not open opens one too;
 - ``{"text": "...", "context_id", "flush"?}`` adds text; ``{"context_id", "flush": true}`` speaks
   what is buffered now;
 - ``{"text": "", "context_id"}`` keeps a context alive (``{"text": ""}`` alone, the connection);
@@ -43,6 +44,7 @@ from snac_fast.serve.elevenlabs_protocol import (
     connection_problem,
     error_kind,
     error_message,
+    voice_speed,
 )
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import StreamEncoder
@@ -154,7 +156,12 @@ class _Connection:
         if text is None:
             if not message.get("text"):  # a keep-alive or a flush of nothing: nothing to open a context for
                 return
-            text = await self._open(cid)
+            try:
+                speed = voice_speed(message.get("voice_settings"))
+            except ValueError as e:
+                await self._send(error_message(str(e), "invalid_message", 1008, contextId=cid))
+                return
+            text = await self._open(cid, speed)
             if text is None:
                 return
         self.last_message[cid] = time.monotonic()
@@ -171,7 +178,7 @@ class _Connection:
         else:
             text.interrupt()
 
-    async def _open(self, cid: str | None) -> SpokenText | None:
+    async def _open(self, cid: str | None, speed: float) -> SpokenText | None:
         """A new context's stream and speaker, or None once the connection is ending (why: its outcome)."""
         if len(self.open) >= MAX_CONTEXTS:
             self._end(("max_active_conversations", "max_active_conversations",
@@ -189,8 +196,8 @@ class _Connection:
         if sid is None:
             self._end(("server_busy", "server_busy", "all stream slots are in use; retry shortly", 1013))
             return None
-        text = SpokenText(self.server, sid, self.voice, StreamEncoder(self.fmt, self.server.backend.rate, self.fmt.rate),
-                          functools.partial(self._send_audio, cid))
+        encoder = StreamEncoder(self.fmt, self.server.backend.rate, self.fmt.rate, speed=speed)
+        text = SpokenText(self.server, sid, self.voice, encoder, functools.partial(self._send_audio, cid))
         self.open[cid] = text
         watcher = asyncio.create_task(self._watch(cid, text))
         self.watchers.add(watcher)

@@ -8,12 +8,13 @@ Honoured: the path's voice (one of ``--voices``); the query's ``output_format`` 
 theirs) and ``inactivity_timeout`` (seconds without a message before the server closes, default 20,
 at most 180); messages ``{"text": ...}`` (buffered until a sentence ends), ``"flush": true`` (speak
 the buffer now) and ``{"text": ""}`` (the end: speak the rest, send ``{"isFinal": true}``, close
-1000); the key as ``xi-api-key`` or ``Authorization: Bearer``. Accepted and unused: ``model_id``,
-``voice_settings``, ``generation_config`` (an Orpheus LM speaks whole sentences, so text goes to it
-a sentence at a time, not by ``chunk_length_schedule``), ``try_trigger_generation``,
-``enable_logging``, ``auto_mode``, ``sync_alignment``. Replies: ``{"audio": <base64 of the format's
-bytes>, "isFinal": null, "normalizedAlignment": null, "alignment": null}`` (no word timings);
-an error is ``{"message", "error", "code"}`` before a close.
+1000); the opening message's ``voice_settings.speed`` (as OpenAI's ``speed``: FFmpeg's ``atempo``,
+the pitch kept); the key as ``xi-api-key`` or ``Authorization: Bearer``. Accepted and unused:
+``model_id``, the rest of ``voice_settings``, ``generation_config`` (an Orpheus LM speaks whole
+sentences, so text goes to it a sentence at a time, not by ``chunk_length_schedule``),
+``try_trigger_generation``, ``enable_logging``, ``auto_mode``, ``sync_alignment``. Replies:
+``{"audio": <base64 of the format's bytes>, "isFinal": null, "normalizedAlignment": null,
+"alignment": null}`` (no word timings); an error is ``{"message", "error", "code"}`` before a close.
 
 Every sentence is one LM request, and all of a connection's sentences go into its one stream
 (:class:`snac_fast.serve.spoken_text.SpokenText`), so the audio runs on across sentences with no
@@ -32,6 +33,7 @@ from snac_fast.serve.elevenlabs_protocol import (
     connection_problem,
     error_kind,
     error_message,
+    voice_speed,
 )
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import StreamEncoder
@@ -94,6 +96,11 @@ async def stream_input(websocket) -> None:
                 if message.get("text") == "":  # the end: the rest of the text is spoken
                     text.end()
                     return
+                if "voice_settings" in message and not text.has_text:  # the opening message's
+                    try:
+                        text.set_speed(voice_speed(message["voice_settings"]))
+                    except ValueError as e:
+                        await websocket.send_json(error_message(str(e), "invalid_message", 1008))
                 text.add(message.get("text") or "", flush=bool(message.get("flush")))
         except (WebSocketDisconnect, OSError):
             text.cancel()

@@ -121,21 +121,23 @@ def test_contexts_are_limited_closed_when_silent_and_checked(codec):
             ws_url(server), [{"text": " ", "context_id": f"c{k}"} for k in range(6)]))
         silent = asyncio.run(replies_until_closed(
             ws_url(server, output_format="ulaw_8000", inactivity_timeout=1),
-            [{"text": " ", "context_id": "q"}, {"text": "Quiet now. ", "context_id": "q"}]))
+            [{"text": " ", "context_id": "q", "voice_settings": {"speed": 0.5}}, {"text": "Quiet now. ", "context_id": "q"}]))
         bad = asyncio.run(replies_until_closed(
             ws_url(server, inactivity_timeout=1),
-            [{"text": "Hi. ", "context_id": 7}, {"text": 3}, {"voice_settings": {}}, {"flush": True}]))
+            [{"text": "Hi. ", "context_id": 7}, {"text": 3}, {"voice_settings": {}},
+             {"text": " ", "context_id": "f", "voice_settings": {"speed": 9}}, {"flush": True}]))
     replies, code, reason = too_many  # a sixth open context, as ElevenLabs answers it
     assert code == 1008 and replies[-1]["error"] == "max_active_conversations" and "(5)" in replies[-1]["message"]
     replies, code, reason = silent  # the context spoken and closed for silence, then the connection
     assert [r for r in replies if r.get("isFinal")] == [{"isFinal": True, "contextId": "q"}]
     ulaw = b"".join(base64.b64decode(r["audio"]) for r in replies if r.get("audio"))
-    assert len(ulaw) == pytest.approx(4 * 2048 / 3, abs=200)  # 4 frames at 8 kHz, a byte a sample
+    assert len(ulaw) == pytest.approx(4 * 2048 / 3 * 2, abs=300)  # 4 frames at 8 kHz, a byte a sample, at speed 0.5
     assert code == 1008 and "inactivity_timeout" in reason and replies[-1]["error"] == "input_timeout_exceeded"
     replies, code, reason = bad
-    assert [r["error"] for r in replies[:3]] == ["invalid_message"] * 3
+    assert [r["error"] for r in replies[:4]] == ["invalid_message"] * 4
     assert "context_id" in replies[0]["message"] and "string" in replies[1]["message"]
-    assert "needs 'text'" in replies[2]["message"] and code == 1008  # a flush of no context: nothing
+    assert "needs 'text'" in replies[2]["message"] and "voice_settings.speed" in replies[3]["message"]
+    assert code == 1008  # then a flush of no context: nothing, and the connection closed for silence
     assert prompts_of(lm) == ["Quiet now."] and state.backend.open_streams == 0
 
 

@@ -95,14 +95,14 @@ def test_text_stream_refuses_what_it_cannot_serve_and_times_out(codec):
         voice = asyncio.run(closed(ws_url(server, voice="alloy"), key))
         fmt = asyncio.run(closed(ws_url(server, output_format="wav_9"), key))
         idle = asyncio.run(closed(ws_url(server, output_format="ulaw_8000", inactivity_timeout=1), key,
-                                  [{"text": " "}, {"text": "Quiet now. "}]))
+                                  [{"text": " ", "voice_settings": {"speed": 2.0}}, {"text": "Quiet now. "}]))
     assert no_key.value.response.status_code == 403
     assert voice[0] == 1008 and "voice_id must be one of" in voice[2][0]["message"]
     assert fmt[0] == 1008 and "output_format" in fmt[1]
-    code, reason, replies = idle  # the sentence spoken (8 kHz mu-law), then closed for silence
+    code, reason, replies = idle  # the sentence spoken (8 kHz mu-law, twice as fast), then closed for silence
     assert code == 1008 and "inactivity_timeout" in reason and replies[-1]["error"] == "input_timeout_exceeded"
     ulaw = b"".join(base64.b64decode(r["audio"]) for r in replies if r.get("audio"))
-    assert len(ulaw) == pytest.approx(4 * 2048 / 3, abs=200)  # 4 frames at 8 kHz, one byte a sample
+    assert len(ulaw) == pytest.approx(4 * 2048 / 3 / 2, abs=150)  # 4 frames at 8 kHz, a byte a sample, at speed 2
     assert state.backend.open_streams == 0
 
 
