@@ -9,7 +9,7 @@ import dataclasses
 import re
 
 from snac_fast.serve.engine_client import EngineLostError
-from snac_fast.serve.formats import FORMATS, SPEEDS, AudioFormat
+from snac_fast.serve.formats import FORMATS, AudioFormat, checked_speed
 from snac_fast.serve.lm_client import LMOutputError
 
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
@@ -32,11 +32,7 @@ def voice_speed(settings) -> float:
     """``voice_settings.speed`` (absent or null: 1.0), which this server honours as OpenAI's
     ``speed`` (FFmpeg's ``atempo``); ValueError naming what is wrong with it."""
     speed = settings.get("speed") if isinstance(settings, dict) else None
-    if speed is None:
-        return 1.0
-    if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not SPEEDS[0] <= speed <= SPEEDS[1]:
-        raise ValueError(f"'voice_settings.speed' must be a number within {SPEEDS[0]}-{SPEEDS[1]}, got {speed!r}")
-    return float(speed)
+    return 1.0 if speed is None else checked_speed(speed, "voice_settings.speed")
 
 
 def inactivity_timeout(text: str | None) -> float | None:

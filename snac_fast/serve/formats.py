@@ -120,6 +120,7 @@ class StreamEncoder:
         self._av = av
         self._float = fmt.encoder == "pcm_f32le"  # float32 in and out, no int16 rounding
         # speed: FFmpeg's atempo before the resampler (time scaled, pitch kept); 1.0 leaves the samples as they are
+        self.speed = speed
         self._tempo = None if speed == 1.0 else Tempo(speed, in_rate, "flt" if self._float else "s16")
         self._samples_in = 0
         self._done = False
@@ -164,6 +165,13 @@ class StreamEncoder:
 SPEEDS = (0.25, 4.0)  # OpenAI's range of ``speed``
 
 
+def checked_speed(value, name: str = "speed") -> float:
+    """A request's speed as a float; ValueError naming ``name`` when it is not a number within :data:`SPEEDS`."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not SPEEDS[0] <= value <= SPEEDS[1]:
+        raise ValueError(f"'{name}' must be a number within {SPEEDS[0]}-{SPEEDS[1]}, got {value!r}")
+    return float(value)
+
+
 def tempo_factors(speed: float) -> list[float]:
     """``speed`` as a chain of atempo factors, each within the filter's range (0.5 and up)."""
     factors = []
@@ -182,8 +190,7 @@ class Tempo:
     def __init__(self, speed: float, rate: int, sample_format: str) -> None:
         import av
 
-        if not SPEEDS[0] <= speed <= SPEEDS[1]:
-            raise ValueError(f"speed must be within {SPEEDS[0]}-{SPEEDS[1]}, got {speed}")
+        checked_speed(speed)
         self._errors = (av.error.BlockingIOError, av.error.EOFError)
         self.graph = av.filter.Graph()
         node = self.graph.add_abuffer(format=sample_format, sample_rate=rate, layout="mono", time_base=Fraction(1, rate))

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from snac_fast.noise import check_seed
-from snac_fast.serve.formats import FORMATS, OPENAI_FORMATS, OPUS_RATES, SPEEDS
+from snac_fast.serve.formats import FORMATS, OPENAI_FORMATS, OPUS_RATES, checked_speed
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
 SAMPLE_FORMATS = ("s16", "f32")
@@ -79,9 +79,10 @@ class SpeechRequest:
             raise RequestError(f"'response_format' must be one of {list(OPENAI_FORMATS)} (or "
                                f"{', '.join(n for n in FORMATS if n not in OPENAI_FORMATS)}), got {name!r}",
                                param="response_format")
-        speed = body.get("speed", 1.0)
-        if isinstance(speed, bool) or not isinstance(speed, (int, float)) or not SPEEDS[0] <= speed <= SPEEDS[1]:
-            raise RequestError(f"'speed' must be a number within {SPEEDS[0]}-{SPEEDS[1]}, got {speed!r}", param="speed")
+        try:
+            speed = checked_speed(body.get("speed", 1.0))
+        except ValueError as e:
+            raise RequestError(str(e), param="speed") from None
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise RequestError("'instructions' must be a string", param="instructions")
@@ -114,7 +115,7 @@ class SpeechRequest:
                 seed = check_seed(seed)  # an integer of 64 signed bits (the noise's Philox key)
             except ValueError as e:
                 raise RequestError(f"'seed': {e}", param="seed") from None
-        return cls(text, voice, model, name, rate, sample_format, stream_format, stream, seed, float(speed))
+        return cls(text, voice, model, name, rate, sample_format, stream_format, stream, seed, speed)
 
 
 def models_list(models: tuple[str, ...]) -> dict:

@@ -42,7 +42,8 @@ class SpokenText:
         """Speak ``speed`` times as fast (FFmpeg's atempo, the pitch kept): before any text."""
         if self.has_text:
             raise ValueError("the speed is set before any text")
-        self.encoder = StreamEncoder(self.encoder.format, self.encoder.in_rate, self.encoder.rate, speed=speed)
+        if speed != self.encoder.speed:  # an opening message's voice_settings usually leave it at 1.0
+            self.encoder = StreamEncoder(self.encoder.format, self.encoder.in_rate, self.encoder.rate, speed=speed)
 
     def add(self, text: str, flush: bool = False) -> None:
         """More text: its ended sentences queued to speak (with ``flush``, all of it)."""
