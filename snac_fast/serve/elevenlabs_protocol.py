@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import json
 import re
 
 from snac_fast.serve.engine_client import EngineLostError
@@ -61,6 +62,15 @@ def connection_problem(websocket) -> tuple[str | None, AudioFormat | None, float
     elif timeout is None:
         problem = f"inactivity_timeout must be 1-{INACTIVITY_TIMEOUT_S[1]:g} seconds"
     return problem, fmt, timeout
+
+
+def json_object(raw: str | None) -> dict | None:
+    """A WebSocket text message as a JSON object, or None (not JSON, not an object, or binary)."""
+    try:
+        message = json.loads(raw) if raw is not None else None
+    except ValueError:
+        return None
+    return message if isinstance(message, dict) else None
 
 
 def audio_message(data: bytes, **context) -> dict:

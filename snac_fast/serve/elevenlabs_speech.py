@@ -23,17 +23,14 @@ import time
 from snac_fast.noise import check_seed
 from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format, voice_speed
 from snac_fast.serve.protocol import SpeechRequest
-from snac_fast.serve.speech import TIMESTAMPED, FirstAudioTimes, spoken_response
+from snac_fast.serve.speech import TIMESTAMPED, FirstAudioTimes, json_body, spoken_response
 
 
 async def text_to_speech(request):
     """The route (both paths)."""
     times = FirstAudioTimes(time.perf_counter())
     server = request.app.state.server
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
+    body = await json_body(request)
     name = request.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT)
     fmt = elevenlabs_format(name)
     voice = request.path_params["voice_id"]

@@ -79,10 +79,7 @@ async def speech(request):
     """The route."""
     times = FirstAudioTimes(time.perf_counter())
     server = request.app.state.server
-    try:
-        body = await request.json()
-    except ValueError:
-        body = None
+    body = await json_body(request)
     try:
         if body is None:
             raise RequestError("the body must be JSON")
@@ -93,6 +90,14 @@ async def speech(request):
         return _error(e)
     fmt = (FLOAT_FORMATS if speech_request.sample_format == "f32" else FORMATS)[speech_request.response_format]
     return await spoken_response(request, speech_request, fmt, times, error_response)
+
+
+async def json_body(request):
+    """A request's JSON body, or None when it is not JSON."""
+    try:
+        return await request.json()
+    except ValueError:
+        return None
 
 
 async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioFormat, times: FirstAudioTimes,

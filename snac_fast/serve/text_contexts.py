@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import json
 import time
 
 from snac_fast.serve.elevenlabs_protocol import (
@@ -44,6 +43,7 @@ from snac_fast.serve.elevenlabs_protocol import (
     connection_problem,
     error_kind,
     error_message,
+    json_object,
     voice_speed,
 )
 from snac_fast.serve.engine_client import EngineLostError
@@ -245,11 +245,8 @@ class _Connection:
 
 def _message(raw: str | None) -> dict | str:
     """A message, or what is wrong with it (a binary one among them)."""
-    try:
-        message = json.loads(raw) if raw is not None else None
-    except ValueError:
-        message = None
-    if not isinstance(message, dict):
+    message = json_object(raw)
+    if message is None:
         return ('messages must be JSON objects: {"text": "...", "context_id": "..."} (and "flush": true), '
                 '{"context_id": "...", "close_context": true}, {"close_socket": true}')
     if not any(k in message for k in ("text", "flush", "close_context", "close_socket")):

@@ -25,7 +25,6 @@ seam. The multi-context form, which Pipecat's and LiveKit's ElevenLabs services 
 from __future__ import annotations
 
 import asyncio
-import json
 
 from snac_fast.serve.elevenlabs_protocol import (
     audio_message,
@@ -33,6 +32,7 @@ from snac_fast.serve.elevenlabs_protocol import (
     connection_problem,
     error_kind,
     error_message,
+    json_object,
     voice_speed,
 )
 from snac_fast.serve.engine_client import EngineLostError
@@ -135,11 +135,8 @@ async def stream_input(websocket) -> None:
 
 def _message(raw: str | None) -> dict | str:
     """A text message, or what is wrong with it (a binary one among them)."""
-    try:
-        message = json.loads(raw) if raw is not None else None
-    except ValueError:
-        message = None
-    if not isinstance(message, dict):
+    message = json_object(raw)
+    if message is None:
         return 'messages must be JSON objects: {"text": "..."} (and "flush": true), {"text": ""} to end'
     if "text" not in message and not message.get("flush"):
         return f"a message needs 'text' (or \"flush\": true); got keys {sorted(message)[:8]}"
