@@ -98,6 +98,37 @@ def joined_pcm(codec, codes: list[list[torch.Tensor]], seed: int | None = None):
     return np.rint(np.clip(audio, -1, 1) * 32767)
 
 
+async def pipecat_spoken(tts, text: str) -> list:
+    """Every frame a Pipecat pipeline of ``tts`` alone pushes while it speaks ``text`` as one turn
+    (24 kHz output; pipecat's DEBUG log silenced)."""
+    from loguru import logger
+    from pipecat.frames.frames import EndFrame, TTSSpeakFrame
+    from pipecat.pipeline.pipeline import Pipeline
+    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
+    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.workers.runner import WorkerRunner
+
+    logger.remove()
+
+    class Collected(FrameProcessor):
+        def __init__(self):
+            super().__init__()
+            self.frames = []
+
+        async def process_frame(self, frame, direction):
+            await super().process_frame(frame, direction)
+            self.frames.append(frame)
+            await self.push_frame(frame, direction)
+
+    collected = Collected()
+    worker = PipelineWorker(Pipeline([tts, collected]), params=PipelineParams(audio_out_sample_rate=24000))
+    await worker.queue_frames([TTSSpeakFrame(text), EndFrame()])
+    runner = WorkerRunner(handle_sigint=False)
+    await runner.add_workers(worker)
+    await runner.run()
+    return collected.frames
+
+
 _UPSTREAM: dict = {}
 
 

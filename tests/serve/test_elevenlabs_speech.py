@@ -8,7 +8,7 @@ import io
 import httpx
 import numpy as np
 import pytest
-from helpers import joined_pcm, quiet_codec, random_codes
+from helpers import joined_pcm, pipecat_spoken, quiet_codec, random_codes
 from live_server import serving
 
 TEXT = "Hello there. How are you today?"
@@ -82,25 +82,8 @@ def test_pipecat_speaks_through_the_with_timestamps_route(codec):
     """Pipecat's ElevenLabsHttpTTSService (POST .../stream/with-timestamps), its base URL pointed
     here; and the whole-file form of the route."""
     import aiohttp
-    from loguru import logger
-    from pipecat.frames.frames import EndFrame, ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame
-    from pipecat.pipeline.pipeline import Pipeline
-    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
-    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame
     from pipecat.services.elevenlabs.tts import ElevenLabsHttpTTSService
-    from pipecat.workers.runner import WorkerRunner
-
-    logger.remove()  # pipecat logs every step at DEBUG
-
-    class Collected(FrameProcessor):
-        def __init__(self):
-            super().__init__()
-            self.frames = []
-
-        async def process_frame(self, frame, direction):
-            await super().process_frame(frame, direction)
-            self.frames.append(frame)
-            await self.push_frame(frame, direction)
 
     codes = {text: random_codes(codec.config, n, seed=130 + k) for k, (text, n) in enumerate({TEXT: 9, "Hi.": 4}.items())}
     with serving(codec, api_key="sesame") as (server, lm, state):
@@ -111,13 +94,7 @@ def test_pipecat_speaks_through_the_with_timestamps_route(codec):
             async with aiohttp.ClientSession() as session:
                 tts = ElevenLabsHttpTTSService(api_key="sesame", base_url=server.url, aiohttp_session=session,
                                                sample_rate=24000, settings=ElevenLabsHttpTTSService.Settings(voice="tara"))
-                collected = Collected()
-                worker = PipelineWorker(Pipeline([tts, collected]), params=PipelineParams(audio_out_sample_rate=24000))
-                await worker.queue_frames([TTSSpeakFrame(TEXT), EndFrame()])
-                runner = WorkerRunner(handle_sigint=False)
-                await runner.add_workers(worker)
-                await runner.run()
-                return collected.frames
+                return await pipecat_spoken(tts, TEXT)
         frames = asyncio.run(speak())
         whole = httpx.post(server.url + "/v1/text-to-speech/tara/with-timestamps", json={"text": "Hi."},
                            headers={"xi-api-key": "sesame"}, params={"output_format": "pcm_24000"}, timeout=60)

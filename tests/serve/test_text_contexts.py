@@ -10,7 +10,7 @@ import logging
 
 import numpy as np
 import pytest
-from helpers import joined_pcm, quiet_codec, random_codes
+from helpers import joined_pcm, pipecat_spoken, quiet_codec, random_codes
 from live_server import serving
 
 
@@ -144,25 +144,8 @@ def test_contexts_are_limited_closed_when_silent_and_checked(codec):
 def test_pipecat_speaks_through_the_server(codec):
     """Pipecat's ElevenLabsTTSService (multi-context WebSocket), its url pointed here, in a pipeline
     that speaks one turn; every audio frame it pushes is the decode of the turn's codes."""
-    from loguru import logger
-    from pipecat.frames.frames import EndFrame, ErrorFrame, TTSAudioRawFrame, TTSSpeakFrame, TTSStoppedFrame
-    from pipecat.pipeline.pipeline import Pipeline
-    from pipecat.pipeline.worker import PipelineParams, PipelineWorker
-    from pipecat.processors.frame_processor import FrameProcessor
+    from pipecat.frames.frames import ErrorFrame, TTSAudioRawFrame, TTSStoppedFrame
     from pipecat.services.elevenlabs.tts import ElevenLabsTTSService
-    from pipecat.workers.runner import WorkerRunner
-
-    logger.remove()  # pipecat logs every step at DEBUG
-
-    class Collected(FrameProcessor):
-        def __init__(self):
-            super().__init__()
-            self.frames = []
-
-        async def process_frame(self, frame, direction):
-            await super().process_frame(frame, direction)
-            self.frames.append(frame)
-            await self.push_frame(frame, direction)
 
     codes = {text: random_codes(codec.config, n, seed=100 + k)
              for k, (text, n) in enumerate({"Hello there.": 4, "How are you today?": 5}.items())}
@@ -170,17 +153,9 @@ def test_pipecat_speaks_through_the_server(codec):
         for text, c in codes.items():
             lm.script(text, c)
 
-        async def speak():
-            tts = ElevenLabsTTSService(api_key="sesame", url=server.url.replace("http", "ws"), sample_rate=24000,
-                                       settings=ElevenLabsTTSService.Settings(voice="tara"))
-            collected = Collected()
-            worker = PipelineWorker(Pipeline([tts, collected]), params=PipelineParams(audio_out_sample_rate=24000))
-            await worker.queue_frames([TTSSpeakFrame("Hello there. How are you today?"), EndFrame()])
-            runner = WorkerRunner(handle_sigint=False)
-            await runner.add_workers(worker)
-            await runner.run()
-            return collected.frames
-        frames = asyncio.run(speak())
+        tts = ElevenLabsTTSService(api_key="sesame", url=server.url.replace("http", "ws"), sample_rate=24000,
+                                   settings=ElevenLabsTTSService.Settings(voice="tara"))
+        frames = asyncio.run(pipecat_spoken(tts, "Hello there. How are you today?"))
     assert not [f for f in frames if isinstance(f, ErrorFrame)] and any(isinstance(f, TTSStoppedFrame) for f in frames)
     audio = [f for f in frames if isinstance(f, TTSAudioRawFrame)]
     assert {f.sample_rate for f in audio} == {24000}
