@@ -1,5 +1,5 @@
 # Source on the GPU machine (see README, "Running the GPU checks"): installs the carried wheels
-# (.whl/: snac, soundfile and their missing deps) into /tmp/site and puts the project on the path.
+# (.whl/, filled by scripts/device_wheels.sh) into /tmp/site and puts the project on the path.
 # soundfile: carry its manylinux wheel, which bundles libsndfile (the H200 image of 2026-11-28 has no
 # libsndfile.so: with the py3-none-any wheel, test_cli/test_datasets/test_reference fail to import).
 # WHEELS=.whl-cpu: the CPU benchmark's set instead (snac, onnxruntime, onnx, onnxscript and their deps:

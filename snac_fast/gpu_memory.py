@@ -15,6 +15,7 @@ import os
 
 import torch
 
+from snac_fast.ops.device import cuda_index
 from snac_fast.streaming.shapes import warmup_buckets
 
 GB = 1e9
@@ -37,8 +38,7 @@ def process_bytes(device: torch.device | str) -> int | None:
         if not _nvml_ready:
             pynvml.nvmlInit()
             _nvml_ready.append(True)
-        index = torch.device(device).index
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device() if index is None else index)
+        handle = _nvml_handle(cuda_index(torch.device(device)))
         for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
             if proc.pid == os.getpid() and proc.usedGpuMemory:
                 return int(proc.usedGpuMemory)
@@ -48,6 +48,18 @@ def process_bytes(device: torch.device | str) -> int | None:
 
 
 _nvml_ready: list = []  # nvmlInit() done once per process
+
+
+def _nvml_handle(index: int):
+    """NVML's handle of CUDA device ``index``, found by its UUID: NVML numbers every GPU of the host,
+    CUDA only the visible ones (with CUDA_VISIBLE_DEVICES=2, CUDA's 0 is NVML's 2)."""
+    import pynvml
+
+    uuid = getattr(torch.cuda.get_device_properties(index), "uuid", None)
+    try:
+        return pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+    except pynvml.NVMLError:  # no UUID from torch, or a MIG instance's: NVML's numbering
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
 
 
 def memory_readings(device: torch.device | str) -> dict[str, float]:

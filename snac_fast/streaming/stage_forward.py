@@ -14,6 +14,7 @@ from torch import Tensor
 
 from snac_fast.noise import patched_noise
 from snac_fast.ops.context import context_step
+from snac_fast.ops.device import cuda_index
 from snac_fast.ops.launch import launches_as_recorded, tiles_as_for_fewer_rows
 from snac_fast.ops.noise import keyed_normal
 from snac_fast.streaming.shapes import CODELESS, PREFILL, STEP, TAIL
@@ -43,7 +44,7 @@ class StageForward:
     def _in_graph_pool(self) -> Iterator[None]:
         """This thread's allocations from the step graphs' pool, on their capture stream (the caching
         allocator reuses a freed block only on the stream that allocated it)."""
-        with torch.cuda.stream(self._capture_streams()[0]), torch.cuda.use_mem_pool(self._pool, self.device):
+        with torch.cuda.stream(self._capture_streams()[0]), torch.cuda.use_mem_pool(self._pool, cuda_index(self.device)):
             yield
 
     def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
@@ -100,7 +101,8 @@ class StageForward:
         return new
 
     @staticmethod
-    def draw_noise(keys: Tensor, call: "NoiseCall") -> Tensor:
-        """A step's keyed noise for one NoiseBlock (keys as in :meth:`_forward`): [B, 1, length]."""
+    def draw_noise(keys: Tensor, call: "NoiseCall", out: Tensor | None = None) -> Tensor:
+        """A step's keyed noise for one NoiseBlock (keys as in :meth:`_forward`): [B, 1, length] in
+        ``call.dtype``, written into ``out`` where given."""
         return keyed_normal(keys[2], keys[3], keys[1], call.per_frame, call.start, call.length, call.index,
-                            dtype=call.dtype)
+                            dtype=call.dtype, out=out)

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 
 from snac_fast.compiling import compiling_concurrently
+from snac_fast.ops.device import cuda_index
 
 
 class NoiseCall(NamedTuple):
@@ -36,7 +37,7 @@ class StepGraph:
     every graph's warm-up and capture memory apart (docs/server.md, "GPU memory").
     ``compiled``: the step's kernels were compiled already (a warm-up's pass)."""
 
-    def __init__(self, forward: Forward, draw_noise: Callable[[Tensor, NoiseCall], Tensor], state: list[Tensor], pool,
+    def __init__(self, forward: Forward, draw_noise: Callable[..., Tensor], state: list[Tensor], pool,
                  streams: tuple[torch.cuda.Stream, torch.cuda.Stream], kind: str, keys: np.ndarray,
                  codes: list[np.ndarray], frames: int, compiled: bool = False) -> None:
         device = state[0].device
@@ -66,7 +67,7 @@ class StepGraph:
         stream.wait_stream(torch.cuda.current_stream(device))
         noise_calls: list[NoiseCall] = []
         # in the graphs' pool: the eager passes' blocks are the capture's, not a second reserve beside it
-        with torch.cuda.stream(stream), torch.inference_mode(), torch.cuda.use_mem_pool(pool, device):
+        with torch.cuda.stream(stream), torch.inference_mode(), torch.cuda.use_mem_pool(pool, cuda_index(device)):
             if not compiled:  # a shapes-only pass: the kernels compile concurrently
                 with compiling_concurrently():
                     forward(kind, keys_view, codes_views, frames, None)
@@ -84,9 +85,16 @@ class StepGraph:
             self.copied.record()
             # the noise depends on the keys alone: drawn on a branch of the graph that runs beside the
             # first layers, off the step's critical path (4 kernels; docs/measurements.md)
+            # its buffers taken on the capture stream, from the pool's one segment: the allocator never
+            # hands one stream's blocks to another, so buffers taken on the side stream each opened a
+            # segment of their own in the pool, which the graph then held
+            rows = keys_view.shape[1]
+            self.noise = {call.index: torch.empty((rows, 1, call.length), device=device, dtype=call.dtype)
+                          for call in noise_calls}
             side.wait_stream(capture)
             with torch.cuda.stream(side):
-                self.noise = {call.index: draw_noise(keys_view, call) for call in noise_calls}
+                for call in noise_calls:
+                    draw_noise(keys_view, call, out=self.noise[call.index])
             drawn = torch.cuda.Event()
             drawn.record(side)
             joined = False
