@@ -27,7 +27,7 @@ from snac_fast.serve.batchers import freeze_startup_objects
 from snac_fast.serve.elevenlabs_speech import text_to_speech
 from snac_fast.serve.formats import FORMATS, StreamEncoder, pcm_bytes
 from snac_fast.serve.limits import BodyLimit, StreamOwners
-from snac_fast.serve.lm_client import LMClient
+from snac_fast.serve.lm_client import LMClient, redacted_url
 from snac_fast.serve.metrics import ServeMetrics
 from snac_fast.serve.page import page
 from snac_fast.serve.protocol import OPENAI_MODELS, models_list, voices_list
@@ -131,7 +131,8 @@ async def _health_body(server: SpeechServer) -> dict:
     lm, why = await server.lm_state()
     body = {"status": status, "device": server.backend.device, "pid": os.getpid(), "open_streams": server.backend.open_streams,
             "slots_in_use": state.slots_in_use, "max_streams": server.backend.max_streams,
-            "sampling_rate": server.backend.rate, "lm": {"status": lm, "url": server.settings.lm_url}}
+            "sampling_rate": server.backend.rate,
+            "lm": {"status": lm, "url": redacted_url(server.settings.lm_url) if server.settings.lm_url else None}}
     if why:
         body["lm"]["error"] = why
     if state.memory:
@@ -144,11 +145,17 @@ async def _health_body(server: SpeechServer) -> dict:
 
 
 async def health(request):
-    """Liveness: 200 while this process and its engine serve (the LM's state is reported, not judged)."""
+    """Liveness: 200 while this process and its engine serve (the LM's state is reported, not judged).
+    Open to anyone, so it says only ``status`` without the key; the details (pid, streams, the LM's
+    state and error, memory) go to requests with the key, or to all on a server without one."""
     from starlette.responses import JSONResponse
 
-    body = await _health_body(request.app.state.server)
-    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
+    server = request.app.state.server
+    body = await _health_body(server)
+    status = 200 if body["status"] == "ok" else 503
+    if server.settings.api_key and not (request.scope.get("state") or {}).get("client", "").startswith("key "):
+        body = {"status": body["status"]}
+    return JSONResponse(body, status_code=status)
 
 
 async def ready(request):

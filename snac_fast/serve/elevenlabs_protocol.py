@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import base64
 import dataclasses
-import json
 import re
 
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import FORMATS, AudioFormat, checked_speed
 from snac_fast.serve.lm_client import LMOutputError
+from snac_fast.serve.protocol import json_or_none
 
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 INACTIVITY_TIMEOUT_S = (20.0, 180.0)  # ElevenLabs' default and largest
@@ -23,7 +23,7 @@ def elevenlabs_format(name: str) -> AudioFormat | None:
     """An ElevenLabs ``output_format`` name as this server's format, or None if not served."""
     if name in ("ulaw_8000", "alaw_8000") or name.startswith("pcm_") and name in FORMATS:
         return FORMATS[name]
-    match = _MP3.fullmatch(name)
+    match = _MP3.fullmatch(name) if len(name) <= 16 else None  # int() of 5,000 digits raises
     if match and int(match[1]) in MP3_RATES and 8 <= int(match[2]) <= 320:
         return dataclasses.replace(FORMATS["mp3"], name=name, rate=int(match[1]), bit_rate=int(match[2]) * 1000)
     return None
@@ -66,10 +66,7 @@ def connection_problem(websocket) -> tuple[str | None, AudioFormat | None, float
 
 def json_object(raw: str | None) -> dict | None:
     """A WebSocket text message as a JSON object, or None (not JSON, not an object, or binary)."""
-    try:
-        message = json.loads(raw) if raw is not None else None
-    except ValueError:
-        return None
+    message = json_or_none(raw)
     return message if isinstance(message, dict) else None
 
 

@@ -22,7 +22,7 @@ import time
 
 from snac_fast.noise import check_seed
 from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format, voice_speed
-from snac_fast.serve.protocol import SpeechRequest
+from snac_fast.serve.protocol import SpeechRequest, checked_text
 from snac_fast.serve.speech import TIMESTAMPED, FirstAudioTimes, json_body, spoken_response
 
 
@@ -58,6 +58,8 @@ def _checked(body, max_chars: int) -> tuple[str | None, str | None, int | None, 
         return "'text' must be a non-empty string", *failed
     if len(text) > max_chars:
         return f"'text' is {len(text)} characters; at most {max_chars}", *failed
+    if checked_text(text, "text"):
+        return checked_text(text, "text"), *failed
     seed = body.get("seed")
     if seed is not None:
         try:

@@ -8,8 +8,10 @@ import asyncio
 import codecs
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Protocol
+from urllib.parse import urlsplit, urlunsplit
 
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, END_OF_SPEECH, TokenLayout
 
@@ -19,6 +21,20 @@ from snac_fast.orpheus import CUSTOM_TOKEN_ID, END_OF_SPEECH, TokenLayout
 ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
 CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
 KEEPALIVE_S = 4.0  # how long an idle LM connection stays pooled (LMClient._client)
+MAX_TOKEN_DIGITS = 9  # a <custom_token_N>'s N (Orpheus's reach 28,682): more digits is junk, not a number to parse
+
+
+def redacted_url(url: str) -> str:
+    """``url`` as it may be shown (health, errors, logs): no user or password, no query, no fragment
+    (``http://user:password@host/v1?key=k`` -> ``http://host/v1``)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port is not None else ""
+    except ValueError:
+        return "<an unparsable URL>"
+    host = f"[{host}]" if ":" in host else host
+    return urlunsplit((parts.scheme, host + port, parts.path, "", ""))
 
 class LMSettings(Protocol):
     """What the client reads of its server's settings (:class:`snac_fast.serve.ServeSettings`)."""
@@ -45,6 +61,24 @@ class LMBusyError(LMOutputError):
     def __init__(self, message: str, retry_after: str | None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class _AudioClock:
+    """``--lm-timeout`` counted between audio tokens, not bytes: an LM that keeps its connection
+    alive with SSE comments or empty events, and sends no audio, fails after that long."""
+
+    def __init__(self, timeout_s: float) -> None:
+        self.timeout_s = timeout_s
+        self.last = time.monotonic()
+
+    def heard(self) -> None:
+        self.last = time.monotonic()
+
+    async def watch(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        async for chunk in chunks:
+            if time.monotonic() - self.last > self.timeout_s:
+                raise LMOutputError(f"the language model sent no audio token for {self.timeout_s:g} s (--lm-timeout)")
+            yield chunk
 
 
 class LMClient:
@@ -88,6 +122,7 @@ class LMClient:
                 "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
                 "top_p": self.config.top_p, "repetition_penalty": self.config.repetition_penalty, "stream": True}
         url = self.config.lm_url.rstrip("/") + "/completions"
+        shown = redacted_url(url)
         aiohttp = self._aiohttp
         for attempt in range(2):
             answered = False
@@ -96,13 +131,24 @@ class LMClient:
                     answered = True
                     if response.status != 200:
                         detail = (await response.read()).decode(errors="replace")[:200]
-                        message = f"the language model at {url} answered {response.status}: {detail}"
+                        message = f"the language model at {shown} answered {response.status}: {detail}"
                         if response.status in (429, 503):
                             retry_after = response.headers.get("Retry-After")
                             raise LMBusyError(message, retry_after if retry_after and retry_after.isdigit() else None)
                         raise LMOutputError(message)
-                    async for ids in _ids_of_events(_sse_data(response.content.iter_any()), self.config.layout.offset):
+                    left = self.config.max_tokens  # enforced here too: an LM that never stops is cut there
+                    clock = _AudioClock(self.config.lm_timeout_s)
+                    chunks = clock.watch(response.content.iter_any())
+                    async for ids in _ids_of_events(_sse_data(chunks), self.config.layout.offset):
+                        clock.heard()
+                        ids = ids[:left]
+                        left -= len(ids)
                         yield ids
+                        if left <= 0:
+                            return
+                    if left == self.config.max_tokens:
+                        raise LMOutputError(f"the language model at {shown} answered without audio tokens "
+                                            f"(a {response.content_type or 'untyped'} answer, not a stream of completions)")
                 return
             except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                 # a pooled connection the LM closed as the request went out (its keep-alive ended, or
@@ -111,7 +157,8 @@ class LMClient:
                     not isinstance(e, aiohttp.ClientConnectorError)
                 if stale and not answered and attempt == 0:
                     continue
-                raise LMOutputError(f"the language model at {url} failed: {type(e).__name__}: {e}") from None
+                raise LMOutputError(f"the language model at {shown} failed: {type(e).__name__}: "
+                                    f"{str(e).replace(url, shown)}") from None
 
     async def warm_up(self) -> None:
         """Before the first request: the session made, and one completions event parsed (JSON, the
@@ -132,13 +179,14 @@ class LMClient:
         if self._aiohttp is None:
             return "not_configured", None
         url = self.config.lm_url.rstrip("/") + "/models"
+        shown = redacted_url(url)
         try:
             async with self._client().get(url, timeout=self._aiohttp.ClientTimeout(total=timeout_s)) as response:
                 if response.status < 500:
                     return "ok", None
-                return "unreachable", f"{url} answered {response.status}"
+                return "unreachable", f"{shown} answered {response.status}"
         except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            return "unreachable", f"{url}: {type(e).__name__}: {e}"[:300]
+            return "unreachable", f"{shown}: {type(e).__name__}: {str(e).replace(url, shown)}"[:300]
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -160,7 +208,9 @@ async def _ids_of_events(batches: AsyncIterator[list[str]], offset: int) -> Asyn
                 break
             try:
                 text_piece = json.loads(data)["choices"][0].get("text") or ""
-            except (ValueError, KeyError, IndexError, TypeError):
+                if not isinstance(text_piece, str):
+                    raise TypeError
+            except (ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
                 if ids:  # the good ids before it first: their audio goes out before the error
                     yield ids
                 raise LMOutputError(f"the language model sent a chunk that is not a completion: {data[:120]!r}") from None
@@ -168,6 +218,10 @@ async def _ids_of_events(batches: AsyncIterator[list[str]], offset: int) -> Asyn
             cut = 0
             for match in CUSTOM_TOKEN.finditer(tail):
                 cut = match.end()
+                if len(match.group(1)) > MAX_TOKEN_DIGITS:
+                    if ids:
+                        yield ids
+                    raise LMOutputError(f"the language model sent a token number of {len(match.group(1))} digits")
                 token = CUSTOM_TOKEN_ID + int(match.group(1))
                 if token == END_OF_SPEECH:
                     end = True
@@ -193,8 +247,22 @@ async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[str]]:
     async for raw in chunks:
         buffer += raw
         *lines, buffer = buffer.split(b"\n")
-        fields = [line[5:].strip().decode() for line in lines if line.startswith(b"data:")]
+        try:
+            fields = [line[5:].strip().decode() for line in lines if line.startswith(b"data:")]
+        except UnicodeDecodeError:  # the good fields before it first: their audio goes out before the error
+            fields = []
+            for line in lines:
+                if line.startswith(b"data:"):
+                    try:
+                        fields.append(line[5:].strip().decode())
+                    except UnicodeDecodeError:
+                        if fields:
+                            yield fields
+                        raise LMOutputError(f"the language model sent bytes that are not UTF-8: {line[:60]!r}") from None
         if fields:
             yield fields
     if buffer.startswith(b"data:"):
-        yield [buffer[5:].strip().decode()]
+        try:
+            yield [buffer[5:].strip().decode()]
+        except UnicodeDecodeError:
+            raise LMOutputError(f"the language model sent bytes that are not UTF-8: {buffer[:60]!r}") from None

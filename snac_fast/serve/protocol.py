@@ -14,6 +14,7 @@ audio in one response with its true length, a WAV header's sizes included).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 from snac_fast.noise import check_seed
@@ -26,6 +27,27 @@ STREAM_FORMATS = ("audio", "sse")
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI's speech model names, accepted as names of this server's model
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
+
+
+def json_or_none(raw: str | bytes | None):
+    """``raw`` parsed as JSON, or None where it is not JSON: malformed, not UTF-8, or nested past
+    Python's recursion limit (a 2 KB body of ~1,000 brackets raised RecursionError: a 500)."""
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def checked_text(text: str, name: str) -> str | None:
+    """What is wrong with a text field that the LM is to speak, or None: a lone surrogate (JSON's
+    "\\ud800" parses to one) cannot go to the LM as UTF-8, and it is the client's error."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return f"'{name}' is not valid Unicode: a lone surrogate {text[e.start]!r} at character {e.start}"
+    return None
 
 
 class RequestError(ValueError):
@@ -66,6 +88,9 @@ class SpeechRequest:
         if len(text) > max_chars:
             raise RequestError(f"'input' is {len(text)} characters; at most {max_chars}", param="input",
                                code="string_above_max_length")
+        problem = checked_text(text, "input")
+        if problem:
+            raise RequestError(problem, param="input")
         voice = body.get("voice", default_voice)
         if isinstance(voice, dict):  # OpenAI's custom-voice form {"id": ...}
             voice = voice.get("id")

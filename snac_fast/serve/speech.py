@@ -26,7 +26,7 @@ from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import FLOAT_FORMATS, FORMATS, AudioFormat, StreamEncoder
 from snac_fast.serve.limits import TooManyStreams, client_of
 from snac_fast.serve.lm_client import LMBusyError, LMOutputError
-from snac_fast.serve.protocol import RequestError, SpeechRequest
+from snac_fast.serve.protocol import RequestError, SpeechRequest, json_or_none
 from snac_fast.serve.segments import split_text
 
 log = logging.getLogger("snac_fast.serve")
@@ -94,10 +94,7 @@ async def speech(request):
 
 async def json_body(request):
     """A request's JSON body, or None when it is not JSON."""
-    try:
-        return await request.json()
-    except ValueError:
-        return None
+    return json_or_none(await request.body())
 
 
 async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioFormat, times: FirstAudioTimes,

@@ -50,6 +50,7 @@ from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import StreamEncoder
 from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
 from snac_fast.serve.lm_client import LMOutputError
+from snac_fast.serve.protocol import checked_text
 from snac_fast.serve.spoken_text import SpokenText
 
 MAX_CONTEXTS = 5  # open contexts per connection: ElevenLabs' limit
@@ -253,6 +254,8 @@ def _message(raw: str | None) -> dict | str:
         return f"a message needs 'text', 'flush', 'close_context' or 'close_socket'; got keys {sorted(message)[:8]}"
     if "text" in message and not isinstance(message["text"], str):
         return "'text' must be a string"
+    if "text" in message and checked_text(message["text"], "text"):
+        return checked_text(message["text"], "text")
     cid = message.get("context_id", message.get("contextId"))
     if cid is not None and (not isinstance(cid, str) or not 0 < len(cid) <= MAX_CONTEXT_ID_CHARS):
         return f"'context_id' must be a string of 1-{MAX_CONTEXT_ID_CHARS} characters"

@@ -39,6 +39,7 @@ from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import StreamEncoder
 from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
 from snac_fast.serve.lm_client import LMOutputError
+from snac_fast.serve.protocol import checked_text
 from snac_fast.serve.spoken_text import SpokenText
 
 
@@ -142,4 +143,6 @@ def _message(raw: str | None) -> dict | str:
         return f"a message needs 'text' (or \"flush\": true); got keys {sorted(message)[:8]}"
     if "text" in message and not isinstance(message["text"], str):
         return "'text' must be a string"
+    if "text" in message and checked_text(message["text"], "text"):
+        return checked_text(message["text"], "text")
     return message

@@ -9,7 +9,6 @@ the decoder's noise.
 from __future__ import annotations
 
 import asyncio
-import json
 
 import numpy as np
 
@@ -17,7 +16,7 @@ from snac_fast.noise import check_seed
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import pcm_bytes
 from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
-from snac_fast.serve.protocol import SAMPLE_FORMATS
+from snac_fast.serve.protocol import SAMPLE_FORMATS, json_or_none
 
 CLOSE_REASON_BYTES = 120  # a close frame's reason holds 123 bytes
 
@@ -107,10 +106,7 @@ def _parse(message: dict) -> tuple | str:
         if len(data) % 4:
             return "binary ids must be int32 little-endian"
         return np.frombuffer(data, "<i4"), False
-    try:
-        request = json.loads(message.get("text") or "")
-    except ValueError:
-        request = None
+    request = json_or_none(message.get("text"))
     if not isinstance(request, dict):
         return 'text messages must be JSON: {"ids": [...]} or {"end": true}'
     if "ids" not in request and "end" not in request:

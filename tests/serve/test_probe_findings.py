@@ -1,0 +1,187 @@
+"""What an outside probe of `snac-fast serve` broke (issue 88), one test a finding: credentials in
+/health and errors, plain-text 500s from nested JSON, huge numbers and a hostile LM's answers, an
+LM answer without audio taken for success, a lone surrogate blamed on the LM, an LM that keeps its
+connection alive without audio, and one that never stops."""
+
+import asyncio
+import contextlib
+import json
+
+import httpx
+import pytest
+from helpers import NARROW
+from live_server import LiveServer
+
+from snac_fast import FastSNAC
+from snac_fast.orpheus import ORPHEUS
+from snac_fast.serve import ServeSettings, create_app
+from snac_fast.serve.limits import uvicorn_options
+from snac_fast.synthetic import synthetic_model
+
+PASSWORD = "s3cret-lm-password"
+KEY = "server-key"
+FRAME = [ORPHEUS.offset + k * ORPHEUS.codebook_size + 7 for k in range(ORPHEUS.frame_size)]
+AUDIO_TEXT = "".join(f"<custom_token_{i - 128256}>" for i in FRAME)  # one frame of audio tokens
+
+
+def _events(*texts: str) -> bytes:
+    return b"".join(b"data: " + json.dumps({"choices": [{"text": t}]}).encode() + b"\n\n" for t in texts)
+
+
+# the probe's LM answers, keyed by the request's text (what follows "voice: " in the prompt)
+ANSWERS = {
+    "bad utf8": ("text/event-stream", _events(AUDIO_TEXT * 6) + b"data: {\"choices\": [{\"text\": \"\xff\xfe\"}]}\n\n"),
+    "text is a number": ("text/event-stream", b'data: {"choices": [{"text": 5}]}\n\n'),
+    "choice is a list": ("text/event-stream", b'data: {"choices": [["<custom_token_10>"]]}\n\n'),
+    "huge token": ("text/event-stream", _events(AUDIO_TEXT * 4, "<custom_token_" + "9" * 5000 + ">")),
+    "nested chunk": ("text/event-stream", b"data: " + b"[" * 5000 + b"\n\n"),
+    "json completion": ("application/json", json.dumps({"choices": [{"text": AUDIO_TEXT * 4}]}).encode()),
+    "html page": ("text/html", b"<html><body>It works!</body></html>"),
+    "nothing": ("text/event-stream", b""),
+}
+
+
+class HostileLM:
+    """An LM that answers each text as the probe's did: :data:`ANSWERS`, or for "keep alive" SSE
+    comments every 0.1 s with no audio, for "never stops" audio tokens without an end."""
+
+    def __init__(self) -> None:
+        from starlette.applications import Starlette
+        from starlette.responses import JSONResponse, Response, StreamingResponse
+        from starlette.routing import Route
+
+        async def completions(request):
+            body = await request.json()
+            text = body["prompt"].split(": ", 1)[-1].split("<|eot_id|>")[0]
+            if text == "keep alive":
+                async def comments():
+                    for _ in range(600):
+                        yield b": ping\n\n"
+                        await asyncio.sleep(0.1)
+                return StreamingResponse(comments(), media_type="text/event-stream")
+            if text == "never stops":
+                async def forever():
+                    while True:
+                        yield _events(AUDIO_TEXT * 8)
+                        await asyncio.sleep(0)
+                return StreamingResponse(forever(), media_type="text/event-stream")
+            media, content = ANSWERS[text]
+            return Response(content, media_type=media)
+
+        async def models(request):
+            return JSONResponse({"object": "list", "data": []})
+
+        self.app = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"]), Route("/v1/models", models)])
+
+
+@contextlib.contextmanager
+def probed_server(**options):
+    codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", fuse=False)
+    with LiveServer(HostileLM().app) as lm:
+        url = lm.url.replace("http://", f"http://probe:{PASSWORD}@") + "/v1"
+        settings = ServeSettings(lm_url=url, lm_model="orpheus", **options)
+        with LiveServer(create_app(codec, settings), **uvicorn_options(settings)) as server:
+            yield server
+
+
+@pytest.fixture(scope="module")
+def server():
+    with probed_server(lm_timeout_s=1.0, max_tokens=7 * 12) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def keyed_server():
+    with probed_server(api_key=KEY) as server:
+        yield server
+
+
+def speak(server, text: str, fmt: str = "pcm", **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/audio/speech", json={"input": text, "response_format": fmt, **body}, timeout=30)
+
+
+def test_urls_are_shown_without_credentials_or_query():
+    from snac_fast.serve.lm_client import redacted_url
+
+    assert redacted_url("http://user:pw@lm.local:8000/v1?key=k#f") == "http://lm.local:8000/v1"
+    assert redacted_url("https://[::1]:9/v1") == "https://[::1]:9/v1"
+    assert redacted_url("http://plain/v1") == "http://plain/v1"
+
+
+def test_health_says_only_its_status_without_the_key(keyed_server):
+    open_answer = httpx.get(keyed_server.url + "/health").json()
+    assert open_answer == {"status": "ok"}
+    keyed = httpx.get(keyed_server.url + "/health", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert keyed["status"] == "ok" and "pid" in keyed and keyed["lm"]["url"].startswith("http://127.0.0.1:")
+    assert PASSWORD not in json.dumps(keyed)
+
+
+@pytest.mark.parametrize("text", sorted(ANSWERS))
+def test_an_lm_answer_that_is_not_audio_is_a_502_in_openai_shape(server, text):
+    """Bad UTF-8, wrong types, a 5,000-digit token, nested JSON, a whole JSON completion, a page,
+    nothing: each a 502 with OpenAI's error body naming the LM (never a plain-text 500 or an empty
+    200), the LM's credentials not in it."""
+    r = speak(server, text, stream=False)
+    assert r.status_code == 502, (r.status_code, r.text[:300])
+    error = r.json()["error"]
+    assert error["type"] == "lm_output_error" and "language model" in error["message"], error
+    assert PASSWORD not in r.text
+
+
+def test_a_streamed_answer_that_turns_bad_ends_with_an_error_event(server):
+    """Audio went out before the LM's bad bytes: the SSE stream ends with an error event."""
+    with httpx.stream("POST", server.url + "/v1/audio/speech", timeout=30,
+                      json={"input": "bad utf8", "response_format": "pcm", "stream_format": "sse"}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert r.status_code == 200
+    assert events[0]["type"] == "speech.audio.delta" and events[-1]["type"] == "error", events[-1]
+    assert PASSWORD not in json.dumps(events[-1])
+
+
+def test_an_lm_that_sends_comments_but_no_audio_times_out(server):
+    r = speak(server, "keep alive", stream=False)
+    assert r.status_code == 502 and "no audio token for 1 s" in r.json()["error"]["message"]
+
+
+def test_max_tokens_is_enforced_on_an_lm_that_never_stops(server):
+    r = speak(server, "never stops", stream=False)
+    assert r.status_code == 200
+    samples = len(r.content) // 2
+    assert 0 < samples <= 12 * 2048, samples  # 12 frames of 2,048 samples at most
+
+
+@pytest.mark.parametrize("route", ["/v1/audio/speech", "/v1/text-to-speech/tara/stream", "/v1/text-to-speech/tara"])
+def test_nested_json_is_a_400(server, route):
+    r = httpx.post(server.url + route, content=b"[" * 50000 + b"]" * 50000, timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and r.headers["content-type"].startswith("application/json"), r.text[:200]
+
+
+def test_an_output_format_of_5000_digits_is_a_400(server):
+    r = httpx.post(server.url + "/v1/text-to-speech/tara?output_format=mp3_" + "4" * 5000 + "_128",
+                   json={"text": "Hi."}, timeout=30)
+    assert r.status_code == 400 and "output_format" in r.json()["detail"]["message"]
+
+
+def test_a_lone_surrogate_is_the_clients_400_not_the_lms_502(server):
+    r = httpx.post(server.url + "/v1/audio/speech", content=b'{"input": "Hi \\ud800 there."}', timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "input" and "surrogate" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/text-to-speech/tara", content=b'{"text": "Hi \\udfff."}', timeout=30,
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and "surrogate" in r.json()["detail"]["message"]
+
+
+def test_websockets_answer_nested_json_with_an_error_message(server):
+    from websockets.sync.client import connect
+
+    ws_url = server.url.replace("http", "ws")
+    with connect(ws_url + "/v1/audio/stream") as ws:
+        ws.send("[" * 5000)
+        reply = json.loads(ws.recv(timeout=10))
+        assert reply["type"] == "error" and "JSON" in reply["message"]
+    with connect(ws_url + "/v1/text-to-speech/tara/stream-input?output_format=pcm_24000") as ws:
+        ws.send("[" * 5000)
+        reply = json.loads(ws.recv(timeout=10))
+        assert reply.get("isFinal") is None and reply["error"] == "invalid_message", reply
