@@ -17,6 +17,10 @@ from snac_fast.serve.segments import ended_sentences, split_text
 from snac_fast.serve.speech import speech_chunks
 
 
+class TextBacklogError(ValueError):
+    """More text waiting to be spoken than a stream may hold (``--max-input-chars``)."""
+
+
 class SpokenText:
     """One stream (``sid``, already open) speaking text as it comes, in ``voice``; ``send`` gets the
     encoded audio (``encoder``'s bytes), in order, as it becomes final. :attr:`task` ends once
@@ -27,6 +31,10 @@ class SpokenText:
                  send: Callable[[bytes], Awaitable[None]]) -> None:
         self.server, self.sid, self.voice, self.encoder, self._send = server, sid, voice, encoder, send
         self.buffer = ""  # text not spoken yet: its sentence has not ended
+        # text buffered or queued and not yet asked of the LM, at most this much: 100 messages of
+        # 1,000,000 characters without a sentence end, each rescanned, kept a server busy for a minute
+        self.max_chars = server.settings.max_input_chars
+        self._queued_chars = 0
         self.ended = False
         self.interrupted = False  # stopped by its client before all its text was spoken
         self._queued = self._flushed = 0  # segments queued so far; of them, up to the last flush
@@ -49,6 +57,9 @@ class SpokenText:
         """More text: its ended sentences queued to speak (with ``flush``, all of it)."""
         if self.ended:
             raise ValueError("text after the end")
+        if len(self.buffer) + self._queued_chars + len(text) > self.max_chars:
+            raise TextBacklogError(f"more than {self.max_chars} characters of text wait to be spoken "
+                                   "(--max-input-chars): send less ahead of the audio, or end sentences")
         self.buffer += text
         done, self.buffer = (self.buffer, "") if flush else ended_sentences(self.buffer)
         self._queue(done)
@@ -83,9 +94,11 @@ class SpokenText:
         for segment in split_text(text, self.server.settings.segment_chars) if text.strip() else []:
             self._texts.put_nowait(segment)
             self._queued += 1
+            self._queued_chars += len(segment)
 
     async def _sentences(self) -> AsyncIterator[str]:
         while (text := await self._texts.get()) is not None:
+            self._queued_chars -= len(text)
             yield text
 
     async def _speak(self) -> None:

@@ -51,7 +51,7 @@ from snac_fast.serve.formats import StreamEncoder
 from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
 from snac_fast.serve.lm_client import LMOutputError
 from snac_fast.serve.protocol import checked_text
-from snac_fast.serve.spoken_text import SpokenText
+from snac_fast.serve.spoken_text import SpokenText, TextBacklogError
 
 MAX_CONTEXTS = 5  # open contexts per connection: ElevenLabs' limit
 MAX_CONTEXT_ID_CHARS = 256
@@ -166,7 +166,12 @@ class _Connection:
             if text is None:
                 return
         self.last_message[cid] = time.monotonic()
-        text.add(message.get("text") or "", flush=bool(message.get("flush")))
+        try:
+            text.add(message.get("text") or "", flush=bool(message.get("flush")))
+        except TextBacklogError as e:  # the context stops speaking; the connection's others go on
+            await self._send(error_message(str(e), "text_backlog_exceeded", 1008, contextId=cid))
+            del self.last_message[cid]
+            self.open.pop(cid).interrupt()
 
     def _close(self, cid: str | None, by_client: bool = True) -> None:
         """No more text for the context, then its isFinal. Closed by its client: if a flush came

@@ -40,7 +40,7 @@ from snac_fast.serve.formats import StreamEncoder
 from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
 from snac_fast.serve.lm_client import LMOutputError
 from snac_fast.serve.protocol import checked_text
-from snac_fast.serve.spoken_text import SpokenText
+from snac_fast.serve.spoken_text import SpokenText, TextBacklogError
 
 
 async def stream_input(websocket) -> None:
@@ -102,7 +102,12 @@ async def stream_input(websocket) -> None:
                         text.set_speed(voice_speed(message["voice_settings"]))
                     except ValueError as e:
                         await websocket.send_json(error_message(str(e), "invalid_message", 1008))
-                text.add(message.get("text") or "", flush=bool(message.get("flush")))
+                try:
+                    text.add(message.get("text") or "", flush=bool(message.get("flush")))
+                except TextBacklogError as e:
+                    text.cancel()
+                    await close_with_error(websocket, str(e), "text_backlog_exceeded", 1008)
+                    return
         except (WebSocketDisconnect, OSError):
             text.cancel()
         finally:

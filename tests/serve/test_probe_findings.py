@@ -6,6 +6,8 @@ connection alive without audio, and one that never stops."""
 import asyncio
 import contextlib
 import json
+import threading
+import time
 
 import httpx
 import pytest
@@ -185,3 +187,64 @@ def test_websockets_answer_nested_json_with_an_error_message(server):
         ws.send("[" * 5000)
         reply = json.loads(ws.recv(timeout=10))
         assert reply.get("isFinal") is None and reply["error"] == "invalid_message", reply
+
+
+def test_one_large_ids_message_does_not_stall_the_server(server):
+    """An ids message of 600 frames (inside the message size limit) is decoded a piece at a time:
+    /health answers while it is (it waited for the whole message: 22.7 s at 2,000 frames)."""
+    from websockets.sync.client import connect
+
+    frames = 600
+    ids = [FRAME[k] - 7 + (f * 13 + k) % ORPHEUS.codebook_size for f in range(frames) for k in range(7)]
+    answers, stop = [], threading.Event()
+
+    def poll():
+        while not stop.is_set():
+            asked = time.monotonic()
+            httpx.get(server.url + "/health", timeout=120)
+            answers.append((asked, time.monotonic()))
+
+    poller = threading.Thread(target=poll)
+    with connect(server.url.replace("http", "ws") + "/v1/audio/stream", max_size=None) as ws:
+        poller.start()
+        sent = time.monotonic()
+        ws.send(json.dumps({"ids": ids}))
+        audio = ws.recv(timeout=300)
+        took = time.monotonic() - sent
+        stop.set()
+        poller.join()
+    assert isinstance(audio, bytes) and len(audio) >= 2 * (frames - 3) * 2048  # s16; the lookahead held back
+    waits = [answered - asked for asked, answered in answers if sent <= asked <= sent + took]
+    assert len(waits) >= 3 and max(waits) < took / 3, (took, sorted(waits)[-3:])
+
+
+def _slots_free_within(server, seconds: float) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if httpx.get(server.url + "/health").json()["slots_in_use"] == 0:
+            return True
+        time.sleep(0.02)
+    return False
+
+
+@pytest.mark.parametrize("route", ["stream-input", "multi-stream-input"])
+def test_text_without_sentence_ends_is_bounded_per_stream(server, route):
+    """Messages of 100,000 characters and no sentence end: past --max-input-chars waiting to be
+    spoken the stream is refused by name, at once, and its slot comes back (a flood of them kept a
+    server busy for a minute after its client left)."""
+    from websockets.exceptions import ConnectionClosed
+    from websockets.sync.client import connect
+
+    url = server.url.replace("http", "ws") + f"/v1/text-to-speech/tara/{route}?output_format=pcm_24000"
+    replies, started = [], time.monotonic()
+    with connect(url, max_size=None) as ws:
+        with contextlib.suppress(ConnectionClosed):
+            for _ in range(10):
+                ws.send(json.dumps({"text": "word " * 20000, "context_id": "c"}))
+        with contextlib.suppress(ConnectionClosed, TimeoutError):
+            while not any(r.get("error") for r in replies):
+                replies.append(json.loads(ws.recv(timeout=10)))
+    errors = [r for r in replies if r.get("error")]
+    assert errors and errors[0]["error"] == "text_backlog_exceeded" and "--max-input-chars" in errors[0]["message"]
+    assert time.monotonic() - started < 10
+    assert _slots_free_within(server, 1.0)
