@@ -212,7 +212,7 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
         yield
         await server.close()
 
-    middleware = [Middleware(BodyLimit, max_bytes=settings.max_body_bytes)]
+    middleware = [Middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.header_timeout_s)]
     if settings.api_key:
         middleware.insert(0, Middleware(BearerKey, key=settings.api_key))  # outermost: the key first
     app = Starlette(routes=[Route("/", page), Route("/v1/audio/speech", speech, methods=["POST"]),

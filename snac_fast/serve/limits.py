@@ -6,6 +6,8 @@ request's headers (:func:`header_timeout_protocol`). WebSocket message size is u
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
 from collections import Counter
 
@@ -72,10 +74,12 @@ class MessageRate:
 
 class BodyLimit:
     """ASGI middleware: an HTTP request body past ``max_bytes`` gets a 413 in OpenAI's error shape
-    before any route reads it (by its Content-Length, or as it arrives without one)."""
+    before any route reads it (by its Content-Length, or as it arrives without one); one that takes
+    longer than ``timeout_s`` to arrive gets a 408 (a Content-Length of 100 with 13 bytes sent held
+    its connection open for good)."""
 
-    def __init__(self, app, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app, max_bytes: int, timeout_s: float = 10.0) -> None:
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -86,8 +90,14 @@ class BodyLimit:
             await self._too_large(send)
             return
         messages, size = [], 0
+        deadline = time.monotonic() + self.timeout_s
         while True:  # the body, buffered up to the limit (the routes read it whole anyway)
-            message = await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                await send_error(send, 408, f"the request body did not arrive within {self.timeout_s:g} s",
+                                 "request_timeout", [(b"connection", b"close")])
+                return
             messages.append(message)
             if message["type"] != "http.request":
                 break
@@ -107,21 +117,35 @@ class BodyLimit:
                          [(b"connection", b"close")])
 
 
-def header_timeout_protocol(timeout_s: float):
+MAX_HEADER_BYTES = 64 << 10  # a request line and headers past this get a 431 (a 16 MB header was served)
+
+
+def header_timeout_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER_BYTES):
     """uvicorn's httptools protocol, with a connection that takes more than ``timeout_s`` to send a
     request's headers (from its first byte, or from the connection's start) closed: a client that
-    trickles its headers (slowloris) holds nothing for long. uvicorn's own timeouts cover idle
-    keep-alive connections, not slow headers."""
+    trickles its headers (slowloris) holds nothing for long; and one whose request line and headers
+    pass ``max_header_bytes`` answered 431 and closed (httptools sets no limit). uvicorn's own
+    timeouts cover idle keep-alive connections, not slow headers."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class HeaderTimeoutProtocol(HttpToolsProtocol):
         def connection_made(self, transport) -> None:
             super().connection_made(transport)
+            self._header_bytes = 0
             self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is not None:  # the headers are still arriving
+                self._header_bytes += len(data)
+                if self._header_bytes > max_header_bytes:
+                    self._headers_too_large()
+                    return
+            super().data_received(data)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             if self._header_timer is None:  # a later request on a kept-alive connection
+                self._header_bytes = 0
                 self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
 
         def on_headers_complete(self) -> None:
@@ -140,6 +164,18 @@ def header_timeout_protocol(timeout_s: float):
             self._header_timer = None
             if not self.transport.is_closing():
                 self.transport.close()
+
+        def _headers_too_large(self) -> None:
+            self._header_timer.cancel()
+            self._header_timer = None
+            if self.transport.is_closing():
+                return
+            body = json.dumps({"error": {"message": f"the request's headers pass {max_header_bytes} bytes",
+                                         "type": "invalid_request_error", "param": None,
+                                         "code": "headers_too_large"}}).encode()
+            self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                                 b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (len(body), body))
+            self.transport.close()
 
     return HeaderTimeoutProtocol
 

@@ -116,8 +116,9 @@ class ServeSettings:
                                            "many in a burst; the socket closes 1008 past it)", group="limits")
     ws_idle_timeout_s: float = _option(60.0, "seconds an ids WebSocket may send nothing before it is closed",
                                        flag="--ws-idle-timeout", group="limits")
-    header_timeout_s: float = _option(10.0, "seconds a connection may take to send its request's headers (a slow "
-                                      "client is dropped)", flag="--header-timeout", group="limits")
+    header_timeout_s: float = _option(10.0, "seconds a connection may take to send its request's headers, and "
+                                      "again its body (a slow client is dropped; a slow body gets a 408)",
+                                      flag="--header-timeout", group="limits")
     max_input_chars: int = _option(20000, "longest speech 'input' in characters (~20 minutes of speech; OpenAI's "
                                    "own limit is 4,096)")
     segment_chars: int = _option(200, "a longer 'input' is spoken as segments of at most this many characters cut "

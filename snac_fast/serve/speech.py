@@ -122,10 +122,14 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
     chunks = _encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
                                              speech_request.model, times))
     try:  # the status is decided by the first audio: an LM that fails before it gets a clear 502
-        first = await chunks.__anext__()
+        first = await _unless_gone(request, chunks.__anext__())
         times.encoded = time.perf_counter()
     except StopAsyncIteration:
         first = b""
+    except ClientGone:
+        await chunks.aclose()  # the stream's slot back now, not when its audio would have been made
+        server.metrics.outcome(endpoint, "closed")
+        return Response(status_code=499)
     except LMBusyError as e:  # the LM is overloaded: the client may retry, as after a full engine
         log.warning("speech request failed before its first audio: %s", e)
         server.metrics.outcome(endpoint, "lm_busy")
@@ -145,7 +149,11 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
                "Server-Timing": times.header()}
     if not speech_request.stream:  # the whole file, its sizes true
         try:
-            rest = b"".join([chunk async for chunk in chunks])
+            rest = b"".join(await _unless_gone(request, _collected(chunks)))
+        except ClientGone:
+            await chunks.aclose()
+            server.metrics.outcome(endpoint, "closed")
+            return Response(status_code=499)
         except (LMOutputError, RuntimeError) as e:
             outcome = _outcome(e)
             server.metrics.outcome(endpoint, outcome)
@@ -159,6 +167,41 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
         return StreamingResponse(_timestamped_lines(server, first, chunks, endpoint), media_type="application/json",
                                  headers=headers)
     return StreamingResponse(_audio(server, first, chunks, endpoint), media_type=fmt.media_type, headers=headers)
+
+
+class ClientGone(Exception):
+    """The client disconnected while its response was being made."""
+
+
+async def _unless_gone(request, awaitable):
+    """``awaitable``'s result, or :class:`ClientGone` as soon as the client disconnects (its work
+    cancelled): a client that left before its first audio, or before a whole file was made, held its
+    stream's slot until the idle timeout or the audio's end (48.8 s for 2,500 characters)."""
+    work = asyncio.ensure_future(awaitable)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        work.cancel()
+        raise
+    finally:
+        gone.cancel()
+    if not work.done():
+        work.cancel()
+        with contextlib.suppress(BaseException):
+            await work
+        raise ClientGone
+    return work.result()
+
+
+async def _disconnected(request) -> None:
+    """Returns when the client disconnects (its body was read whole: the next message is that)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _collected(chunks: AsyncIterator[bytes]) -> list[bytes]:
+    return [chunk async for chunk in chunks]
 
 
 async def _encoded(encoder: StreamEncoder, audio: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:

@@ -6,6 +6,7 @@ connection alive without audio, and one that never stops."""
 import asyncio
 import contextlib
 import json
+import socket
 import threading
 import time
 
@@ -45,7 +46,8 @@ ANSWERS = {
 
 class HostileLM:
     """An LM that answers each text as the probe's did: :data:`ANSWERS`, or for "keep alive" SSE
-    comments every 0.1 s with no audio, for "never stops" audio tokens without an end."""
+    comments every 0.1 s with no audio, for "never stops" audio tokens without an end, for "slow" a
+    frame every 0.5 s, for "silent start" the same after 5 s of nothing."""
 
     def __init__(self) -> None:
         from starlette.applications import Starlette
@@ -67,6 +69,14 @@ class HostileLM:
                         yield _events(AUDIO_TEXT * 8)
                         await asyncio.sleep(0)
                 return StreamingResponse(forever(), media_type="text/event-stream")
+            if text in ("slow", "silent start"):
+                async def slowly():
+                    if text == "silent start":
+                        await asyncio.sleep(5)
+                    for _ in range(12):
+                        yield _events(AUDIO_TEXT)
+                        await asyncio.sleep(0.5)
+                return StreamingResponse(slowly(), media_type="text/event-stream")
             media, content = ANSWERS[text]
             return Response(content, media_type=media)
 
@@ -88,7 +98,7 @@ def probed_server(**options):
 
 @pytest.fixture(scope="module")
 def server():
-    with probed_server(lm_timeout_s=1.0, max_tokens=7 * 12) as server:
+    with probed_server(lm_timeout_s=1.0, max_tokens=7 * 12, header_timeout_s=2.0) as server:
         yield server
 
 
@@ -98,8 +108,9 @@ def keyed_server():
         yield server
 
 
-def speak(server, text: str, fmt: str = "pcm", **body) -> httpx.Response:
-    return httpx.post(server.url + "/v1/audio/speech", json={"input": text, "response_format": fmt, **body}, timeout=30)
+def speak(server, text: str, fmt: str = "pcm", timeout: float = 30, headers=None, **body) -> httpx.Response:
+    return httpx.post(server.url + "/v1/audio/speech", json={"input": text, "response_format": fmt, **body},
+                      timeout=timeout, headers=headers)
 
 
 def test_urls_are_shown_without_credentials_or_query():
@@ -218,10 +229,10 @@ def test_one_large_ids_message_does_not_stall_the_server(server):
     assert len(waits) >= 3 and max(waits) < took / 3, (took, sorted(waits)[-3:])
 
 
-def _slots_free_within(server, seconds: float) -> bool:
+def _slots_free_within(server, seconds: float, headers=None) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
-        if httpx.get(server.url + "/health").json()["slots_in_use"] == 0:
+        if httpx.get(server.url + "/health", headers=headers).json()["slots_in_use"] == 0:
             return True
         time.sleep(0.02)
     return False
@@ -248,3 +259,41 @@ def test_text_without_sentence_ends_is_bounded_per_stream(server, route):
     assert errors and errors[0]["error"] == "text_backlog_exceeded" and "--max-input-chars" in errors[0]["message"]
     assert time.monotonic() - started < 10
     assert _slots_free_within(server, 1.0)
+
+
+@pytest.mark.parametrize("text, stream", [("slow", False), ("silent start", False), ("silent start", True)])
+def test_a_departed_clients_slot_comes_back_within_a_second(keyed_server, text, stream):
+    """A client that leaves before its first audio, or before a whole file ("stream": false) is
+    made, frees its stream's slot at once (it was held until the audio's end or the idle timeout).
+    The server's --lm-timeout is 60 s: the LM's silence does not end the request first."""
+    key = {"Authorization": f"Bearer {KEY}"}
+    with pytest.raises(httpx.TimeoutException):
+        speak(keyed_server, text, stream=stream, timeout=1.0, headers=key)
+    left = time.monotonic()
+    assert _slots_free_within(keyed_server, 1.0, key), f"a slot held {time.monotonic() - left:.1f} s after the client left"
+
+
+def _raw_exchange(server, request: bytes, wait_s: float) -> bytes:
+    """Send raw bytes, then read what comes back until the server closes or ``wait_s`` pass."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=wait_s) as sock:
+        with contextlib.suppress(OSError):
+            sock.sendall(request)
+        answer = b""
+        with contextlib.suppress(OSError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    return answer
+
+
+def test_a_body_that_never_arrives_gets_a_408(server):
+    started = time.monotonic()
+    answer = _raw_exchange(server, b"POST /v1/audio/speech HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                                   b"Content-Length: 100\r\n\r\n{\"input\": ", wait_s=20)
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer, answer[:200]
+    assert time.monotonic() - started < 5
+
+
+def test_headers_past_64_kib_get_a_431(server):
+    answer = _raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
+                           wait_s=20)
+    assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer, answer[:200]
