@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from snac_fast.serve.auth import BearerKey
+from snac_fast.serve.auth import BearerKey, OriginCheck
 from snac_fast.serve.backend import Backend, EngineProcessBackend, InProcessBackend
 from snac_fast.serve.batchers import freeze_startup_objects
 from snac_fast.serve.elevenlabs_speech import text_to_speech
@@ -197,6 +197,7 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     codec, feeding that engine process, which other workers share."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
+    from starlette.middleware.cors import CORSMiddleware
     from starlette.routing import Route, WebSocketRoute
 
     settings = (settings or ServeSettings()).check()
@@ -215,6 +216,12 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     middleware = [Middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.header_timeout_s)]
     if settings.api_key:
         middleware.insert(0, Middleware(BearerKey, key=settings.api_key))  # outermost: the key first
+    origins = frozenset(o.strip() for o in settings.allow_origins.split(",") if o.strip())
+    if origins:  # browsers' preflights answered before the key is asked (they carry none)
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["*"],
+                                        allow_headers=["*"], expose_headers=["X-Sample-Rate", "X-Sample-Format",
+                                                                             "Server-Timing"]))
+    middleware.insert(0, Middleware(OriginCheck, allowed=origins))  # outermost: another site's page refused first
     app = Starlette(routes=[Route("/", page), Route("/v1/audio/speech", speech, methods=["POST"]),
                             *[Route(f"/v1/text-to-speech/{{voice_id}}{form}", text_to_speech, methods=["POST"])
                               for form in ("", "/stream", "/with-timestamps", "/stream/with-timestamps")],

@@ -1,6 +1,7 @@
 """API keys: ``Authorization: Bearer KEY`` (or ElevenLabs' ``xi-api-key: KEY``) on every HTTP and
 WebSocket route but the open ones (``/health``, the page at ``/``), answered in OpenAI's error shape (401,
-``invalid_api_key``) before any handler runs."""
+``invalid_api_key``) before any handler runs. Browsers' origins: a request or WebSocket that a page of
+another site makes (its ``Origin`` header) is refused unless ``--allow-origins`` names that site."""
 
 from __future__ import annotations
 
@@ -69,3 +70,38 @@ async def send_error(send, status: int, message: str, code: str, headers: list[t
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             *headers]})
     await send({"type": "http.response.body", "body": body})
+
+
+def _header(scope, name: bytes) -> str | None:
+    value = next((v for k, v in scope.get("headers", []) if k == name), None)
+    return value.decode("latin-1") if value is not None else None
+
+
+class OriginCheck:
+    """ASGI middleware: what a browser sends with another site's ``Origin`` is refused (HTTP 403 in
+    OpenAI's shape; a WebSocket closed 1008 before it opens), unless ``allowed`` names that origin
+    (or holds ``*``). Requests without an ``Origin`` (the SDKs, curl) and the server's own page pass.
+    Without it a page anywhere could make a keyless server speak (a cross-origin ``text/plain``
+    POST needs no preflight) and open its WebSockets."""
+
+    def __init__(self, app, allowed: frozenset[str]) -> None:
+        self.app, self.allowed = app, frozenset(o.rstrip("/") for o in allowed)
+
+    def allows(self, origin: str, scope) -> bool:
+        if "*" in self.allowed or origin in self.allowed:
+            return True
+        host = _header(scope, b"host")  # the server's own page: the origin is the host it asked
+        scheme = "https" if scope.get("scheme") in ("https", "wss") else "http"
+        return host is not None and origin == f"{scheme}://{host}"
+
+    async def __call__(self, scope, receive, send) -> None:
+        origin = _header(scope, b"origin") if scope["type"] in ("http", "websocket") else None
+        if origin is None or self.allows(origin, scope):
+            await self.app(scope, receive, send)
+            return
+        message = f"requests from the web origin {origin[:100]!r} are not allowed (see --allow-origins)"
+        if scope["type"] == "websocket":
+            await receive()  # websocket.connect
+            await send({"type": "websocket.close", "code": 1008, "reason": message[:120]})
+            return
+        await send_error(send, 403, message, "origin_not_allowed")

@@ -4,10 +4,16 @@ with the time to first audio and the gaps between chunks shown as they happen.
 ``pcm`` plays through the Web Audio API (each chunk's samples scheduled right after the last);
 ``mp3`` and ``aac`` through Media Source Extensions; ``wav``, ``flac`` and ``opus`` once the whole
 file has come (browsers' Media Source takes none of them as they are sent). The key, if the server
-has one, is asked on the page and kept in the browser's local storage.
+has one, is asked on the page and kept in the tab's session storage (gone with the tab). The page
+is served with a Content-Security-Policy that allows its own inline script and style (by their
+SHA-256) and requests to this server alone, and may not be framed.
 """
 
 from __future__ import annotations
+
+import base64
+import hashlib
+import re
 
 PAGE = """<!doctype html>
 <html lang="en">
@@ -52,11 +58,11 @@ PAGE = """<!doctype html>
 const $ = id => document.getElementById(id);
 const RATE = 24000;
 let audioContext = null;
-$("key").value = localStorage.getItem("snac-fast-key") || "";
+$("key").value = sessionStorage.getItem("snac-fast-key") || "";
 
 function headers() {
   const key = $("key").value.trim();
-  localStorage.setItem("snac-fast-key", key);
+  sessionStorage.setItem("snac-fast-key", key);
   return key ? {"Authorization": "Bearer " + key} : {};
 }
 
@@ -198,8 +204,25 @@ loadVoices();
 """
 
 
+def _inline_hash(tag: str) -> str:
+    body = re.search(rf"<{tag}>(.*?)</{tag}>", PAGE, re.S)[1]
+    return "'sha256-" + base64.b64encode(hashlib.sha256(body.encode()).digest()).decode() + "'"
+
+
+# the page's own inline script and style, requests to this server, audio from blob: URLs (Media
+# Source); nothing else loads, and no other site may frame it
+SECURITY_HEADERS = {
+    "Content-Security-Policy": f"default-src 'none'; script-src {_inline_hash('script')}; "
+                               f"style-src {_inline_hash('style')}; connect-src 'self'; media-src 'self' blob:; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
+
+
 async def page(request):
     """The route."""
     from starlette.responses import HTMLResponse
 
-    return HTMLResponse(PAGE)
+    return HTMLResponse(PAGE, headers=SECURITY_HEADERS)

@@ -106,6 +106,9 @@ class ServeSettings:
     api_key: str | None = _option(None, f"require 'Authorization: Bearer KEY' (or 'xi-api-key: KEY') on every endpoint "
                                   f"but /health and the page; several keys comma-separated (default: "
                                   f"${API_KEY_VARIABLE}, else none)", shown="none")
+    allow_origins: str = _option("", "web origins (scheme://host:port, comma-separated; '*': any) whose pages may "
+                                 "call this server and open its WebSockets (CORS); a browser request from any other "
+                                 "origin gets a 403 (default: none but this server's own page)")
     # limits of a public endpoint (docs/server.md, "Limits")
     max_body_bytes: int = _option(262144, "largest request body in bytes (413 past it)", group="limits")
     max_streams_per_key: int = _option(0, "open streams at most per API key (per client address without a key; "

@@ -297,3 +297,45 @@ def test_headers_past_64_kib_get_a_431(server):
     answer = _raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
                            wait_s=20)
     assert answer.startswith(b"HTTP/1.1 431") and b"headers_too_large" in answer, answer[:200]
+
+
+EVIL = "http://evil.example"
+
+
+def test_another_sites_page_is_refused_and_the_servers_own_page_is_not(server):
+    """A cross-origin text/plain POST needs no preflight: a page anywhere made a keyless server
+    speak, and opened its WebSockets. Now a browser's request from another origin gets a 403."""
+    from websockets.exceptions import InvalidStatus
+    from websockets.sync.client import connect
+
+    r = httpx.post(server.url + "/v1/audio/speech", content=json.dumps({"input": "slow"}), timeout=30,
+                   headers={"Content-Type": "text/plain", "Origin": EVIL})
+    assert r.status_code == 403 and r.json()["error"]["code"] == "origin_not_allowed"
+    with pytest.raises(InvalidStatus) as refused:
+        connect(server.url.replace("http", "ws") + "/v1/audio/stream", origin=EVIL)
+    assert refused.value.response.status_code == 403
+    assert httpx.get(server.url + "/v1/audio/voices", headers={"Origin": server.url}).status_code == 200
+    with connect(server.url.replace("http", "ws") + "/v1/audio/stream", origin=server.url) as ws:
+        ws.send(json.dumps({"end": True}))
+        assert json.loads(ws.recv(timeout=10))["type"] == "done"
+
+
+def test_allowed_origins_get_cors_answers_before_the_key():
+    with probed_server(api_key=KEY, allow_origins="http://app.example") as server:
+        preflight = httpx.options(server.url + "/v1/audio/speech", headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": "authorization, content-type"})
+        assert preflight.status_code == 200
+        assert preflight.headers["access-control-allow-origin"] == "http://app.example"
+        r = httpx.get(server.url + "/v1/audio/voices", headers={"Origin": "http://app.example",
+                                                                "Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "http://app.example"
+        assert httpx.get(server.url + "/v1/audio/voices", headers={"Origin": EVIL,
+                                                                   "Authorization": f"Bearer {KEY}"}).status_code == 403
+
+
+def test_the_page_has_a_content_security_policy_and_keeps_no_key_for_good(server):
+    r = httpx.get(server.url + "/")
+    policy = r.headers["content-security-policy"]
+    assert "frame-ancestors 'none'" in policy and "script-src 'sha256-" in policy and "unsafe-inline" not in policy
+    assert r.headers["x-frame-options"] == "DENY" and "localStorage" not in r.text
