@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 WHEELS=(snac==1.2.1 soundfile cffi pycparser starlette uvicorn httptools websockets av
         openai jiter distro pydantic pydantic-core annotated-types typing-inspection typing-extensions
-        sniffio httpx2 httpcore2 truststore idna anyio h11)
+        sniffio httpx2 httpcore2 truststore idna anyio h11 swagger-ui-py)
 PLATFORMS=()
 for p in manylinux_2_28 manylinux_2_27 manylinux_2_24 manylinux_2_17 manylinux2014 manylinux1; do
   PLATFORMS+=(--platform "${p}_x86_64")

@@ -21,7 +21,7 @@ import time
 
 import numpy as np
 
-from snac_fast.serve.auth import BearerKey, OriginCheck
+from snac_fast.serve.auth import DOCS_PREFIX, BearerKey, OriginCheck
 from snac_fast.serve.backend import Backend, EngineProcessBackend, InProcessBackend
 from snac_fast.serve.batchers import freeze_startup_objects
 from snac_fast.serve.elevenlabs_speech import text_to_speech
@@ -31,6 +31,7 @@ from snac_fast.serve.lm_client import LMClient, redacted_url
 from snac_fast.serve.metrics import ServeMetrics
 from snac_fast.serve.page import page
 from snac_fast.serve.protocol import OPENAI_MODELS, models_list, voices_list
+from snac_fast.serve.schema import openapi_document
 from snac_fast.serve.settings import ServeSettings
 from snac_fast.serve.speech import speech
 from snac_fast.serve.text_contexts import multi_stream_input
@@ -180,6 +181,22 @@ async def models(request):
     return JSONResponse(models_list((settings.lm_model or "orpheus", *OPENAI_MODELS)))
 
 
+async def openapi(request):
+    """The OpenAPI 3.1 document of the HTTP routes (:func:`snac_fast.serve.schema.openapi_document`)."""
+    from starlette.responses import JSONResponse
+
+    return JSONResponse(openapi_document())
+
+
+def _with_docs(app) -> None:
+    """``/docs``: Swagger UI (swagger-ui-py's page and assets) over ``/openapi.json``."""
+    from starlette.routing import Route
+    from swagger_ui import api_doc
+
+    api_doc(app, config_rel_url="/openapi.json", url_prefix=DOCS_PREFIX, title="snac-fast serve")
+    app.router.routes.append(Route(DOCS_PREFIX + "/openapi.json", openapi))  # the page asks its own prefix
+
+
 async def metrics(request):
     from prometheus_client import CONTENT_TYPE_LATEST
     from starlette.responses import Response
@@ -229,8 +246,10 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/stream-input", stream_input),
                             WebSocketRoute("/v1/text-to-speech/{voice_id}/multi-stream-input", multi_stream_input),
                             Route("/v1/audio/voices", voices), Route("/v1/models", models),
-                            Route("/health", health), Route("/ready", ready), Route("/metrics", metrics)],
+                            Route("/health", health), Route("/ready", ready), Route("/metrics", metrics),
+                            Route("/openapi.json", openapi)],
                     middleware=middleware, lifespan=lifespan)
+    _with_docs(app)
     app.state.server = server
     return app
 

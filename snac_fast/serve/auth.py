@@ -9,7 +9,8 @@ import hashlib
 import hmac
 import json
 
-OPEN_PATHS = frozenset({"/health", "/"})  # liveness, and the page (it asks for the key itself)
+OPEN_PATHS = frozenset({"/health", "/", "/openapi.json"})  # liveness, the page (it asks for the key itself), the schema
+DOCS_PREFIX = "/docs"  # Swagger UI's page and assets: open too
 
 
 def _digest(value: bytes) -> bytes:
@@ -49,7 +50,8 @@ class BearerKey:
             await self.app(scope, receive, send)
             return
         index = self.key_index(scope.get("headers", []))
-        if index is not None or scope["path"] in self.open_paths:
+        path = scope["path"]
+        if index is not None or path in self.open_paths or path == DOCS_PREFIX or path.startswith(DOCS_PREFIX + "/"):
             if index is not None:  # the client, for the per-key limits (request.state.client)
                 scope.setdefault("state", {})["client"] = f"key {index}"
             await self.app(scope, receive, send)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import time
 
-from snac_fast.noise import check_seed
 from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format, voice_speed
 from snac_fast.serve.protocol import SpeechRequest, checked_text
+from snac_fast.serve.schema import ElevenLabsSpeechBody, first_problem
 from snac_fast.serve.speech import TIMESTAMPED, FirstAudioTimes, json_body, spoken_response
 
 
@@ -49,28 +49,22 @@ async def text_to_speech(request):
 
 
 def _checked(body, max_chars: int) -> tuple[str | None, str | None, int | None, float]:
-    """(what is wrong with the body, or None; its text; its seed; its ``voice_settings.speed``)."""
+    """(what is wrong with the body, or None; its text; its seed; its ``voice_settings.speed``).
+    Each field's type and range: :class:`snac_fast.serve.schema.ElevenLabsSpeechBody`."""
     failed = (None, None, 1.0)
     if not isinstance(body, dict):
         return "the body must be a JSON object with 'text'", *failed
-    text = body.get("text")
-    if not isinstance(text, str) or not text.strip():
+    problem = first_problem(ElevenLabsSpeechBody, body)
+    if problem is not None:
+        return problem[0], *failed
+    text = body["text"]
+    if not text.strip():
         return "'text' must be a non-empty string", *failed
     if len(text) > max_chars:
         return f"'text' is {len(text)} characters; at most {max_chars}", *failed
     if checked_text(text, "text"):
         return checked_text(text, "text"), *failed
-    seed = body.get("seed")
-    if seed is not None:
-        try:
-            seed = check_seed(seed)
-        except ValueError as e:
-            return f"'seed': {e}", *failed
-    try:
-        speed = voice_speed(body.get("voice_settings"))
-    except ValueError as e:
-        return str(e), *failed
-    return None, text, seed, speed
+    return None, text, body.get("seed"), voice_speed(body.get("voice_settings"))
 
 
 def error_response(status: int, message: str, kind: str, code: str | None = None, **headers):

@@ -135,12 +135,11 @@ def header_timeout_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER
             self._header_timer = self.loop.call_later(timeout_s, self._headers_too_slow)
 
         def data_received(self, data: bytes) -> None:
-            if self._header_timer is not None:  # the headers are still arriving
+            super().data_received(data)
+            if self._header_timer is not None:  # the headers still arriving after this chunk
                 self._header_bytes += len(data)
                 if self._header_bytes > max_header_bytes:
                     self._headers_too_large()
-                    return
-            super().data_received(data)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from snac_fast.noise import check_seed
-from snac_fast.serve.formats import FORMATS, OPENAI_FORMATS, OPUS_RATES, checked_speed
+from snac_fast.serve.formats import FORMATS, OPUS_RATES
+from snac_fast.serve.schema import SpeechBody, first_problem
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
 SAMPLE_FORMATS = ("s16", "f32")
@@ -79,11 +79,16 @@ class SpeechRequest:
 
     @classmethod
     def parse(cls, body, voices: tuple[str, ...], default_voice: str, max_chars: int) -> "SpeechRequest":
-        """Check a request's JSON body; raises :class:`RequestError` naming the first problem."""
+        """Check a request's JSON body; raises :class:`RequestError` naming the first problem. Each
+        field's type and range: :class:`snac_fast.serve.schema.SpeechBody` (what /openapi.json
+        shows); here, what depends on the server's settings or on several fields."""
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")
-        text = body.get("input")
-        if not isinstance(text, str) or not text.strip():
+        problem = first_problem(SpeechBody, body)
+        if problem is not None:
+            raise RequestError(problem[0], param=problem[1])
+        text = body["input"]
+        if not text.strip():
             raise RequestError("'input' must be a non-empty string", param="input")
         if len(text) > max_chars:
             raise RequestError(f"'input' is {len(text)} characters; at most {max_chars}", param="input",
@@ -91,38 +96,19 @@ class SpeechRequest:
         problem = checked_text(text, "input")
         if problem:
             raise RequestError(problem, param="input")
-        voice = body.get("voice", default_voice)
+        voice = body.get("voice") or default_voice
         if isinstance(voice, dict):  # OpenAI's custom-voice form {"id": ...}
-            voice = voice.get("id")
-        if not isinstance(voice, str) or voice not in voices:
+            voice = voice["id"]
+        if voice not in voices:
             raise RequestError(f"'voice' must be one of {list(voices)}, got {voice!r}", param="voice")
-        model = body.get("model")
-        if model is not None and not isinstance(model, str):
-            raise RequestError("'model' must be a string", param="model")
         name = body.get("response_format", DEFAULT_FORMAT)
-        if not isinstance(name, str) or name not in FORMATS:
-            raise RequestError(f"'response_format' must be one of {list(OPENAI_FORMATS)} (or "
-                               f"{', '.join(n for n in FORMATS if n not in OPENAI_FORMATS)}), got {name!r}",
-                               param="response_format")
-        try:
-            speed = checked_speed(body.get("speed", 1.0))
-        except ValueError as e:
-            raise RequestError(str(e), param="speed") from None
-        instructions = body.get("instructions")
-        if instructions is not None and not isinstance(instructions, str):
-            raise RequestError("'instructions' must be a string", param="instructions")
+        speed = float(body.get("speed", 1.0))
         stream_format = body.get("stream_format", "audio")
-        if stream_format not in STREAM_FORMATS:
-            raise RequestError("'stream_format' must be 'audio' or 'sse'", param="stream_format")
         sample_format = body.get("sample_format", "s16")
-        if sample_format not in SAMPLE_FORMATS:
-            raise RequestError(f"'sample_format' must be one of {list(SAMPLE_FORMATS)}", param="sample_format")
         if sample_format != "s16" and name not in ("pcm", "wav"):
             raise RequestError("'sample_format' f32 is for 'pcm' and 'wav' only", param="sample_format")
         rate = body.get("sample_rate")
         if rate is not None:
-            if isinstance(rate, bool) or not isinstance(rate, int) or not 8000 <= rate <= 48000:
-                raise RequestError("'sample_rate' must be an integer of 8000-48000 Hz", param="sample_rate")
             if FORMATS[name].rate is not None and rate != FORMATS[name].rate:
                 raise RequestError(f"'{name}' is at {FORMATS[name].rate} Hz; drop 'sample_rate'", param="sample_rate")
             if name == "opus" and rate not in OPUS_RATES:
@@ -130,17 +116,10 @@ class SpeechRequest:
             if sample_format == "f32":
                 raise RequestError("'sample_rate' needs sample_format s16", param="sample_rate")
         stream = body.get("stream", True)
-        if not isinstance(stream, bool):
-            raise RequestError("'stream' must be true or false", param="stream")
         if not stream and stream_format == "sse":
             raise RequestError("'stream' false cannot be an SSE stream", param="stream")
-        seed = body.get("seed")
-        if seed is not None:
-            try:
-                seed = check_seed(seed)  # an integer of 64 signed bits (the noise's Philox key)
-            except ValueError as e:
-                raise RequestError(f"'seed': {e}", param="seed") from None
-        return cls(text, voice, model, name, rate, sample_format, stream_format, stream, seed, speed)
+        return cls(text, voice, body.get("model"), name, rate, sample_format, stream_format, stream, body.get("seed"),
+                   speed)
 
 
 def models_list(models: tuple[str, ...]) -> dict:
