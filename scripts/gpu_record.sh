@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# The GPU record in named sections, each well inside one 10-minute device call, each writing its
+# reports (JSON + Markdown) under $OUT/r as it finishes, with the GPU and the commit in $OUT/r/run.txt:
+#
+#   bash scripts/gpu_record.sh gputests memory        # sections in the order given
+#
+# Carry .whl (scripts/device_wheels.sh fills it; cpu16 wants .whl-cpu, benchmarks/README.md) and
+# copy what comes back under $OUT/r into benchmarks/. Sections, in the order the record wants them:
+#   gputests    every gpu test (the CPU suite is CI's)
+#   memory      the README recipe by phase; the budget's cost at 1 / 1.5 / 2 GB
+#   coloc       an LM stand-in holding 90% of the card beside serve: default, then MPS
+#   formats     256 mp3 and pcm streams, 4 workers; then mp3 with 8
+#   first       time to first audio: 1 / 64 / 256 clients, Poisson and burst, by part
+#   text        256 text WebSockets; long text at the LM's 3x
+#   soak_start  a 10-minute soak at 256 streams (10% disconnects, LM faults) in a process of its own
+#               session that outlives the call: run other sections, then soak_collect within 30 minutes
+#   soak_collect  waits for the soak and copies its report
+#   corpora     encode-dataset --format orpheus against Unsloth's notebook pipeline (carry datasets' wheels)
+#   cpu16       CPU streams and serve --device cpu on the host's 16 cores (WHEELS=.whl-cpu)
+set -u
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT, the folder whose files come back}"
+mkdir -p "$OUT/r" "$OUT/logs"
+. scripts/device_setup.sh > "$OUT/logs/setup.log" 2>&1 || { echo "setup failed"; tail "$OUT/logs/setup.log"; exit 1; }
+echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) $(date -u +%F)" \
+  | tee "$OUT/r/run.txt"
+C="--workers 4 --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4"
+
+step() {  # step NAME SECONDS COMMAND...: its log in $OUT/logs, its status and time in $OUT/steps.txt
+  local name=$1 limit=$2; shift 2
+  local t0; t0=$(date +%s)
+  timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
+  tail -4 "$OUT/logs/$name.log"
+}
+
+for section in "$@"; do
+  case $section in
+    gputests) step gputests 540 python -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -rs ;;
+    memory)
+      step recipe 150 python scripts/profile_memory.py --out "$OUT/r" --stem memory_recipe_24khz
+      step budget 300 python scripts/bench_budget.py --budgets 1,1.5,2,0 --max-streams 1024 --out "$OUT/r" ;;
+    coloc)
+      CO="--clients 64,256 --seconds 12 --format pcm --colocated-lm 0.9 --lm-idle-s 5 --workers 4 --shared-engine \
+          --max-streams 1024 --max-batch 256 --lm-workers 4 --client-procs 4 --out $OUT/r --stem colocated_24khz"
+      step coloc 250 python scripts/bench_serve_http.py $CO
+      step coloc_mps 250 python scripts/bench_serve_http.py $CO --mps --append ;;
+    formats)
+      step formats 250 python scripts/bench_serve_http.py --clients 256 --format mp3,pcm --seconds 15 $C \
+        --out "$OUT/r" --stem serve_http_formats_24khz
+      step formats_w8 200 python scripts/bench_serve_http.py --clients 256 --format mp3 --seconds 15 --workers 8 \
+        --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4 --out "$OUT/r" \
+        --stem serve_http_formats_24khz --append ;;
+    first) step first 500 python scripts/bench_serve_http.py --clients 1,64,256 --arrivals poisson,burst --seconds 3 \
+             --pace 1 --repeat 3 --format pcm $C --out "$OUT/r" --stem serve_http_first_audio_24khz ;;
+    text)
+      step textws 200 python scripts/bench_serve_http.py --clients 256 --text-ws 5 --sentence-every 3 --seconds 20 $C \
+        --out "$OUT/r" --stem serve_http_long_text_24khz
+      step long3x 300 python scripts/bench_serve_http.py --clients 256 --arrivals poisson --input-chars 1000 --pace 3 \
+        --seconds 60 $C --out "$OUT/r" --stem serve_http_long_text_24khz --append ;;
+    soak_start)
+      mkdir -p /tmp/soak
+      setsid nohup python scripts/soak_serve.py --clients 256 --minutes 10 --disconnect 0.1 --lm-faults 0.05,0.02,0.01 $C \
+        --out /tmp/soak --stem soak_serve_24khz > /tmp/soak/log 2>&1 < /dev/null &
+      echo "soak started: soak_collect within 30 minutes of the machine's start" ;;
+    soak_collect)
+      for _ in $(seq 560); do [ -f /tmp/soak/soak_serve_24khz.json ] && break; sleep 1; done
+      cp /tmp/soak/soak_serve_24khz.* /tmp/soak/log "$OUT/r/" 2>/dev/null || echo "the soak has not finished" ;;
+    corpora) step corpora 560 python scripts/bench_dataset_notebook.py --files 3000 --out "$OUT/r" \
+               --stem dataset_orpheus_24khz ;;
+    cpu16)
+      step cpu16 300 python scripts/bench_cpu.py --threads 1 --streams 1,16 --procs 16 --rounds 2 --out "$OUT/r" \
+        --stem cpu_stream_24khz_16core
+      step serve_cpu16 250 python scripts/bench_serve_http.py --device cpu --workers 16 --clients 32,64,96,128 \
+        --seconds 20 --max-batch 64 --max-streams 64 --client-procs 2 --out "$OUT/r" --stem serve_cpu_24khz_16core ;;
+    *) echo "unknown section $section (see the head of this script)"; exit 2 ;;
+  esac
+done
