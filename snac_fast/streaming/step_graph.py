@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -25,6 +26,13 @@ class NoiseCall(NamedTuple):
 
 # the engine's step on device tensors: (kind, keys, codes, frames, noise_for or None) -> audio
 Forward = Callable[[str, Tensor, list, int, Optional[Callable[[NoiseCall], Tensor]]], Tensor]
+
+
+# Not yet run on a GPU, so off (CONTRIBUTING.md): each graph's persistent buffers (its noise and its
+# output, one copy at the graph's end) taken outside the graphs' pool before its capture. Kept in the
+# pool, they fragment it: on an H100 the 256-stream pool came to 1.311 GB in 18 segments for 0.853 GB
+# of intermediates, the first graph's output splitting the reserved segment (docs/history.md, issue 87)
+BUFFERS_OUTSIDE_POOL = os.environ.get("SNAC_FAST_STEP_BUFFERS_OUTSIDE_POOL", "0") == "1"
 
 
 class StepGraph:
@@ -73,9 +81,17 @@ class StepGraph:
                     forward(kind, keys_view, codes_views, frames, None)
             # one eager step loads its kernels and records its noise calls (the pass ran its torch ops
             # already); a second one before each capture cost a 256-stream warm-up ~0.3 s
-            forward(kind, keys_view, codes_views, frames,
-                    lambda call: noise_calls.append(call) or draw_noise(keys_view, call))
+            eager = forward(kind, keys_view, codes_views, frames,
+                            lambda call: noise_calls.append(call) or draw_noise(keys_view, call))
+            output_shape, output_dtype = eager.shape, eager.dtype
+            del eager
         torch.cuda.current_stream(device).wait_stream(stream)
+        rows = keys_view.shape[1]
+        outside = BUFFERS_OUTSIDE_POOL
+        if outside:  # this graph's persistent buffers, taken before its capture, outside the pool
+            self.noise = {call.index: torch.empty((rows, 1, call.length), device=device, dtype=call.dtype)
+                          for call in noise_calls}
+            self.output = torch.empty(output_shape, device=device, dtype=output_dtype)
         self.graph = torch.cuda.CUDAGraph()
         capture.wait_stream(torch.cuda.current_stream(device))
         with torch.inference_mode(), torch.cuda.graph(self.graph, pool=pool.id, stream=capture):
@@ -88,9 +104,9 @@ class StepGraph:
             # its buffers taken on the capture stream, from the pool's one segment: the allocator never
             # hands one stream's blocks to another, so buffers taken on the side stream each opened a
             # segment of their own in the pool, which the graph then held
-            rows = keys_view.shape[1]
-            self.noise = {call.index: torch.empty((rows, 1, call.length), device=device, dtype=call.dtype)
-                          for call in noise_calls}
+            if not outside:
+                self.noise = {call.index: torch.empty((rows, 1, call.length), device=device, dtype=call.dtype)
+                              for call in noise_calls}
             side.wait_stream(capture)
             with torch.cuda.stream(side):
                 for call in noise_calls:
@@ -107,7 +123,12 @@ class StepGraph:
                 if self.noise[call.index].shape[2] != call.length:
                     raise RuntimeError("a step graph's noise differs from its warm-up's")
                 return self.noise[call.index]
-            self.output = forward(kind, keys_view, codes_views, frames, noise_for)
+            output = forward(kind, keys_view, codes_views, frames, noise_for)
+            if outside:
+                self.output.copy_(output)
+                del output
+            else:
+                self.output = output
             if not joined:
                 capture.wait_event(drawn)
         for t, s in zip(state, saved):

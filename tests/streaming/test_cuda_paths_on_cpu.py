@@ -9,6 +9,7 @@ from helpers import engine64, frames_of, random_codes
 from torch.cuda._utils import _get_device_index
 
 from snac_fast.configs import published_config
+from snac_fast.streaming import step_graph
 
 
 @pytest.fixture
@@ -36,7 +37,9 @@ def graphed_engine(streams: int):
     return engine
 
 
-def test_an_unindexed_device_warms_up_captures_and_steps(fake_cuda):
+@pytest.mark.parametrize("outside", [False, True], ids=["buffers in the pool", "buffers outside the pool"])
+def test_an_unindexed_device_warms_up_captures_and_steps(fake_cuda, monkeypatch, outside):
+    monkeypatch.setattr(step_graph, "BUFFERS_OUTSIDE_POOL", outside)
     engine = graphed_engine(streams=3)
     assert engine.device.index is None
     engine.compile_steps(max_batch=2)
