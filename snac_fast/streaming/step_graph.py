@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from typing import Callable, NamedTuple, Optional
 
 import numpy as np
@@ -32,7 +31,7 @@ Forward = Callable[[str, Tensor, list, int, Optional[Callable[[NoiseCall], Tenso
 # output, one copy at the graph's end) taken outside the graphs' pool before its capture. Kept in the
 # pool, they fragment it: on an H100 the 256-stream pool came to 1.311 GB in 18 segments for 0.853 GB
 # of intermediates, the first graph's output splitting the reserved segment (docs/history.md, issue 87)
-BUFFERS_OUTSIDE_POOL = os.environ.get("SNAC_FAST_STEP_BUFFERS_OUTSIDE_POOL", "0") == "1"
+BUFFERS_OUTSIDE_POOL = False
 
 
 class StepGraph:

@@ -65,7 +65,7 @@ def test_body_size_and_streams_per_key(codec):
         first, second, other = asyncio.run(three())
         again = httpx.post(server.url + "/v1/audio/speech", headers=a, json={"input": "four"}, timeout=60)
         time.sleep(0.3)
-        health = httpx.get(server.url + "/health").json()
+        health = httpx.get(server.url + "/health", headers=a).json()  # the details need the key
     assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
     assert streamed.status_code == 413  # no Content-Length: counted as it came
     assert first.status_code == 200 and other.status_code == 200 and again.status_code == 200
