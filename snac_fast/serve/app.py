@@ -126,9 +126,12 @@ class SpeechServer:
         await self.lm.aclose()
 
 
-async def _health_body(server: SpeechServer) -> dict:
+async def _health_body(server: SpeechServer, details: bool = True) -> dict:
+    """The health answer; without ``details``, its status alone (the LM is not asked)."""
     state = await server.backend.health()
     status = state.status if state.status == "engine_lost" or not server.draining else "draining"
+    if not details:
+        return {"status": status}
     lm, why = await server.lm_state()
     body = {"status": status, "device": server.backend.device, "pid": os.getpid(), "open_streams": server.backend.open_streams,
             "slots_in_use": state.slots_in_use, "max_streams": server.backend.max_streams,
@@ -152,11 +155,9 @@ async def health(request):
     from starlette.responses import JSONResponse
 
     server = request.app.state.server
-    body = await _health_body(server)
-    status = 200 if body["status"] == "ok" else 503
-    if server.settings.api_key and not (request.scope.get("state") or {}).get("client", "").startswith("key "):
-        body = {"status": body["status"]}
-    return JSONResponse(body, status_code=status)
+    keyed = (request.scope.get("state") or {}).get("client", "").startswith("key ")
+    body = await _health_body(server, details=keyed or not server.settings.api_key)
+    return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
 
 async def ready(request):

@@ -9,8 +9,10 @@ import hashlib
 import hmac
 import json
 
-OPEN_PATHS = frozenset({"/health", "/", "/openapi.json"})  # liveness, the page (it asks for the key itself), the schema
-DOCS_PREFIX = "/docs"  # Swagger UI's page and assets: open too
+DOCS_PREFIX = "/docs"  # Swagger UI's page and assets
+# liveness, the page (it asks for the key itself), the schema and its page; and what is below the docs
+OPEN_PATHS = frozenset({"/health", "/", "/openapi.json", DOCS_PREFIX})
+OPEN_PREFIXES = (DOCS_PREFIX + "/",)
 
 
 def _digest(value: bytes) -> bytes:
@@ -22,10 +24,11 @@ class BearerKey:
     (WebSocket); keys are compared as SHA-256 digests in constant time (neither content nor length
     shows in the time taken)."""
 
-    def __init__(self, app, key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
+    def __init__(self, app, key: str, open_paths: frozenset[str] = OPEN_PATHS,
+                 open_prefixes: tuple[str, ...] = OPEN_PREFIXES) -> None:
         """``key``: one key, or several separated by commas (each a client of its own, for the
         per-key limits)."""
-        self.app, self.open_paths = app, open_paths
+        self.app, self.open_paths, self.open_prefixes = app, open_paths, open_prefixes
         self._keys = [_digest(k.strip().encode()) for k in key.split(",") if k.strip()]
 
     def key_index(self, headers: list[tuple[bytes, bytes]]) -> int | None:
@@ -51,7 +54,7 @@ class BearerKey:
             return
         index = self.key_index(scope.get("headers", []))
         path = scope["path"]
-        if index is not None or path in self.open_paths or path == DOCS_PREFIX or path.startswith(DOCS_PREFIX + "/"):
+        if index is not None or path in self.open_paths or path.startswith(self.open_prefixes):
             if index is not None:  # the client, for the per-key limits (request.state.client)
                 scope.setdefault("state", {})["client"] = f"key {index}"
             await self.app(scope, receive, send)

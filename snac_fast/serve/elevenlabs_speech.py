@@ -62,8 +62,8 @@ def _checked(body, max_chars: int) -> tuple[str | None, str | None, int | None, 
         return "'text' must be a non-empty string", *failed
     if len(text) > max_chars:
         return f"'text' is {len(text)} characters; at most {max_chars}", *failed
-    if checked_text(text, "text"):
-        return checked_text(text, "text"), *failed
+    if problem := checked_text(text, "text"):
+        return problem, *failed
     return None, text, body.get("seed"), voice_speed(body.get("voice_settings"))
 
 

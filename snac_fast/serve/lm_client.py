@@ -258,11 +258,15 @@ async def _sse_data(chunks: AsyncIterator[bytes]) -> AsyncIterator[list[str]]:
                     except UnicodeDecodeError:
                         if fields:
                             yield fields
-                        raise LMOutputError(f"the language model sent bytes that are not UTF-8: {line[:60]!r}") from None
+                        raise _not_utf8(line) from None
         if fields:
             yield fields
     if buffer.startswith(b"data:"):
         try:
             yield [buffer[5:].strip().decode()]
         except UnicodeDecodeError:
-            raise LMOutputError(f"the language model sent bytes that are not UTF-8: {buffer[:60]!r}") from None
+            raise _not_utf8(buffer) from None
+
+
+def _not_utf8(line: bytes) -> LMOutputError:
+    return LMOutputError(f"the language model sent bytes that are not UTF-8: {line[:60]!r}")

@@ -21,8 +21,6 @@ from snac_fast.serve.formats import FORMATS, OPUS_RATES
 from snac_fast.serve.schema import SpeechBody, first_problem
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
-SAMPLE_FORMATS = ("s16", "f32")
-STREAM_FORMATS = ("audio", "sse")
 # the voices the Orpheus fine-tunes were trained on (canopylabs/orpheus-3b-0.1-ft, in order of conversational realism)
 ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI's speech model names, accepted as names of this server's model

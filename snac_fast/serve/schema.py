@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from snac_fast.serve.formats import FORMATS, SPEEDS
 
+SAMPLE_FORMATS = ("s16", "f32")
+STREAM_FORMATS = ("audio", "sse")
 Int64 = Annotated[int, Field(strict=True, ge=-(1 << 63), lt=1 << 63)]
 Speed = Annotated[float, Field(strict=True, ge=SPEEDS[0], le=SPEEDS[1])]
 Text = Annotated[str, Field(strict=True)]
@@ -41,10 +43,10 @@ class SpeechBody(BaseModel):
     instructions: Optional[Text] = Field(None, description="Accepted, unused: an Orpheus LM takes no instructions.")
     response_format: Literal[tuple(FORMATS)] = Field("mp3", description="The audio's format.")  # type: ignore[valid-type]
     speed: Speed = Field(1.0, description="Playback speed, the pitch kept (FFmpeg's atempo).")
-    stream_format: Literal["audio", "sse"] = Field("audio", description="Raw audio, or server-sent events.")
+    stream_format: Literal[STREAM_FORMATS] = Field("audio", description="Raw audio, or server-sent events.")
     sample_rate: Optional[Annotated[int, Field(strict=True, ge=8000, le=48000)]] = Field(
         None, description="Output rate, for the formats without a fixed one (opus: 8000, 12000, 16000, 24000, 48000).")
-    sample_format: Literal["s16", "f32"] = Field("s16", description="f32 for pcm and wav only.")
+    sample_format: Literal[SAMPLE_FORMATS] = Field("s16", description="f32 for pcm and wav only.")
     seed: Optional[Int64] = Field(None, description="The decoder's noise: the same seed, the same audio.")
     stream: Annotated[bool, Field(strict=True)] = Field(True, description="false: the whole file in one response, "
                                                                           "its sizes true.")

@@ -259,8 +259,8 @@ def _message(raw: str | None) -> dict | str:
         return f"a message needs 'text', 'flush', 'close_context' or 'close_socket'; got keys {sorted(message)[:8]}"
     if "text" in message and not isinstance(message["text"], str):
         return "'text' must be a string"
-    if "text" in message and checked_text(message["text"], "text"):
-        return checked_text(message["text"], "text")
+    if "text" in message and (problem := checked_text(message["text"], "text")):
+        return problem
     cid = message.get("context_id", message.get("contextId"))
     if cid is not None and (not isinstance(cid, str) or not 0 < len(cid) <= MAX_CONTEXT_ID_CHARS):
         return f"'context_id' must be a string of 1-{MAX_CONTEXT_ID_CHARS} characters"

@@ -148,6 +148,6 @@ def _message(raw: str | None) -> dict | str:
         return f"a message needs 'text' (or \"flush\": true); got keys {sorted(message)[:8]}"
     if "text" in message and not isinstance(message["text"], str):
         return "'text' must be a string"
-    if "text" in message and checked_text(message["text"], "text"):
-        return checked_text(message["text"], "text")
+    if "text" in message and (problem := checked_text(message["text"], "text")):
+        return problem
     return message

@@ -16,7 +16,8 @@ from snac_fast.noise import check_seed
 from snac_fast.serve.engine_client import EngineLostError
 from snac_fast.serve.formats import pcm_bytes
 from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
-from snac_fast.serve.protocol import SAMPLE_FORMATS, json_or_none
+from snac_fast.serve.protocol import json_or_none
+from snac_fast.serve.schema import SAMPLE_FORMATS
 
 CLOSE_REASON_BYTES = 120  # a close frame's reason holds 123 bytes
 # a message's ids go to the engine this many frames at a time, each piece a round of its own: one
