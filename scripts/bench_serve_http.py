@@ -1,6 +1,6 @@
 """`snac-fast serve` under load: concurrent HTTP clients asking for speech from a fake LM at a set pace.
 
-Three processes: the fake LM (``python -m snac_fast.serve.fake_lm``, tokens at ``--pace`` times real time),
+Three processes: the fake LM (``python -m snac_fast.serve.lm.fake``, tokens at ``--pace`` times real time),
 the server (``snac-fast serve`` on the synthetic model, ``--workers`` processes), and this one, whose
 clients post ``/v1/audio/speech`` (int16 PCM, streamed), staggered over one frame, and time every
 chunk. Reported per client count:
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
-from snac_fast.serve.fake_lm import read_stats_dir
+from snac_fast.serve.lm.fake import read_stats_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocated_lm  # noqa: E402
@@ -71,8 +71,8 @@ def start(cmd: list[str], health: str, log: Path, timeout: float = 600.0) -> sub
 
 
 def start_fake_lm(port: int, pace: float, frames: int, log: Path, *options: str) -> subprocess.Popen:
-    """``python -m snac_fast.serve.fake_lm`` on ``port`` (more ``options`` as on its command line), up."""
-    return start([sys.executable, "-m", "snac_fast.serve.fake_lm", "--port", str(port), "--pace", str(pace),
+    """``python -m snac_fast.serve.lm.fake`` on ``port`` (more ``options`` as on its command line), up."""
+    return start([sys.executable, "-m", "snac_fast.serve.lm.fake", "--port", str(port), "--pace", str(pace),
                   "--frames", str(frames), *options], f"http://127.0.0.1:{port}/stats", log)
 
 
@@ -265,7 +265,7 @@ def playback_stalls(record: dict, rate: int, buffer_s: float = 0.0) -> float:
 def lm_texts(record: dict, segment_chars: int) -> list[str]:
     """The texts of the LM requests behind one client's audio, in order: a speech input's segments,
     a text WebSocket's sentences."""
-    from snac_fast.serve.segments import split_text
+    from snac_fast.serve.lm.segments import split_text
 
     if "sentences" in record:
         return [text for _, text in record["sentences"]]

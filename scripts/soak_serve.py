@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import markdown_table, write_results
 from bench_serve_http import free_port, lm_texts, start, start_fake_lm, tree_cpu_seconds
 
-from snac_fast.serve.fake_lm import FakeLM, read_stats_dir
+from snac_fast.serve.lm.fake import FakeLM, read_stats_dir
 
 FRAME_S = 2048 / 24000
 KINDS = {"pcm": 0.40, "mp3": 0.12, "opus": 0.08, "long": 0.10, "ids_ws": 0.12, "text_ws": 0.18}

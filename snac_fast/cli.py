@@ -164,7 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         import uvicorn  # noqa: F401
     except ImportError as e:
         raise UsageError(f"serve needs its extra: pip install 'snac-fast[serve]' ({e})") from None
-    from snac_fast.serve.engine_client import EngineLostError
+    from snac_fast.serve.engine.client import EngineLostError
     from snac_fast.serve.run import serve
     from snac_fast.serve.workers import ServeFailure
 

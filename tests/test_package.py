@@ -13,7 +13,7 @@ def test_package_exports_what_readme_imports():
 
     assert snac_fast.ORPHEUS is ORPHEUS and snac_fast.AsyncStreamBatcher is AsyncStreamBatcher
     assert set(snac_fast.__all__) >= {"FastSNAC", "ORPHEUS", "AsyncStreamBatcher", "StreamBatcher", "DecoderStream"}
-    probe = "import sys, snac_fast; print('snac_fast.serve.batchers' in sys.modules)"
+    probe = "import sys, snac_fast; print('snac_fast.batching.batchers' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.strip() == "False"
 
 

@@ -67,7 +67,7 @@ if HAS_TRITON:
 
     # T's alignment is a hint (ALIGNED: T % 8 == 0, 16-byte rows in half precision) rather than
     # Triton's divisible-by-16 specialization: lengths that are multiples of 8 but not of 16 compiled
-    # a second variant of every launch (a cold start compiles each; docs/serving.md)
+    # a second variant of every launch (a cold start compiles each; docs/batching.md)
     @triton.jit(do_not_specialize_on_alignment=["T"])
     def _pointwise_conv_kernel(
         w_ptr, h_ptr, bias_ptr, res_ptr, scale_ptr, res_bias_ptr, alpha_out_ptr, out_ptr, pair_alpha_ptr, pair_out_ptr,

@@ -1,15 +1,15 @@
 """The speech server's Starlette app: one :class:`SpeechServer` per process (a backend, the LM
 client, metrics) in ``app.state.server``, and thin routes that fetch it from there.
 
-Routes: ``GET /`` (a page to try it, :mod:`snac_fast.serve.page`), ``POST /v1/audio/speech``
-(:mod:`snac_fast.serve.speech`), ``POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]`` (ElevenLabs',
-:mod:`snac_fast.serve.elevenlabs_speech`), ``WS /v1/text-to-speech/{voice_id}/stream-input`` and
-``.../multi-stream-input`` (text in, :mod:`snac_fast.serve.text_stream`,
-:mod:`snac_fast.serve.text_contexts`), ``WS /v1/audio/stream`` (ids in,
-:mod:`snac_fast.serve.websocket`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
+Routes: ``GET /`` (a page to try it, :mod:`snac_fast.serve.routes.page`), ``POST /v1/audio/speech``
+(:mod:`snac_fast.serve.routes.openai_speech`), ``POST /v1/text-to-speech/{voice_id}[/stream][/with-timestamps]`` (ElevenLabs',
+:mod:`snac_fast.serve.routes.elevenlabs_speech`), ``WS /v1/text-to-speech/{voice_id}/stream-input`` and
+``.../multi-stream-input`` (text in, :mod:`snac_fast.serve.routes.text_stream`,
+:mod:`snac_fast.serve.routes.text_contexts`), ``WS /v1/audio/stream`` (ids in,
+:mod:`snac_fast.serve.routes.ids_stream`), ``GET /v1/audio/voices``, ``GET /v1/models``, ``GET /health``
 (liveness: the process and its engine), ``GET /ready`` (readiness: the engine and the LM answer),
 ``GET /metrics`` (Prometheus text). With an API key, every route but ``/health`` and ``/`` needs it
-(:mod:`snac_fast.serve.auth`).
+(:mod:`snac_fast.serve.access.auth`).
 """
 
 from __future__ import annotations
@@ -21,22 +21,22 @@ import time
 
 import numpy as np
 
-from snac_fast.serve.auth import DOCS_PREFIX, BearerKey, OriginCheck
-from snac_fast.serve.backend import Backend, EngineProcessBackend, InProcessBackend
-from snac_fast.serve.batchers import freeze_startup_objects
-from snac_fast.serve.elevenlabs_speech import text_to_speech
-from snac_fast.serve.formats import FORMATS, StreamEncoder, pcm_bytes
-from snac_fast.serve.limits import BodyLimit, StreamOwners
-from snac_fast.serve.lm_client import LMClient, redacted_url
+from snac_fast.serve.access.auth import DOCS_PREFIX, BearerKey, OriginCheck
+from snac_fast.serve.engine.backend import Backend, EngineProcessBackend, InProcessBackend
+from snac_fast.batching.batchers import freeze_startup_objects
+from snac_fast.serve.routes.elevenlabs_speech import text_to_speech
+from snac_fast.serve.services.formats import FORMATS, StreamEncoder, pcm_bytes
+from snac_fast.serve.access.limits import BodyLimit, StreamOwners
+from snac_fast.serve.lm.client import LMClient, redacted_url
 from snac_fast.serve.metrics import ServeMetrics
-from snac_fast.serve.page import page
-from snac_fast.serve.protocol import OPENAI_MODELS, models_list, voices_list
-from snac_fast.serve.schema import openapi_document
+from snac_fast.serve.routes.page import page
+from snac_fast.serve.routes.protocol import OPENAI_MODELS, models_list, voices_list
+from snac_fast.serve.routes.schema import openapi_document
 from snac_fast.serve.settings import ServeSettings
-from snac_fast.serve.speech import speech
-from snac_fast.serve.text_contexts import multi_stream_input
-from snac_fast.serve.text_stream import stream_input
-from snac_fast.serve.websocket import stream_ids
+from snac_fast.serve.routes.openai_speech import speech
+from snac_fast.serve.routes.text_contexts import multi_stream_input
+from snac_fast.serve.routes.text_stream import stream_input
+from snac_fast.serve.routes.ids_stream import stream_ids
 
 DRAIN_S = 30.0  # a graceful shutdown waits this long for open streams to end
 LM_PROBE_S = 2.0  # /health and /ready ask the LM at most this often
@@ -64,7 +64,7 @@ class SpeechServer:
 
     async def open_stream(self, seed: int | None, client: str = "server") -> int | None:
         """A stream id, or None when the engine is full or the server is shutting down;
-        :class:`~snac_fast.serve.limits.TooManyStreams` when ``client`` holds its most already.
+        :class:`~snac_fast.serve.access.limits.TooManyStreams` when ``client`` holds its most already.
         Every stream opened here ends with :meth:`stream_ended`."""
         if self.draining:
             return None
@@ -92,7 +92,7 @@ class SpeechServer:
         """Before the first request, each part of the request path once: the LM client's
         (:meth:`LMClient.warm_up`), a streaming response, and one silent stream through this
         worker's decode path (open, pushes of one frame of ids, flush). Otherwise the first
-        requests pay for that first-time work (docs/server.md)."""
+        requests pay for that first-time work (docs/http_server.md)."""
         await self.lm.warm_up()
         from starlette.responses import StreamingResponse
 
@@ -183,7 +183,7 @@ async def models(request):
 
 
 async def openapi(request):
-    """The OpenAPI 3.1 document of the HTTP routes (:func:`snac_fast.serve.schema.openapi_document`)."""
+    """The OpenAPI 3.1 document of the HTTP routes (:func:`snac_fast.serve.routes.schema.openapi_document`)."""
     from starlette.responses import JSONResponse
 
     return JSONResponse(openapi_document())

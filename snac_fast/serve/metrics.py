@@ -1,5 +1,5 @@
 """Prometheus text for /metrics: the server's own histograms and counters, plus its backend's
-counters, read before each scrape (:meth:`~snac_fast.serve.backend.Backend.metric_values`)."""
+counters, read before each scrape (:meth:`~snac_fast.serve.engine.backend.Backend.metric_values`)."""
 
 from __future__ import annotations
 

@@ -10,8 +10,8 @@ import os
 import signal
 import threading
 
-from snac_fast.serve.engine_client import EngineLostError
-from snac_fast.serve.limits import uvicorn_options
+from snac_fast.serve.engine.client import EngineLostError
+from snac_fast.serve.access.limits import uvicorn_options
 from snac_fast.serve.settings import ServeSettings
 from snac_fast.serve.workers import check_port_free, run_workers
 
@@ -45,7 +45,7 @@ def worker_device(device: str | None, claims: str | None) -> str | None:
 def app_from_environment():
     """uvicorn's app factory (``snac_fast.serve.run:app_from_environment``, ``factory=True``): each
     worker process loads the model, warms it up and serves its share of the connections with its
-    own engine (docs/serving.md: one engine per worker process), or feeds the shared one."""
+    own engine (docs/batching.md: one engine per worker process), or feeds the shared one."""
     from snac_fast.serve.app import create_app
 
     settings = ServeSettings.from_json(os.environ[SETTINGS_VARIABLE])
@@ -58,7 +58,7 @@ def app_from_environment():
     device = worker_device(settings.device, os.environ.get(CLAIMS_VARIABLE))
     codec = FastSNAC.from_pretrained(settings.model, device=device, dtype=settings.dtype,
                                      local_files_only=settings.local_files_only)
-    from snac_fast.serve.engine_process import ready_engine
+    from snac_fast.serve.engine.process import ready_engine
 
     _, settings = ready_engine(codec, settings, settings.threads_per_worker())
     return create_app(codec, settings)
@@ -68,7 +68,7 @@ def serve(settings: ServeSettings) -> None:
     """Run the server with uvicorn until it is stopped (SIGINT, SIGTERM). Without a ``device``,
     ``workers`` processes on a host of several GPUs take them in turn (:func:`worker_device`).
     ``shared_engine``: one engine process (on ``device``) that all ``workers`` feed, so every
-    connection shares one batch (docs/serving.md, "One engine process, fed by front-ends"). Raises
+    connection shares one batch (docs/batching.md, "One engine process, fed by front-ends"). Raises
     :class:`EngineLostError` when the engine process died under it, and
     :class:`~snac_fast.serve.workers.ServeFailure` when the port is taken or a worker fails to start."""
     import shutil
@@ -76,7 +76,7 @@ def serve(settings: ServeSettings) -> None:
 
     import uvicorn
 
-    from snac_fast.serve import engine_process
+    from snac_fast.serve.engine import process as engine_process
 
     settings.check()
     check_port_free(settings.host, settings.port)  # before the engine process loads a model

@@ -68,7 +68,7 @@ class ServeSettings:
     max_wait_ms: float = _option(60.0, "while pushes keep coming, engine calls start at most this often (or once "
                                  "--max-batch pushes wait), never holding a stream's first audio: fuller, fewer "
                                  "calls, so an LM on the same GPU loses few steps (0: whatever is pending when the "
-                                 "engine is free; docs/server.md)", group="engine")
+                                 "engine is free; docs/http_server.md)", group="engine")
     gpu_memory_gb: float = _option(0.0, "GPU memory the engine's process may hold, its CUDA context included, as "
                                    "vLLM's share beside it: the step graphs are sized to fit (fewer streams per "
                                    "engine call), or the start fails saying what does not (0: no budget)",
@@ -80,7 +80,7 @@ class ServeSettings:
                                           "the exact: earlier first audio, approximate (docs/streaming.md)",
                                           parse=parse_lookahead, shown="exact", group="engine")
     engine_thread: bool = _option(False, "run the engine calls on a thread of their own instead of the "
-                                  "event loop (docs/serving.md)", group="engine")
+                                  "event loop (docs/batching.md)", group="engine")
     # the language model
     lm_url: str | None = _option(None, "the LM server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1",
                                  group="lm")
@@ -102,14 +102,14 @@ class ServeSettings:
     shared_engine: bool = _option(False, "one engine process on the device that every worker feeds: all "
                                   "connections in one batch (--max-streams is then the engine's)")
     engine_event_loop: bool = _option(False, "with --shared-engine: the engine process reads, decodes and "
-                                      "answers on one asyncio event loop instead of threads (docs/serving.md)")
+                                      "answers on one asyncio event loop instead of threads (docs/batching.md)")
     api_key: str | None = _option(None, f"require 'Authorization: Bearer KEY' (or 'xi-api-key: KEY') on every endpoint "
                                   f"but /health and the page; several keys comma-separated (default: "
                                   f"${API_KEY_VARIABLE}, else none)", shown="none")
     allow_origins: str = _option("", "web origins (scheme://host:port, comma-separated; '*': any) whose pages may "
                                  "call this server and open its WebSockets (CORS); a browser request from any other "
                                  "origin gets a 403 (default: none but this server's own page)")
-    # limits of a public endpoint (docs/server.md, "Limits")
+    # limits of a public endpoint (docs/http_server.md, "Limits")
     max_body_bytes: int = _option(262144, "largest request body in bytes (413 past it)", group="limits")
     max_streams_per_key: int = _option(0, "open streams at most per API key (per client address without a key; "
                                        "0: no limit; 429 past it)", group="limits")

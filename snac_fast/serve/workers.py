@@ -5,7 +5,7 @@ hash of each connection's addresses).
 uvicorn's own workers share one listening socket, and the process that wakes first takes every
 connection queued (asyncio accepts up to the backlog at each wake-up): a burst of 256 clients
 landed 196 / 39 / 14 / 7 on four workers, and the worker holding 196 streams could not encode its
-mp3 at real time (docs/server.md, "Processes"). This supervisor keeps what uvicorn's gave: a worker
+mp3 at real time (docs/http_server.md, "Processes"). This supervisor keeps what uvicorn's gave: a worker
 that dies is replaced, one that dies before it ever served stops the server, SIGINT and SIGTERM
 stop every worker gracefully.
 """
@@ -61,10 +61,10 @@ def _worker(app: str, family: socket.AddressFamily, address: tuple, ready, grace
             limits) -> None:
     """One worker process: uvicorn on its own ``SO_REUSEPORT`` socket, which starts listening only
     once the app has started (its model loaded and warmed up), so no connection waits on a worker
-    that cannot serve it yet. ``limits``: settings for :func:`~snac_fast.serve.limits.uvicorn_options`."""
+    that cannot serve it yet. ``limits``: settings for :func:`~snac_fast.serve.access.limits.uvicorn_options`."""
     import uvicorn
 
-    from snac_fast.serve.limits import uvicorn_options
+    from snac_fast.serve.access.limits import uvicorn_options
 
     options = uvicorn_options(limits) if limits is not None else {}
     config = uvicorn.Config(app, factory=True, timeout_graceful_shutdown=graceful_s, log_level=log_level, **options)

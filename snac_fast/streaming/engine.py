@@ -157,7 +157,7 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
         self._launches: dict[int, dict] = {}
         # after a warm-up: the step shapes (STEP, bucket, frames) warmed. A step of more frames than
         # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
-        # audio of a server's first streams for 85-250 ms (docs/server.md)
+        # audio of a server's first streams for 85-250 ms (docs/http_server.md)
         self._warmed_steps: set[tuple] | None = None
         # one memory pool for every step graph (they replay one at a time), which the warm-up's eager
         # passes use too; reserved as one segment before the first (StepShapes._reserve_pool)

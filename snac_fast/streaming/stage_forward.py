@@ -21,7 +21,7 @@ from snac_fast.streaming.shapes import CODELESS, PREFILL, STEP, TAIL
 from snac_fast.streaming.step_graph import NoiseCall, StepGraph
 
 # steps of up to this many rows take the 1-row step's tiles: warming 256 streams compiles fewer kernel
-# variants for 8-30% more GPU time at 2-8 rows (docs/serving.md, docs/measurements.md)
+# variants for 8-30% more GPU time at 2-8 rows (docs/batching.md, docs/measurements.md)
 ONE_ROW_TILES_UP_TO = 8
 
 

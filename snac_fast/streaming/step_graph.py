@@ -41,7 +41,7 @@ class StepGraph:
     keyed noise, its state tensors (restored after the warm-up runs) and graph memory pool (a ``torch.cuda.MemPool``).
     ``streams``: the engine's (capture, side) CUDA streams, the same for all its graphs: the caching
     allocator reuses a freed block only on the stream that allocated it, so a stream per graph held
-    every graph's warm-up and capture memory apart (docs/server.md, "GPU memory").
+    every graph's warm-up and capture memory apart (docs/http_server.md, "GPU memory").
     ``compiled``: the step's kernels were compiled already (a warm-up's pass)."""
 
     def __init__(self, forward: Forward, draw_noise: Callable[..., Tensor], state: list[Tensor], pool,

@@ -23,8 +23,8 @@ from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS
 from snac_fast.serve import ServeSettings, create_app
-from snac_fast.serve.fake_lm import FakeLM
-from snac_fast.serve.lm_client import ORPHEUS_PROMPT, LMClient, LMOutputError
+from snac_fast.serve.lm.fake import FakeLM
+from snac_fast.serve.lm.client import ORPHEUS_PROMPT, LMClient, LMOutputError
 from snac_fast.synthetic import synthetic_model
 
 RATE = 24000
@@ -291,7 +291,7 @@ def test_serve_cli_refuses_bad_arguments(capsys):
 def test_cpu_workers_share_the_cores(monkeypatch):
     """serve --device cpu: each worker's engine gets the cores over the workers (at least one), or
     --cpu-threads; the engine it makes is the codec's shared one."""
-    from snac_fast.serve.engine_process import ready_engine
+    from snac_fast.serve.engine.process import ready_engine
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
     assert ServeSettings(workers=4).threads_per_worker() == 4
@@ -312,7 +312,8 @@ def test_serve_cli_hands_the_engine_process_its_form_and_wait(monkeypatch):
     on one event loop with the wait, and every worker's settings carry it."""
 
     from snac_fast.cli import main
-    from snac_fast.serve import engine_process, run
+    from snac_fast.serve import run
+    from snac_fast.serve.engine import process as engine_process
     from snac_fast.serve.run import CLAIMS_VARIABLE, ENGINE_VARIABLE, SETTINGS_VARIABLE
 
     started, ran = [], []
@@ -490,7 +491,7 @@ def test_an_engine_that_fails_every_call_turns_health_to_503_until_one_runs(code
     """Every engine call failing (as after a sticky CUDA error): each speech request gets a 500 JSON
     error naming the failure, and after FAILING_CALLS of them in a row /health answers 503
     "engine_failing" with it, so an orchestrator restarts the server; one call that runs clears it."""
-    from snac_fast.serve.backend import FAILING_CALLS
+    from snac_fast.serve.engine.backend import FAILING_CALLS
 
     c = random_codes(codec.config, 5, seed=620)
     with serving(codec) as (server, lm, state):

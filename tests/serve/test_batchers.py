@@ -1,4 +1,4 @@
-"""The batchers (snac_fast.serve.batchers): exact audio through them, every output form, and the faults a
+"""The batchers (snac_fast.batching.batchers): exact audio through them, every output form, and the faults a
 server meets: a cancelled await, an idle client, pushes after the end, a bad id, an engine call that
 fails. The engine is upstream's float64 model on the CPU (torch ops), so a stream equals the whole
 decode to float64 rounding and a mistake shows as a large error."""
@@ -463,7 +463,7 @@ def test_batcher_on_the_event_loop_moves_to_the_next_asyncio_run():
 
 
 def _serve_in_process(first_seed: int, codes: list) -> list:
-    """A worker process of a multi-process server: its own engine and batcher (see docs/serving.md)."""
+    """A worker process of a multi-process server: its own engine and batcher (see docs/batching.md)."""
     async def main():
         async with AsyncStreamBatcher(engine64(NAME, streams=2, narrow=True), layout=ORPHEUS, output="float32") as batcher:
             async def one(i, stream_codes):

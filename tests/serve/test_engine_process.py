@@ -1,4 +1,4 @@
-"""snac_fast.serve.engine_process, engine_batcher, engine_client, engine_wire: one engine process (spawned, CPU here) fed by front-ends over a Unix
+"""snac_fast.serve.engine.process, engine_batcher, engine_client, engine_wire: one engine process (spawned, CPU here) fed by front-ends over a Unix
 socket. Every stream's audio equals the offline decode of its codes; errors stay with their stream;
 a cancelled await and a front-end that disconnects release their streams."""
 
@@ -17,9 +17,9 @@ from snac_fast.metrics import snr_db
 from snac_fast.noise import decode_with_keyed_noise
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.serve import EngineClient, EngineProcess, ServeSettings
-from snac_fast.serve.engine_batcher import EngineBatcher, Front, PushBlock, RowChunk
-from snac_fast.serve.engine_wire import OPS, audio_message, push_message, read_audio
-from snac_fast.serve.pcm import PCMBlock
+from snac_fast.serve.engine.batcher import EngineBatcher, Front, PushBlock, RowChunk
+from snac_fast.serve.engine.wire import OPS, audio_message, push_message, read_audio
+from snac_fast.batching.pcm import PCMBlock
 from snac_fast.synthetic import make_checkpoint
 
 OPTIONS = {"fuse": False, "accelerate_encoder": False}

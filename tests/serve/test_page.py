@@ -2,12 +2,12 @@
 it loads with the server's voices, speaks as the audio streams (pcm through Web Audio, mp3 through
 Media Source), and shows the time to first audio and the chunk gaps."""
 
-import shutil
 import time
 
 import httpx
 import pytest
 from helpers import NARROW
+from browser import chromium
 from live_server import serving
 
 from snac_fast import FastSNAC
@@ -19,19 +19,8 @@ FRAME_S = 2048 / 24000
 @pytest.fixture(scope="module")
 def browser():
     """Headless chromium (.ci/run installs Debian's chromium and chromium-driver)."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    assert shutil.which("chromium") and shutil.which("chromedriver"), "apt-get install chromium chromium-driver"
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--autoplay-policy=no-user-gesture-required"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
-    yield driver
-    driver.quit()
+    with chromium() as driver:
+        yield driver
 
 
 def wait_for(driver, element: str, text: str, timeout: float = 60) -> str:

@@ -18,7 +18,7 @@ from live_server import LiveServer
 from snac_fast import FastSNAC
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.serve import ServeSettings, create_app
-from snac_fast.serve.limits import uvicorn_options
+from snac_fast.serve.access.limits import uvicorn_options
 from snac_fast.synthetic import synthetic_model
 
 PASSWORD = "s3cret-lm-password"
@@ -114,7 +114,7 @@ def speak(server, text: str, fmt: str = "pcm", timeout: float = 30, headers=None
 
 
 def test_urls_are_shown_without_credentials_or_query():
-    from snac_fast.serve.lm_client import redacted_url
+    from snac_fast.serve.lm.client import redacted_url
 
     assert redacted_url("http://user:pw@lm.local:8000/v1?key=k#f") == "http://lm.local:8000/v1"
     assert redacted_url("https://[::1]:9/v1") == "https://[::1]:9/v1"

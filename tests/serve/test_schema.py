@@ -2,12 +2,12 @@
 method against it, with the key set and unset: no 5xx, every status and body as documented, the
 server healthy and every slot back afterwards."""
 
-import shutil
 import time
 
 import httpx
 import pytest
 import schemathesis
+from browser import chromium
 from helpers import NARROW
 from hypothesis import HealthCheck, Phase, settings
 from live_server import serving
@@ -19,7 +19,7 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from snac_fast import FastSNAC
-from snac_fast.serve.schema import openapi_document
+from snac_fast.serve.routes.schema import openapi_document
 from snac_fast.synthetic import synthetic_model
 
 KEY = "fuzz-key"
@@ -87,17 +87,8 @@ def test_docs_is_swagger_ui_over_the_document(live):
 @pytest.mark.heavy
 def test_swagger_ui_renders_every_operation_in_a_browser(live):
     """Debian's chromium loads /docs: Swagger UI shows one block per documented operation."""
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
     server, _, _ = live
-    assert shutil.which("chromium") and shutil.which("chromedriver"), "apt-get install chromium chromium-driver"
-    options = webdriver.ChromeOptions()
-    options.binary_location = shutil.which("chromium")
-    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(shutil.which("chromedriver")), options=options)
-    try:
+    with chromium() as driver:
         driver.get(server.url + "/docs")
         operations = sum(len(methods) for methods in httpx.get(server.url + "/openapi.json").json()["paths"].values())
         deadline = time.monotonic() + 30
@@ -105,5 +96,4 @@ def test_swagger_ui_renders_every_operation_in_a_browser(live):
             time.sleep(0.2)
         assert len(driver.find_elements("css selector", ".opblock")) == operations
         assert "snac-fast serve" in driver.find_element("css selector", ".title").text
-    finally:
-        driver.quit()
+

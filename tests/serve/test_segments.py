@@ -1,11 +1,11 @@
-"""Long text cut into segments for the LM (snac_fast.serve.segments): at sentence ends, each at most
+"""Long text cut into segments for the LM (snac_fast.serve.lm.segments): at sentence ends, each at most
 the budget, nothing lost."""
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from snac_fast.serve.segments import split_text
+from snac_fast.serve.lm.segments import split_text
 
 
 def test_sentences_are_packed_whole_up_to_the_budget():
@@ -33,7 +33,7 @@ def test_segments_fit_and_keep_every_character_in_order(text, max_chars):
 
 
 def test_text_arriving_is_split_where_its_sentences_have_ended():
-    from snac_fast.serve.segments import ended_sentences
+    from snac_fast.serve.lm.segments import ended_sentences
 
     assert ended_sentences("Hello there. How are") == ("Hello there. ", "How are")
     assert ended_sentences("Dr. Who? Yes.") == ("Dr. Who? ", "Yes.")  # the last mark may still go on ("Yes.com")

@@ -1,4 +1,4 @@
-"""The limits a server on a network needs and uvicorn does not set for it (docs/server.md,
+"""The limits a server on a network needs and uvicorn does not set for it (docs/http_server.md,
 "Limits"): request body size (:class:`BodyLimit`), open streams per client (:class:`StreamOwners`),
 WebSocket message rate (:class:`MessageRate`), and the time a connection may take to send its
 request's headers (:func:`header_timeout_protocol`). WebSocket message size is uvicorn's own
@@ -11,7 +11,7 @@ import json
 import time
 from collections import Counter
 
-from snac_fast.serve.auth import send_error
+from snac_fast.serve.access.auth import send_error
 
 
 class TooManyStreams(Exception):
@@ -20,7 +20,7 @@ class TooManyStreams(Exception):
 
 def client_of(scope) -> str:
     """Who a request is, for the per-client limits: its API key (set by
-    :class:`~snac_fast.serve.auth.BearerKey`), else its address."""
+    :class:`~snac_fast.serve.access.auth.BearerKey`), else its address."""
     client = (scope.get("state") or {}).get("client")
     if client:
         return client

@@ -3,7 +3,7 @@
 Orpheus-family LMs stop after about 1,200 audio tokens (~14 s of speech, ~200 characters) and drift
 on long prompts, so a long ``input`` is cut into segments at sentence ends, each at most
 ``max_chars``, and each is one LM request. The speech route pushes every segment's ids into the
-request's one stream (:func:`snac_fast.serve.speech.speech_chunks`), so the audio across a join is
+request's one stream (:func:`snac_fast.serve.services.speech.speech_chunks`), so the audio across a join is
 the decode of the joined codes: no crossfade, no seam.
 """
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from snac_fast.serve.formats import FORMATS, OPUS_RATES
-from snac_fast.serve.schema import SpeechBody, first_problem
+from snac_fast.serve.services.formats import FORMATS, OPUS_RATES
+from snac_fast.serve.routes.schema import SpeechBody, first_problem
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
 # the voices the Orpheus fine-tunes were trained on (canopylabs/orpheus-3b-0.1-ft, in order of conversational realism)
@@ -78,7 +78,7 @@ class SpeechRequest:
     @classmethod
     def parse(cls, body, voices: tuple[str, ...], default_voice: str, max_chars: int) -> "SpeechRequest":
         """Check a request's JSON body; raises :class:`RequestError` naming the first problem. Each
-        field's type and range: :class:`snac_fast.serve.schema.SpeechBody` (what /openapi.json
+        field's type and range: :class:`snac_fast.serve.routes.schema.SpeechBody` (what /openapi.json
         shows); here, what depends on the server's settings or on several fields."""
         if not isinstance(body, dict):
             raise RequestError("the body must be a JSON object")

@@ -11,7 +11,7 @@ from typing import Protocol
 import numpy as np
 
 from snac_fast.orpheus import TokenLayout
-from snac_fast.serve.engine_client import EngineLostError
+from snac_fast.serve.engine.client import EngineLostError
 from snac_fast.serve.settings import ServeSettings
 
 # an in-process server runs its engine calls on the event loop: any other thread that takes the GIL
@@ -75,7 +75,7 @@ class InProcessBackend:
 
     def __init__(self, codec, settings: ServeSettings) -> None:
         settings.layout.check_model(codec.config)
-        from snac_fast.serve.batchers import AsyncStreamBatcher
+        from snac_fast.batching.batchers import AsyncStreamBatcher
 
         from snac_fast.gpu_memory import memory_readings
 
@@ -130,7 +130,7 @@ class InProcessBackend:
 
 
 class EngineProcessBackend:
-    """An :class:`~snac_fast.serve.engine_client.EngineClient` to the engine process at ``address``
+    """An :class:`~snac_fast.serve.engine.client.EngineClient` to the engine process at ``address``
     (``info``: what it told of itself), made in the event loop that uses it. Its counters are the
     engine process's, read at each health check and metrics scrape."""
 
@@ -146,7 +146,7 @@ class EngineProcessBackend:
     def client(self):
         """The client, made in the event loop that uses it (its replies are resolved there)."""
         if self._client is None:
-            from snac_fast.serve.engine_client import EngineClient
+            from snac_fast.serve.engine.client import EngineClient
 
             try:
                 self._client = EngineClient(self.address, self.layout)

@@ -84,7 +84,7 @@ class _AudioClock:
 class LMClient:
     """Streams audio token ids from an OpenAI-compatible completions API (``config.lm_url``), one
     HTTP connection per stream, on aiohttp: its C parsers read an SSE chunk for about a third of
-    httpx's host time (docs/server.md, "The LM client"), and a server reads one chunk per stream
+    httpx's host time (docs/http_server.md, "The LM client"), and a server reads one chunk per stream
     every ~30 ms."""
 
     def __init__(self, config: LMSettings) -> None:

@@ -1,4 +1,4 @@
-"""The engine process's messages on its Unix socket (:mod:`snac_fast.serve.engine_process`).
+"""The engine process's messages on its Unix socket (:mod:`snac_fast.serve.engine.process`).
 
 Front-end -> engine process: pushes (:func:`push_message`: raw int64 arrays, no pickle to take
 apart), or a pickled list of ops: ``("open", req, seed)``, ``("flush", req, sid)``,

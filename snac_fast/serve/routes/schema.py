@@ -5,7 +5,7 @@ itself (OpenAPI 3.1), which ``/docs`` shows in Swagger UI.
 
 The routes check each field's type and range here (:func:`first_problem`); what depends on the
 server's settings (the voices, ``--max-input-chars``) or on several fields (a sample rate against
-its format) stays in :mod:`snac_fast.serve.protocol` and :mod:`snac_fast.serve.elevenlabs_speech`.
+its format) stays in :mod:`snac_fast.serve.routes.protocol` and :mod:`snac_fast.serve.routes.elevenlabs_speech`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from snac_fast.serve.formats import FORMATS, SPEEDS
+from snac_fast.serve.services.formats import FORMATS, SPEEDS
 
 SAMPLE_FORMATS = ("s16", "f32")
 STREAM_FORMATS = ("audio", "sse")
@@ -146,7 +146,7 @@ _SPEAKING = {400: "the request is not valid (the field is named)", 429: "too man
 
 
 def openapi_document(server_url: str | None = None) -> dict:
-    """The OpenAPI 3.1 document of every HTTP route (the WebSockets are in docs/server.md)."""
+    """The OpenAPI 3.1 document of every HTTP route (the WebSockets are in docs/http_server.md)."""
     from pydantic.json_schema import models_json_schema
 
     models = [SpeechBody, ElevenLabsSpeechBody, OpenAIError, ElevenLabsError]
@@ -201,7 +201,7 @@ def openapi_document(server_url: str | None = None) -> dict:
         "info": {"title": "snac-fast serve", "version": _version(),
                  "description": "OpenAI's and ElevenLabs' speech APIs over an Orpheus-style LM and the SNAC "
                                 "decoder. WebSockets (/v1/audio/stream, /v1/text-to-speech/{voice_id}/stream-input, "
-                                "/multi-stream-input) are described in docs/server.md."},
+                                "/multi-stream-input) are described in docs/http_server.md."},
         "paths": paths,
         "components": {"schemas": schemas, "securitySchemes": {
             "bearer": {"type": "http", "scheme": "bearer"},

@@ -1,11 +1,11 @@
 """The batcher's round logic: streams, requests checked on the caller's thread, and a round's
 engine calls (group, launch, copy to the host, deliver), whatever runs them.
 
-:class:`BatchRounds` holds no scheduler: a driver (:mod:`snac_fast.serve.drivers`: an engine thread,
+:class:`BatchRounds` holds no scheduler: a driver (:mod:`snac_fast.batching.drivers`: an engine thread,
 or an event loop's pump) takes what is pending and runs it through :meth:`BatchRounds.split_round`,
 :meth:`~BatchRounds.calls`, :meth:`~BatchRounds.launch` and :meth:`~BatchRounds.land`. The
-batchers of :mod:`snac_fast.serve.batchers` and the engine process's
-(:mod:`snac_fast.serve.engine_batcher`) are rounds plus a driver; the latter overrides the public
+batchers of :mod:`snac_fast.batching.batchers` and the engine process's
+(:mod:`snac_fast.serve.engine.batcher`) are rounds plus a driver; the latter overrides the public
 hooks (:meth:`~BatchRounds.count_pushes`, :meth:`~BatchRounds.split_round`,
 :meth:`~BatchRounds.calls`, :meth:`~BatchRounds.mark_done`, :meth:`~BatchRounds.deliver`) to run
 blocks of pushes without a Python step per push.
@@ -26,8 +26,8 @@ from torch import Tensor
 
 from snac_fast.ops.device import make_current
 from snac_fast.orpheus import TokenLayout
-from snac_fast.serve.futures import resolve
-from snac_fast.serve.pcm import PCMBlock, int16_pcm
+from snac_fast.batching.futures import resolve
+from snac_fast.batching.pcm import PCMBlock, int16_pcm
 from snac_fast.streaming import CheckedCodes, StreamEngine, StreamSlot
 from snac_fast.streaming.shapes import joined_audio
 

@@ -3,8 +3,8 @@
 
 :class:`AsyncStreamBatcher` is the asyncio form (``await batcher.push_ids(stream_id, ids)``),
 :class:`StreamBatcher` the thread-safe blocking one (``push`` waits; ``submit`` returns a
-``concurrent.futures.Future``). Both are the same rounds (:mod:`snac_fast.serve.rounds`) with a
-driver (:mod:`snac_fast.serve.drivers`), built for the host to keep up with the GPU:
+``concurrent.futures.Future``). Both are the same rounds (:mod:`snac_fast.batching.rounds`) with a
+driver (:mod:`snac_fast.batching.drivers`), built for the host to keep up with the GPU:
 
 - A push is checked and framed on the caller's thread with numpy alone (ids to codes, no torch
   call), then appended to a deque (no lock).
@@ -30,9 +30,9 @@ from concurrent.futures import Future
 from torch import Tensor
 
 from snac_fast.orpheus import TokenLayout
-from snac_fast.serve.drivers import LoopDriver, ThreadDriver
-from snac_fast.serve.futures import resolve, resolve_all
-from snac_fast.serve.rounds import BatchRounds, Request
+from snac_fast.batching.drivers import LoopDriver, ThreadDriver
+from snac_fast.batching.futures import resolve, resolve_all
+from snac_fast.batching.rounds import BatchRounds, Request
 from snac_fast.streaming import StreamEngine
 
 DEFAULT_MAX_BATCH = 64  # a library batcher's: servers choose theirs (snac_fast.serve.settings)
@@ -95,9 +95,9 @@ class AsyncStreamBatcher(BatchRounds):
     (a client that disconnected) releases its stream and nothing else.
 
     engine_thread: ``False`` (the default): the engine calls run on the event loop's own thread,
-    between its other callbacks (:class:`~snac_fast.serve.drivers.LoopDriver`): no second thread
+    between its other callbacks (:class:`~snac_fast.batching.drivers.LoopDriver`): no second thread
     takes the interpreter between the engine's CUDA calls, which on some hosts stalls them for tens
-    of milliseconds (docs/serving.md). Every push must then come from one event loop (the first that
+    of milliseconds (docs/batching.md). Every push must then come from one event loop (the first that
     pushes; once it has closed, the next one), and :meth:`close` runs what is queued on it.
     ``True``: a thread of the batcher runs the engine calls (pushes from any event loops), results
     reach each loop in one wake-up per engine call.

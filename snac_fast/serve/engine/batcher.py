@@ -1,4 +1,4 @@
-"""The engine process's batcher: the rounds of :mod:`snac_fast.serve.rounds` over pushes that
+"""The engine process's batcher: the rounds of :mod:`snac_fast.batching.rounds` over pushes that
 arrive as blocks (one front-end message's pushes of one frames count) and whose results go back as
 one message per front-end per engine call, so that no step of the engine process is per push."""
 
@@ -11,10 +11,10 @@ import time
 import numpy as np
 
 from snac_fast.gpu_memory import memory_readings
-from snac_fast.serve.drivers import LoopDriver, ThreadDriver
-from snac_fast.serve.engine_wire import PUSH, TAG, error_item, read_pushes
-from snac_fast.serve.pcm import PCMBlock
-from snac_fast.serve.rounds import BatchRounds, Request, streams_done
+from snac_fast.batching.drivers import LoopDriver, ThreadDriver
+from snac_fast.serve.engine.wire import PUSH, TAG, error_item, read_pushes
+from snac_fast.batching.pcm import PCMBlock
+from snac_fast.batching.rounds import BatchRounds, Request, streams_done
 from snac_fast.streaming import StreamEngine
 
 # per push in C, not in a Python loop
@@ -24,7 +24,7 @@ _STARTED = operator.attrgetter("slot.started")
 
 class Front:
     """The engine process's side of one front-end connection: its streams, and how messages reach it
-    (:mod:`snac_fast.serve.engine_process`: a sender thread, or an event loop's transport), never
+    (:mod:`snac_fast.serve.engine.process`: a sender thread, or an event loop's transport), never
     blocking the engine calls on a front-end that reads slowly."""
 
     streams: set[int]
@@ -183,7 +183,7 @@ class EngineBatcher(BatchRounds):
     def deliver(self, requests, results) -> None:
         if type(requests) is RowChunk and isinstance(results, PCMBlock):  # one call's audio: no step per push
             # front_of is sorted (PushBlock.joined): each front-end's pushes are one run of the call's,
-            # its reply a view (a gather per front-end queued for the GIL: docs/serving.md)
+            # its reply a view (a gather per front-end queued for the GIL: docs/batching.md)
             bounds = np.searchsorted(requests.front_of, np.arange(len(requests.fronts) + 1)).tolist()
             for k, front in enumerate(requests.fronts):
                 start, stop = bounds[k], bounds[k + 1]

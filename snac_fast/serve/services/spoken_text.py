@@ -2,8 +2,8 @@
 
 Text is buffered until a sentence ends (or a flush); each sentence (cut at ``--segment-chars`` if
 longer) is one LM request, and every request's ids go into the one stream
-(:func:`snac_fast.serve.speech.speech_chunks`), so the audio runs on across sentences with no seam.
-The text WebSockets (:mod:`snac_fast.serve.text_stream`, :mod:`snac_fast.serve.text_contexts`) hold
+(:func:`snac_fast.serve.services.speech.speech_chunks`), so the audio runs on across sentences with no seam.
+The text WebSockets (:mod:`snac_fast.serve.routes.text_stream`, :mod:`snac_fast.serve.routes.text_contexts`) hold
 one of these per stream.
 """
 
@@ -12,9 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from snac_fast.serve.formats import StreamEncoder
-from snac_fast.serve.segments import ended_sentences, split_text
-from snac_fast.serve.speech import speech_chunks
+from snac_fast.serve.services.formats import StreamEncoder
+from snac_fast.serve.lm.segments import ended_sentences, split_text
+from snac_fast.serve.services.speech import speech_chunks
 
 
 class TextBacklogError(ValueError):

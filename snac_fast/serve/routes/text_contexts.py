@@ -4,7 +4,7 @@ the one Pipecat's ``ElevenLabsTTSService`` and LiveKit's ElevenLabs plugin speak
 URL here.
 
 A connection holds up to :data:`MAX_CONTEXTS` contexts at once, each one engine stream speaking
-its text as :class:`~snac_fast.serve.spoken_text.SpokenText` does (sentences buffered until they
+its text as :class:`~snac_fast.serve.services.spoken_text.SpokenText` does (sentences buffered until they
 end or a flush, one LM request each, the audio seamless across them). Messages (``context_id``,
 or ``contextId``; none: the default context):
 
@@ -28,7 +28,7 @@ message for as long closes 1008. A sixth open context closes the connection 1008
 (``max_active_conversations``), as theirs does; an LM or engine failure closes it 1011 after an
 error naming the context. The query's ``output_format``
 and ``inactivity_timeout`` are honoured; ``model_id``, ``auto_mode``, ``sync_alignment``,
-``language_code`` and the rest are accepted and unused (docs/server.md).
+``language_code`` and the rest are accepted and unused (docs/http_server.md).
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import asyncio
 import functools
 import time
 
-from snac_fast.serve.elevenlabs_protocol import (
+from snac_fast.serve.routes.elevenlabs_protocol import (
     audio_message,
     close_with_error,
     connection_problem,
@@ -46,12 +46,12 @@ from snac_fast.serve.elevenlabs_protocol import (
     json_object,
     voice_speed,
 )
-from snac_fast.serve.engine_client import EngineLostError
-from snac_fast.serve.formats import StreamEncoder
-from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
-from snac_fast.serve.lm_client import LMOutputError
-from snac_fast.serve.protocol import checked_text
-from snac_fast.serve.spoken_text import SpokenText, TextBacklogError
+from snac_fast.serve.engine.client import EngineLostError
+from snac_fast.serve.services.formats import StreamEncoder
+from snac_fast.serve.access.limits import MessageRate, TooManyStreams, client_of
+from snac_fast.serve.lm.client import LMOutputError
+from snac_fast.serve.routes.protocol import checked_text
+from snac_fast.serve.services.spoken_text import SpokenText, TextBacklogError
 
 MAX_CONTEXTS = 5  # open contexts per connection: ElevenLabs' limit
 MAX_CONTEXT_ID_CHARS = 256

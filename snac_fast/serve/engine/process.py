@@ -1,17 +1,17 @@
-"""One stream engine process per GPU, fed by front-end processes (docs/serving.md, "Past one process").
+"""One stream engine process per GPU, fed by front-end processes (docs/batching.md, "Past one process").
 
 One process serving thousands of streams is bound by its interpreter (the event loop and the
 engine thread share one GIL), and one engine per worker process makes the GPU time-slice between
 the processes' contexts. Here the engine has a process of its own: :class:`EngineProcess` starts
-it (the model, the shared stream engine, an :class:`~snac_fast.serve.engine_batcher.EngineBatcher`),
+it (the model, the shared stream engine, an :class:`~snac_fast.serve.engine.batcher.EngineBatcher`),
 and each front-end process (an HTTP worker, say) talks to it through an
-:class:`~snac_fast.serve.engine_client.EngineClient` over a Unix socket
-(``multiprocessing.connection``; messages: :mod:`snac_fast.serve.engine_wire`). In the engine
+:class:`~snac_fast.serve.engine.client.EngineClient` over a Unix socket
+(``multiprocessing.connection``; messages: :mod:`snac_fast.serve.engine.wire`). In the engine
 process one thread reads every front-end and queues each message's pushes as one block, the engine
 thread runs the blocks as row slices of its engine calls and answers each call with one message per
 front-end, and a thread per front-end sends those, so a front-end that reads slowly never holds up
 the engine. With ``engine_event_loop`` one asyncio event loop does the reading, the engine calls
-and the writing instead of those threads (docs/serving.md).
+and the writing instead of those threads (docs/batching.md).
 
     engine = EngineProcess(ServeSettings(model="hubertsiuzdak/snac_24khz", max_streams=4096))  # parent
     client = EngineClient(engine.address)                                                     # front-end
@@ -36,9 +36,9 @@ from multiprocessing.connection import Connection, Listener
 
 import numpy as np
 
-from snac_fast.serve.batchers import freeze_startup_objects
-from snac_fast.serve.engine_batcher import EngineBatcher, Front
-from snac_fast.serve.engine_wire import LONG_SIZE, SIZE, audio_message
+from snac_fast.batching.batchers import freeze_startup_objects
+from snac_fast.serve.engine.batcher import EngineBatcher, Front
+from snac_fast.serve.engine.wire import LONG_SIZE, SIZE, audio_message
 from snac_fast.serve.settings import ServeSettings
 
 ENGINE_OUTPUTS = ("int16", "float32")
@@ -203,7 +203,7 @@ class EngineProcess:
     thread and a sender thread per front-end). Audio goes out as ``output`` (``"int16"`` or
     ``"float32"`` PCM). Waits until the model is loaded and warm; raises RuntimeError with the
     process's error if it fails. :attr:`address` is what
-    :class:`~snac_fast.serve.engine_client.EngineClient` connects to. Close it (or use it as a
+    :class:`~snac_fast.serve.engine.client.EngineClient` connects to. Close it (or use it as a
     context manager) to stop it."""
 
     def __init__(self, settings: ServeSettings, *, output: str = "int16", model_options: dict | None = None,

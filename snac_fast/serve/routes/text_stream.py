@@ -17,16 +17,16 @@ sentences, so text goes to it a sentence at a time, not by ``chunk_length_schedu
 "alignment": null}`` (no word timings); an error is ``{"message", "error", "code"}`` before a close.
 
 Every sentence is one LM request, and all of a connection's sentences go into its one stream
-(:class:`snac_fast.serve.spoken_text.SpokenText`), so the audio runs on across sentences with no
+(:class:`snac_fast.serve.services.spoken_text.SpokenText`), so the audio runs on across sentences with no
 seam. The multi-context form, which Pipecat's and LiveKit's ElevenLabs services speak, is
-:mod:`snac_fast.serve.text_contexts`.
+:mod:`snac_fast.serve.routes.text_contexts`.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from snac_fast.serve.elevenlabs_protocol import (
+from snac_fast.serve.routes.elevenlabs_protocol import (
     audio_message,
     close_with_error,
     connection_problem,
@@ -35,12 +35,12 @@ from snac_fast.serve.elevenlabs_protocol import (
     json_object,
     voice_speed,
 )
-from snac_fast.serve.engine_client import EngineLostError
-from snac_fast.serve.formats import StreamEncoder
-from snac_fast.serve.limits import MessageRate, TooManyStreams, client_of
-from snac_fast.serve.lm_client import LMOutputError
-from snac_fast.serve.protocol import checked_text
-from snac_fast.serve.spoken_text import SpokenText, TextBacklogError
+from snac_fast.serve.engine.client import EngineLostError
+from snac_fast.serve.services.formats import StreamEncoder
+from snac_fast.serve.access.limits import MessageRate, TooManyStreams, client_of
+from snac_fast.serve.lm.client import LMOutputError
+from snac_fast.serve.routes.protocol import checked_text
+from snac_fast.serve.services.spoken_text import SpokenText, TextBacklogError
 
 
 async def stream_input(websocket) -> None:

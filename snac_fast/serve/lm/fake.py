@@ -3,7 +3,7 @@
 prompt text, cut into chunks at random places, at a set pace. For tests, the serving benchmark, and
 trying ``snac-fast serve`` without a GPU-hungry LM:
 
-    python -m snac_fast.serve.fake_lm --port 8000 --pace 1      # random codes for any prompt, real time
+    python -m snac_fast.serve.lm.fake --port 8000 --pace 1      # random codes for any prompt, real time
 
 ``GET /stats`` reports, per request tag (the prompt's text), when the token that completed the
 first ``first_frames`` frames was sent (``time.monotonic()``, comparable across processes of one
@@ -207,7 +207,7 @@ def main() -> None:
                                           "cut_fraction": args.cut_fraction,
                                           "faults": [float(f) for f in args.faults.split(",")],
                                           "stall_seconds": args.stall_seconds})
-    app = "snac_fast.serve.fake_lm:app_from_environment"
+    app = "snac_fast.serve.lm.fake:app_from_environment"
     if args.workers > 1:  # the server's workers: one SO_REUSEPORT socket each, so a burst is spread over them
         run_workers(app, args.host, args.port, args.workers, graceful_s=5, log_level="warning")
     else:

@@ -2,12 +2,12 @@
 ElevenLabs' HTTP speech (their API reference, "Create speech", "Stream speech" and their "with
 timestamps" forms; their Python SDK's ``text_to_speech.convert`` and ``.stream``, LiveKit's
 ``synthesize``, Pipecat's ``ElevenLabsHttpTTSService``), spoken as ``POST /v1/audio/speech`` is
-(:func:`snac_fast.serve.speech.spoken_response`). The "with timestamps" forms send JSON
+(:func:`snac_fast.serve.routes.responses.spoken_response`). The "with timestamps" forms send JSON
 (``{"audio_base64", "alignment": null, "normalized_alignment": null}``, a line per piece of audio
 when streamed): this server has no character timings.
 
 Honoured: the path's voice (one of ``--voices``); the query's ``output_format`` (named as the
-WebSockets name it, :func:`~snac_fast.serve.elevenlabs_protocol.elevenlabs_format`; default
+WebSockets name it, :func:`~snac_fast.serve.routes.elevenlabs_protocol.elevenlabs_format`; default
 ``mp3_44100_128``); the body's ``text`` (at most ``--max-input-chars``; a long one is spoken
 segment by segment into one stream), ``seed`` (the decoder's noise) and ``voice_settings.speed``
 (as OpenAI's ``speed``: FFmpeg's ``atempo``). Accepted and unused: ``model_id``, the rest of
@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import time
 
-from snac_fast.serve.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format, voice_speed
-from snac_fast.serve.protocol import SpeechRequest, checked_text
-from snac_fast.serve.schema import ElevenLabsSpeechBody, first_problem
-from snac_fast.serve.speech import TIMESTAMPED, FirstAudioTimes, json_body, spoken_response
+from snac_fast.serve.routes.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format, voice_speed
+from snac_fast.serve.routes.protocol import SpeechRequest, checked_text
+from snac_fast.serve.routes.schema import ElevenLabsSpeechBody, first_problem
+from snac_fast.serve.routes.responses import TIMESTAMPED, json_body, spoken_response
+from snac_fast.serve.services.speech import FirstAudioTimes
 
 
 async def text_to_speech(request):
@@ -50,7 +51,7 @@ async def text_to_speech(request):
 
 def _checked(body, max_chars: int) -> tuple[str | None, str | None, int | None, float]:
     """(what is wrong with the body, or None; its text; its seed; its ``voice_settings.speed``).
-    Each field's type and range: :class:`snac_fast.serve.schema.ElevenLabsSpeechBody`."""
+    Each field's type and range: :class:`snac_fast.serve.routes.schema.ElevenLabsSpeechBody`."""
     failed = (None, None, 1.0)
     if not isinstance(body, dict):
         return "the body must be a JSON object with 'text'", *failed

@@ -1,9 +1,9 @@
-"""A front-end's connection to the engine process (:mod:`snac_fast.serve.engine_process`): the
+"""A front-end's connection to the engine process (:mod:`snac_fast.serve.engine.process`): the
 calls of :class:`~snac_fast.serve.AsyncStreamBatcher`, sent once per turn of the event loop.
 
 A front-end frames its streams' token ids itself (numpy, :class:`~snac_fast.orpheus.TokenFramer`: a
 bad id fails here, before anything is sent) and sends, once per turn of its event loop, one message
-holding every push queued in that turn (:func:`~snac_fast.serve.engine_wire.push_message`); a
+holding every push queued in that turn (:func:`~snac_fast.serve.engine.wire.push_message`); a
 thread reads the replies and resolves each request's future on the loop.
 """
 
@@ -19,7 +19,7 @@ from multiprocessing.connection import Client
 import numpy as np
 
 from snac_fast.orpheus import ORPHEUS, TokenLayout
-from snac_fast.serve.engine_wire import (
+from snac_fast.serve.engine.wire import (
     AUDIO,
     ERRORS,
     OPS,
@@ -27,7 +27,7 @@ from snac_fast.serve.engine_wire import (
     push_message,
     read_audio,
 )
-from snac_fast.serve.futures import resolve
+from snac_fast.batching.futures import resolve
 
 
 class EngineLostError(RuntimeError):

@@ -1,4 +1,4 @@
-"""The two drivers of a batcher's rounds (:class:`~snac_fast.serve.rounds.BatchRounds`): who runs
+"""The two drivers of a batcher's rounds (:class:`~snac_fast.batching.rounds.BatchRounds`): who runs
 the engine calls, and when.
 
 - :class:`ThreadDriver`: a thread of its own, woken only when it sleeps. Each round's calls are
@@ -7,7 +7,7 @@ the engine calls, and when.
 - :class:`LoopDriver`: an asyncio event loop's own thread, between its other callbacks: a call is
   launched when pushes are pending and fewer than two calls are in flight, and each call's copy to
   the host is polled (never waited for) until it lands. No second thread takes the interpreter
-  between the engine's CUDA calls (on some hosts that hand-over stalls them: docs/serving.md).
+  between the engine's CUDA calls (on some hosts that hand-over stalls them: docs/batching.md).
 
 Both keep their state (requests carried to the next round, calls formed and in flight) as their
 own attributes, and both honour ``max_wait_ms`` (an unfilled round starts that long after the last,
@@ -24,7 +24,7 @@ import time
 from collections import deque
 from concurrent.futures import Future
 
-from snac_fast.serve.rounds import BatchRounds
+from snac_fast.batching.rounds import BatchRounds
 
 FULLNESS_POLL_S = 0.005  # a thread waiting for fuller calls (max_wait_ms) looks again this often
 
