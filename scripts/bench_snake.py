@@ -1,7 +1,7 @@
 """Snake kernel benchmark (GPU): forward and forward+backward against upstream eager, torch.compile
 of the torch reference, and a device copy of the same bytes.
 
-    python scripts/bench_snake.py --out benchmarks/snake_h100       # JSON + Markdown + PNG
+    python scripts/bench_snake.py --out benchmarks/snake_h100       # JSON + Markdown; its PNG in docs/
     python scripts/bench_snake.py --tune                            # sweep launch configs
 """
 
@@ -161,7 +161,7 @@ def main():
           "GPU time per call: median over CUDA-graph replays timed with CUDA events, 3 input sets rotated in each replay. "
           "'% of copy': a device copy of the same bytes over our time.\n\n" + markdown_table(header, rows))
     write_results(args.out.parent, args.out.name, {"environment": env, "results": results}, md)
-    plot(results, args.out.parent / f"{args.out.name}.png")
+    plot(results, Path(__file__).resolve().parents[1] / "docs" / f"{args.out.name}.png")  # docs/kernels.md shows it
     print(md)
 
 
