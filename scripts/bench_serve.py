@@ -442,7 +442,7 @@ def main() -> None:
                         help="a process without torch beside each load, counting its 1 ms sleeps that woke over 4 ms late "
                              "(per second: a host-wide stall shows there too)")
     parser.add_argument("--engine-event-loop", action="store_true",
-                        help="the engine path's engine process on one event loop (ServeSettings(engine_event_loop=True)), not threads")
+                        help="the engine path's engine process on one event loop (engine_calls='loop'), not threads")
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default=None)
     args = parser.parse_args()
@@ -473,10 +473,11 @@ def main() -> None:
             parser.error("--processes must be a multiple of --gpus on the engine path")
         t0 = time.perf_counter()
         devices = [args.device] if args.gpus == 1 else [f"cuda:{g}" for g in range(args.gpus)]
-        engine_processes = [EngineProcess(ServeSettings(model=f"synthetic:{args.model}", device=d,
+        engine_processes = [EngineProcess(ServeSettings.of(model=f"synthetic:{args.model}", device=d,
                                                         max_streams=-(-max(sizes) // args.gpus), max_batch=args.max_batch,
                                                         max_wait_ms=args.max_wait_ms, shared_engine=True,
-                                                        engine_event_loop=args.engine_event_loop), output=args.output)
+                                                        engine_calls="loop" if args.engine_event_loop else "auto"),
+                                          output=args.output)
                             for d in devices]
         results["engine_process_start_s"] = time.perf_counter() - t0
         if args.engine_cpus:

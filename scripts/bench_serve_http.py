@@ -391,10 +391,8 @@ def serve_options(args) -> list[str]:
         options += ["--cpu-threads", str(args.cpu_threads)]
     if args.shared_engine:
         options += ["--shared-engine"]
-    if args.engine_thread:
-        options += ["--engine-thread"]
-    if args.engine_event_loop:
-        options += ["--engine-event-loop"]
+    if args.engine_calls != "auto":
+        options += ["--engine-calls", args.engine_calls]
     if args.max_wait_ms is not None:
         options += ["--max-wait-ms", f"{args.max_wait_ms:g}"]
     if args.lookahead != "exact":
@@ -501,8 +499,8 @@ def main() -> None:
     parser.add_argument("--lookahead", default="exact", help="serve --lookahead")
     parser.add_argument("--workers", type=int, default=1)
     parser.add_argument("--shared-engine", action="store_true", help="the workers feed one engine process (serve --shared-engine)")
-    parser.add_argument("--engine-thread", action="store_true", help="serve --engine-thread: engine calls on a thread, not the event loop")
-    parser.add_argument("--engine-event-loop", action="store_true", help="with --shared-engine: its process on one event loop")
+    parser.add_argument("--engine-calls", choices=["auto", "loop", "thread"], default="auto",
+                        help="serve --engine-calls: who runs the engine's calls")
     parser.add_argument("--max-wait-ms", type=float, default=None, help="serve --max-wait-ms (default: serve's)")
     parser.add_argument("--max-streams", type=int, default=1024, help="per worker")
     parser.add_argument("--max-batch", type=int, default=256)

@@ -70,8 +70,8 @@ def main() -> None:
     text = long_text(args.minutes)
     lm = FakeLM(chars_per_second=CHARS_PER_SECOND, split_tokens=True)
     with served(lm.app) as lm_url:
-        settings = ServeSettings(lm_url=lm_url + "/v1", lm_model="orpheus", max_input_chars=len(text) + 1)
-        segments = split_text(text, settings.segment_chars)
+        settings = ServeSettings.of(lm_url=lm_url + "/v1", lm_model="orpheus", max_input_chars=len(text) + 1)
+        segments = split_text(text, settings.lm.segment_chars)
         with served(create_app(codec, settings)) as url:
             started = time.perf_counter()
             r = httpx.post(url + "/v1/audio/speech", timeout=None,
@@ -88,7 +88,7 @@ def main() -> None:
     joins = np.cumsum(frames)[:-1] * 2048  # where each segment's audio begins
     around = [float(snr_db(want[j - 4096:j + 4096], got[j - 4096:j + 4096])) for j in joins]
     result = {"minutes_of_text": args.minutes, "characters": len(text), "segments": len(segments),
-              "segment_chars": settings.segment_chars, "audio_seconds": got.numel() / 24000,
+              "segment_chars": settings.lm.segment_chars, "audio_seconds": got.numel() / 24000,
               "samples_equal_length": got.numel() == want.numel(), "snr_db_whole": float(snr_db(want, got)),
               "snr_db_joins_min": min(around), "snr_db_joins_median": float(np.median(around)),
               "response_seconds": took, "device": args.device, "model": "synthetic snac_24khz" + (" (narrow)" if narrow else ""),

@@ -40,7 +40,7 @@ class LiveServer:
 def serving(codec, tls: dict | None = None, **options):
     lm = FakeLM(split_tokens=True)
     with LiveServer(lm.app) as lm_server:
-        config = ServeSettings(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
+        config = ServeSettings.of(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
         app = create_app(codec, config)
-        with LiveServer(app, **uvicorn_options(config), **(tls or {})) as server:
+        with LiveServer(app, **uvicorn_options(config.http), **(tls or {})) as server:
             yield server, lm, app.state.server

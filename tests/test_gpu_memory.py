@@ -38,9 +38,9 @@ def test_a_budget_that_fits_no_step_is_refused_by_name():
 
 
 def test_the_budget_setting_is_checked():
-    assert ServeSettings(gpu_memory_gb=2).check().gpu_memory_gb == 2
+    assert ServeSettings.of(gpu_memory_gb=2).check().engine.gpu_memory_gb == 2
     with pytest.raises(ValueError, match="--gpu-memory-gb must be >= 0"):
-        ServeSettings(gpu_memory_gb=-1).check()
+        ServeSettings.of(gpu_memory_gb=-1).check()
 
 
 def test_no_gpu_memory_is_read_off_cuda():

@@ -29,13 +29,12 @@ from concurrent.futures import Future
 
 from torch import Tensor
 
-from snac_fast.orpheus import TokenLayout
+from snac_fast.batching.defaults import LIBRARY_MAX_BATCH, LIBRARY_MAX_WAIT_MS
 from snac_fast.batching.drivers import LoopDriver, ThreadDriver
 from snac_fast.batching.futures import resolve, resolve_all
 from snac_fast.batching.rounds import BatchRounds, Request
+from snac_fast.orpheus import TokenLayout
 from snac_fast.streaming import StreamEngine
-
-DEFAULT_MAX_BATCH = 64  # a library batcher's: servers choose theirs (snac_fast.serve.settings)
 
 
 class StreamBatcher(BatchRounds):
@@ -50,8 +49,8 @@ class StreamBatcher(BatchRounds):
     raises in the caller) and no other. Use as a context manager, or call :meth:`close`.
     """
 
-    def __init__(self, engine: StreamEngine, max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = 0.0,
-                 layout: TokenLayout | None = None, output: str = "tensor",
+    def __init__(self, engine: StreamEngine, max_batch: int = LIBRARY_MAX_BATCH,
+                 max_wait_ms: float = LIBRARY_MAX_WAIT_MS, layout: TokenLayout | None = None, output: str = "tensor",
                  idle_timeout_s: float | None = None) -> None:
         super().__init__(engine, max_batch, max_wait_ms, layout, output, idle_timeout_s)
         self.driver = ThreadDriver(self)
@@ -103,8 +102,8 @@ class AsyncStreamBatcher(BatchRounds):
     reach each loop in one wake-up per engine call.
     """
 
-    def __init__(self, engine: StreamEngine, max_batch: int = DEFAULT_MAX_BATCH, max_wait_ms: float = 0.0,
-                 layout: TokenLayout | None = None, output: str = "tensor",
+    def __init__(self, engine: StreamEngine, max_batch: int = LIBRARY_MAX_BATCH,
+                 max_wait_ms: float = LIBRARY_MAX_WAIT_MS, layout: TokenLayout | None = None, output: str = "tensor",
                  idle_timeout_s: float | None = None, *, engine_thread: bool = False) -> None:
         super().__init__(engine, max_batch, max_wait_ms, layout, output, idle_timeout_s)
         self.engine_thread = engine_thread

@@ -50,8 +50,8 @@ class SpeechServer:
         self.frame_seconds = backend.samples_per_frame / backend.rate
         self.metrics = ServeMetrics(self.frame_seconds, backend.max_streams)
         self.draining = False
-        self.owners = StreamOwners(settings.max_streams_per_key)
-        self.lm = LMClient(settings)
+        self.owners = StreamOwners(settings.http.max_streams_per_key)
+        self.lm = LMClient(settings.lm, settings.layout, settings.engine.max_streams)
         self._lm_state: tuple[float, str, str | None] = (-LM_PROBE_S, "not_configured", None)
 
     async def lm_state(self) -> tuple[str, str | None]:
@@ -136,13 +136,13 @@ async def _health_body(server: SpeechServer, details: bool = True) -> dict:
     body = {"status": status, "device": server.backend.device, "pid": os.getpid(), "open_streams": server.backend.open_streams,
             "slots_in_use": state.slots_in_use, "max_streams": server.backend.max_streams,
             "sampling_rate": server.backend.rate,
-            "lm": {"status": lm, "url": redacted_url(server.settings.lm_url) if server.settings.lm_url else None}}
+            "lm": {"status": lm, "url": redacted_url(server.settings.lm.lm_url) if server.settings.lm.lm_url else None}}
     if why:
         body["lm"]["error"] = why
     if state.memory:
         body["gpu_memory"] = {k.removeprefix("gpu_").replace("_bytes", "_gb"): round(v / 1e9, 3) for k, v in state.memory.items()}
-    if server.settings.gpu_memory_gb:
-        body.setdefault("gpu_memory", {})["budget_gb"] = server.settings.gpu_memory_gb
+    if server.settings.engine.gpu_memory_gb:
+        body.setdefault("gpu_memory", {})["budget_gb"] = server.settings.engine.gpu_memory_gb
     if status == "engine_failing":
         body["error"] = state.error
     return body
@@ -156,7 +156,7 @@ async def health(request):
 
     server = request.app.state.server
     keyed = (request.scope.get("state") or {}).get("client", "").startswith("key ")
-    body = await _health_body(server, details=keyed or not server.settings.api_key)
+    body = await _health_body(server, details=keyed or not server.settings.http.api_key)
     return JSONResponse(body, status_code=200 if body["status"] == "ok" else 503)
 
 
@@ -172,14 +172,14 @@ async def ready(request):
 async def voices(request):
     from starlette.responses import JSONResponse
 
-    return JSONResponse(voices_list(request.app.state.server.settings.voice_names))
+    return JSONResponse(voices_list(request.app.state.server.settings.lm.voice_names))
 
 
 async def models(request):
     from starlette.responses import JSONResponse
 
     settings = request.app.state.server.settings
-    return JSONResponse(models_list((settings.lm_model or "orpheus", *OPENAI_MODELS)))
+    return JSONResponse(models_list((settings.lm.lm_model or "orpheus", *OPENAI_MODELS)))
 
 
 async def openapi(request):
@@ -204,8 +204,8 @@ async def metrics(request):
 
     server: SpeechServer = request.app.state.server
     server.metrics.backend_values = await server.backend.metric_values()
-    if server.settings.gpu_memory_gb:
-        server.metrics.backend_values["gpu_budget_bytes"] = server.settings.gpu_memory_gb * 1e9
+    if server.settings.engine.gpu_memory_gb:
+        server.metrics.backend_values["gpu_budget_bytes"] = server.settings.engine.gpu_memory_gb * 1e9
     return Response(server.metrics.text(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -221,7 +221,8 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     settings = (settings or ServeSettings()).check()
     if (codec is None) == (engine is None):
         raise ValueError("create_app takes a codec or an engine process's (address, info), one of them")
-    backend = InProcessBackend(codec, settings) if engine is None else EngineProcessBackend(*engine, settings.layout)
+    backend = (InProcessBackend(codec, settings.engine, settings.layout) if engine is None
+               else EngineProcessBackend(*engine, settings.layout))
     server = SpeechServer(backend, settings)
 
     @contextlib.asynccontextmanager
@@ -231,10 +232,10 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
         yield
         await server.close()
 
-    middleware = [Middleware(BodyLimit, max_bytes=settings.max_body_bytes, timeout_s=settings.header_timeout_s)]
-    if settings.api_key:
-        middleware.insert(0, Middleware(BearerKey, key=settings.api_key))  # outermost: the key first
-    origins = frozenset(o.strip() for o in settings.allow_origins.split(",") if o.strip())
+    middleware = [Middleware(BodyLimit, max_bytes=settings.http.max_body_bytes, timeout_s=settings.http.header_timeout_s)]
+    if settings.http.api_key:
+        middleware.insert(0, Middleware(BearerKey, key=settings.http.api_key))  # outermost: the key first
+    origins = frozenset(o.strip() for o in settings.http.allow_origins.split(",") if o.strip())
     if origins:  # browsers' preflights answered before the key is asked (they carry none)
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=sorted(origins), allow_methods=["*"],
                                         allow_headers=["*"], expose_headers=["X-Sample-Rate", "X-Sample-Format",

@@ -53,14 +53,10 @@ def app_from_environment():
     if engine:  # --shared-engine: the parent runs the engine process; this worker feeds it
         engine = json.loads(engine)
         return create_app(None, settings, (engine["address"], engine["info"]))
-    from snac_fast.api import FastSNAC
-
-    device = worker_device(settings.device, os.environ.get(CLAIMS_VARIABLE))
-    codec = FastSNAC.from_pretrained(settings.model, device=device, dtype=settings.dtype,
-                                     local_files_only=settings.local_files_only)
     from snac_fast.serve.engine.process import ready_engine
 
-    _, settings = ready_engine(codec, settings, settings.threads_per_worker())
+    codec = settings.engine.load_codec(worker_device(settings.engine.device, os.environ.get(CLAIMS_VARIABLE)))
+    _, settings.engine = ready_engine(codec, settings.engine, settings.threads_per_worker())
     return create_app(codec, settings)
 
 
@@ -79,11 +75,11 @@ def serve(settings: ServeSettings) -> None:
     from snac_fast.serve.engine import process as engine_process
 
     settings.check()
-    check_port_free(settings.host, settings.port)  # before the engine process loads a model
+    check_port_free(settings.http.host, settings.http.port)  # before the engine process loads a model
     engine, lost, closing = None, [], threading.Event()
     handed_on = {SETTINGS_VARIABLE: settings.to_json()}
-    if settings.shared_engine:
-        engine = engine_process.EngineProcess(settings, output="float32")
+    if settings.http.shared_engine:
+        engine = engine_process.EngineProcess(settings.engine, output="float32")
         handed_on[ENGINE_VARIABLE] = json.dumps({"address": engine.address, "info": engine.info})
 
         def watch() -> None:  # an engine process that dies stops the server: its supervisor restarts it
@@ -101,11 +97,12 @@ def serve(settings: ServeSettings) -> None:
     if threading.current_thread() is threading.main_thread():
         previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        if settings.workers > 1:  # each worker on its own SO_REUSEPORT socket: the kernel spreads the connections
-            run_workers(APP, settings.host, settings.port, settings.workers, GRACEFUL_SHUTDOWN_S, limits=settings)
+        if settings.http.workers > 1:  # each worker on its own SO_REUSEPORT socket: the kernel spreads the connections
+            run_workers(APP, settings.http.host, settings.http.port, settings.http.workers, GRACEFUL_SHUTDOWN_S,
+                        limits=settings.http)
         else:
-            uvicorn.run(APP, factory=True, host=settings.host, port=settings.port,
-                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info", **uvicorn_options(settings))
+            uvicorn.run(APP, factory=True, host=settings.http.host, port=settings.http.port,
+                        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, log_level="info", **uvicorn_options(settings.http))
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

@@ -47,6 +47,12 @@ def expected(codec, codes, seed):
     return codec.decode(codes, seed=seed)[0, 0].float()
 
 
+def lm_client(**options) -> LMClient:
+    """The LM client a server of these settings makes."""
+    settings = ServeSettings.of(**options)
+    return LMClient(settings.lm, settings.layout, settings.engine.max_streams)
+
+
 def _engine_checkpoint(tmp_path) -> tuple[str, dict]:
     """A seeded 24 kHz checkpoint (narrow) for an engine process, and its model options (CPU)."""
     from snac_fast.synthetic import make_checkpoint
@@ -185,7 +191,7 @@ def test_websocket_ids_in_pcm_out(codec, engine_thread, max_wait_ms):
 
     c = random_codes(codec.config, 9, seed=900)
     ids = ORPHEUS.codes_to_ids(c).tolist()
-    with serving(codec, engine_thread=engine_thread, max_wait_ms=max_wait_ms) as (server, lm, state):
+    with serving(codec, engine_calls="thread" if engine_thread else "loop", max_wait_ms=max_wait_ms) as (server, lm, state):
         assert state.backend.batcher.engine_thread == engine_thread and state.backend.batcher.max_wait == max_wait_ms / 1e3
         async def main():
             ws_url = server.url.replace("http", "ws") + "/v1/audio/stream?seed=4&sample_format=f32"
@@ -221,7 +227,7 @@ def test_graceful_shutdown_finishes_streams_in_flight(codec):
     lm = FakeLM(split_tokens=True)
     lm.script("long", c, delay=0.02)
     with LiveServer(lm.app) as lm_server:
-        app = create_app(codec, ServeSettings(lm_url=lm_server.url + "/v1"))
+        app = create_app(codec, ServeSettings.of(lm_url=lm_server.url + "/v1"))
         live = LiveServer(app).__enter__()
         result = {}
 
@@ -282,8 +288,9 @@ def test_serve_cli_refuses_bad_arguments(capsys):
     assert "--lm-url must be an http(s) URL" in capsys.readouterr().err
     assert main(["serve", "--max-wait-ms", "-1"]) == 2
     assert "--max-wait-ms must be >= 0" in capsys.readouterr().err
-    assert main(["serve", "--engine-event-loop"]) == 2
-    assert "add --shared-engine" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: one flag for who runs the engine's calls, of three values
+        main(["serve", "--engine-calls", "sometimes"])
+    assert "--engine-calls: invalid choice" in capsys.readouterr().err
     assert main(["serve", "--cpu-threads", "-1"]) == 2
     assert "--cpu-threads must be >= 0" in capsys.readouterr().err
 
@@ -294,13 +301,13 @@ def test_cpu_workers_share_the_cores(monkeypatch):
     from snac_fast.serve.engine.process import ready_engine
 
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(16)))
-    assert ServeSettings(workers=4).threads_per_worker() == 4
-    assert ServeSettings(workers=32).threads_per_worker() == 1
-    assert ServeSettings(workers=4, cpu_threads=3).threads_per_worker() == 3
+    assert ServeSettings.of(workers=4).threads_per_worker() == 4
+    assert ServeSettings.of(workers=32).threads_per_worker() == 1
+    assert ServeSettings.of(workers=4, cpu_threads=3).threads_per_worker() == 3
     codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")
     before = torch.get_num_threads()
     try:
-        engine, _ = ready_engine(codec, ServeSettings(device="cpu", max_streams=3), 1)
+        engine, _ = ready_engine(codec, ServeSettings.of(device="cpu", max_streams=3).engine, 1)
         assert torch.get_num_threads() == 1 and engine is codec.shared_stream_engine()
         assert engine.max_streams == 3 and engine._layered is not None
     finally:
@@ -308,7 +315,7 @@ def test_cpu_workers_share_the_cores(monkeypatch):
 
 
 def test_serve_cli_hands_the_engine_process_its_form_and_wait(monkeypatch):
-    """`serve --shared-engine --engine-event-loop --max-wait-ms 4`: the engine process is started
+    """`serve --shared-engine --engine-calls loop --max-wait-ms 4`: the engine process is started
     on one event loop with the wait, and every worker's settings carry it."""
 
     from snac_fast.cli import main
@@ -334,10 +341,16 @@ def test_serve_cli_hands_the_engine_process_its_form_and_wait(monkeypatch):
                                                                          json.loads(os.environ[ENGINE_VARIABLE]))))
     for name in (SETTINGS_VARIABLE, ENGINE_VARIABLE, CLAIMS_VARIABLE):  # serve() sets them: restored after the test
         monkeypatch.setenv(name, "")
-    assert main(["serve", "--shared-engine", "--engine-event-loop", "--max-wait-ms", "4", "--workers", "2"]) == 0
-    assert started[0].engine_event_loop is True and started[0].max_wait_ms == 4.0
+    assert main(["serve", "--shared-engine", "--engine-calls", "loop", "--max-wait-ms", "4", "--workers", "2"]) == 0
+    assert started[0].engine_calls == "loop" and started[0].max_wait_ms == 4.0
+    assert started[0].calls_on_loop(engine_process=True)
     settings, engine = ran[0]
-    assert settings["max_wait_ms"] == 4.0 and settings["workers"] == 2 and engine["address"] == Engine.address
+    assert settings["engine"]["max_wait_ms"] == 4.0 and settings["http"]["workers"] == 2
+    assert engine["address"] == Engine.address
+    # the engine process is handed its settings alone; the earlier flag still means the same
+    assert type(started[0]).__name__ == "EngineSettings"
+    assert main(["serve", "--shared-engine", "--engine-event-loop", "--workers", "2"]) == 0
+    assert started[1].engine_calls == "loop"
 
 
 def test_lm_client_streams_as_many_requests_at_once_as_the_server_has_streams():
@@ -347,7 +360,7 @@ def test_lm_client_streams_as_many_requests_at_once_as_the_server_has_streams():
     streams = 150
     with LiveServer(lm.app) as lm_server:
         async def run() -> int:
-            client = LMClient(ServeSettings(lm_url=lm_server.url + "/v1", max_streams=streams))
+            client = lm_client(lm_url=lm_server.url + "/v1", max_streams=streams)
             release = asyncio.Event()
 
             async def one(i: int) -> None:
@@ -394,7 +407,7 @@ def test_lm_client_hands_a_late_reader_every_id_that_arrived_in_one_list():
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = LMClient(ServeSettings(lm_url=f"http://127.0.0.1:{port}/v1"))
+        client = lm_client(lm_url=f"http://127.0.0.1:{port}/v1")
         got = []
         async for ids in client.ids("busy", "tara", None):
             got.append(ids)
@@ -445,7 +458,7 @@ def test_lm_client_retries_a_pooled_connection_the_lm_closed_but_not_a_cut_answe
 
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
-        client = LMClient(ServeSettings(lm_url=f"http://127.0.0.1:{port}/v1"))
+        client = lm_client(lm_url=f"http://127.0.0.1:{port}/v1")
         got = []
         for i in range(3):
             got.append([ids async for ids in client.ids(f"line {i}", "tara", None)])
@@ -478,7 +491,7 @@ def test_an_overloaded_lm_is_a_503_to_retry_and_a_failing_one_a_502(codec, lm_st
 
     lm = Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
     with LiveServer(lm) as lm_server:
-        app = create_app(codec, ServeSettings(lm_url=lm_server.url + "/v1"))
+        app = create_app(codec, ServeSettings.of(lm_url=lm_server.url + "/v1"))
         with LiveServer(app) as server:
             r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello"}, timeout=60)
             assert r.status_code == status and r.json()["error"]["type"] == kind
@@ -553,7 +566,7 @@ def test_an_unreachable_lm_is_a_clear_502(codec):
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    app = create_app(codec, ServeSettings(lm_url=f"http://127.0.0.1:{port}/v1"))
+    app = create_app(codec, ServeSettings.of(lm_url=f"http://127.0.0.1:{port}/v1"))
     with LiveServer(app) as server:
         r = httpx.post(server.url + "/v1/audio/speech", json={"input": "hello"}, timeout=60)
         assert r.status_code == 502
@@ -606,14 +619,14 @@ def test_workers_sharing_one_engine_process_get_exact_audio(tmp_path):
     codec = FastSNAC.from_pretrained(checkpoint, device="cpu", dtype=torch.float32, **options)
     codes = {f"shared {i}": random_codes(codec.config, 5 + i % 2, seed=700 + i) for i in range(4)}
     ws_codes = random_codes(codec.config, 6, seed=750)
-    with EngineProcess(ServeSettings(model=checkpoint, device="cpu", max_streams=8, max_batch=4), output="float32",
+    with EngineProcess(ServeSettings.of(model=checkpoint, device="cpu", max_streams=8, max_batch=4), output="float32",
                        model_options=options) as engine:
         lm = FakeLM(split_tokens=True)
         for text, c in codes.items():
             lm.script(text, c)
         with LiveServer(lm.app) as lm_server:
             config = dict(lm_url=lm_server.url + "/v1", lm_model="orpheus", max_streams=8)
-            apps = [create_app(None, ServeSettings(**config), (engine.address, engine.info)) for _ in range(2)]
+            apps = [create_app(None, ServeSettings.of(**config), (engine.address, engine.info)) for _ in range(2)]
             with LiveServer(apps[0]) as one, LiveServer(apps[1]) as two:
                 async def websocket():
                     pieces = []
@@ -650,7 +663,7 @@ def test_server_start_up_freezes_its_objects_out_of_the_collectors_reach(codec):
 
     gc.unfreeze()
     try:
-        app = create_app(codec, ServeSettings(lm_url="http://127.0.0.1:9/v1"))
+        app = create_app(codec, ServeSettings.of(lm_url="http://127.0.0.1:9/v1"))
         assert gc.get_freeze_count() == 0
         with LiveServer(app):
             frozen = gc.get_freeze_count()
@@ -663,7 +676,7 @@ def test_start_up_warms_the_decode_path_and_leaves_no_stream_open(codec):
     """Each worker runs one silent stream through its batcher before the first request (the first
     request of a worker paid for first-time work): the engine has decoded, the LM session exists,
     and the warm-up's stream is gone."""
-    app = create_app(codec, ServeSettings(lm_url="http://127.0.0.1:9/v1"))
+    app = create_app(codec, ServeSettings.of(lm_url="http://127.0.0.1:9/v1"))
     state = app.state.server
     assert state.backend.batcher.batches == 0 and state.lm._session is None
     with LiveServer(app) as server:
@@ -683,11 +696,11 @@ def test_a_dead_engine_process_fails_each_request_at_once_and_health_says_so(tmp
     from snac_fast.serve import EngineProcess
 
     checkpoint, options = _engine_checkpoint(tmp_path)
-    with EngineProcess(ServeSettings(model=checkpoint, device="cpu", max_streams=4, max_batch=4), output="float32",
+    with EngineProcess(ServeSettings.of(model=checkpoint, device="cpu", max_streams=4, max_batch=4), output="float32",
                        model_options=options) as engine:
         lm = FakeLM(split_tokens=True)
         with LiveServer(lm.app) as lm_server:
-            app = create_app(None, ServeSettings(lm_url=lm_server.url + "/v1", max_streams=4), (engine.address, engine.info))
+            app = create_app(None, ServeSettings.of(lm_url=lm_server.url + "/v1", max_streams=4), (engine.address, engine.info))
             with LiveServer(app) as server:
                 assert httpx.get(server.url + "/health").json()["status"] == "ok"
                 assert "snac_fast_engine_up 1.0" in httpx.get(server.url + "/metrics").text

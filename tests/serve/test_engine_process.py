@@ -30,11 +30,11 @@ def checkpoint(tmp_path_factory):
     return str(make_checkpoint(tmp_path_factory.mktemp("engine") / "model", "snac_24khz", **NARROW))
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["threads", "event_loop"])
+@pytest.fixture(scope="module", params=["auto", "loop"], ids=["threads", "event_loop"])
 def engine(checkpoint, request):
-    """An engine process of each kind: reader, engine and sender threads, or one event loop."""
-    settings = ServeSettings(model=checkpoint, device="cpu", max_streams=8, max_batch=4, shared_engine=True,
-                             engine_event_loop=request.param)
+    """An engine process of each kind: reader, engine and sender threads (its default), or one event loop."""
+    settings = ServeSettings.of(model=checkpoint, device="cpu", max_streams=8, max_batch=4, shared_engine=True,
+                                engine_calls=request.param)
     with EngineProcess(settings, output="float32", model_options=OPTIONS) as process:
         yield process
 
@@ -108,7 +108,7 @@ def test_errors_stay_with_their_stream_and_streams_are_released(engine):
 
 def test_an_engine_that_cannot_start_says_why(tmp_path):
     with pytest.raises(RuntimeError, match="failed to start: .*does not exist|failed to start"):
-        EngineProcess(ServeSettings(model=str(tmp_path / "missing"), device="cpu", local_files_only=True),
+        EngineProcess(ServeSettings.of(model=str(tmp_path / "missing"), device="cpu", local_files_only=True),
                       model_options=OPTIONS)
 
 
@@ -261,7 +261,7 @@ def test_gpu_one_engine_process_per_gpu_each_exact(checkpoint):
     codec = FastSNAC.from_pretrained(checkpoint, device="cuda:0", dtype=torch.float32)
     codes = [random_codes(codec.config, 8, seed=300 + k) for k in range(4)]
     def on(device):
-        return ServeSettings(model=checkpoint, device=device, dtype="float32", max_streams=4, max_batch=4)
+        return ServeSettings.of(model=checkpoint, device=device, dtype="float32", max_streams=4, max_batch=4)
     with EngineProcess(on("cuda:0"), output="float32") as first, EngineProcess(on("cuda:1"), output="float32") as second:
         assert (first.info["device"], second.info["device"]) == ("cuda:0", "cuda:1")
 

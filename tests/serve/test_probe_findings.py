@@ -91,8 +91,8 @@ def probed_server(**options):
     codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", fuse=False)
     with LiveServer(HostileLM().app) as lm:
         url = lm.url.replace("http://", f"http://probe:{PASSWORD}@") + "/v1"
-        settings = ServeSettings(lm_url=url, lm_model="orpheus", **options)
-        with LiveServer(create_app(codec, settings), **uvicorn_options(settings)) as server:
+        settings = ServeSettings.of(lm_url=url, lm_model="orpheus", **options)
+        with LiveServer(create_app(codec, settings), **uvicorn_options(settings.http)) as server:
             yield server
 
 

@@ -236,7 +236,7 @@ def test_api_key_on_every_endpoint_but_health(codec):
     lm = FakeLM(split_tokens=True)
     lm.script("keyed", c)
     with LiveServer(lm.app) as lm_server:
-        app = create_app(codec, ServeSettings(lm_url=lm_server.url + "/v1", api_key="s3cret-key"))
+        app = create_app(codec, ServeSettings.of(lm_url=lm_server.url + "/v1", api_key="s3cret-key"))
         with LiveServer(app) as server:
             with pytest.raises(AuthenticationError) as refused:
                 OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).audio.speech.create(
@@ -262,14 +262,14 @@ def test_api_key_on_every_endpoint_but_health(codec):
 
 
 def test_health_reports_the_lm_and_ready_waits_for_it(codec):
-    app = create_app(codec, ServeSettings(lm_url="http://127.0.0.1:9/v1"))
+    app = create_app(codec, ServeSettings.of(lm_url="http://127.0.0.1:9/v1"))
     with LiveServer(app) as server:
         health, ready = httpx.get(server.url + "/health"), httpx.get(server.url + "/ready")
     assert health.status_code == 200 and health.json()["lm"]["status"] == "unreachable"
     assert "127.0.0.1:9" in health.json()["lm"]["error"]
     assert ready.status_code == 503 and ready.json()["ready"] is False
     lm = FakeLM()
-    with LiveServer(lm.app) as lm_server, LiveServer(create_app(codec, ServeSettings(lm_url=lm_server.url + "/v1"))) as s:
+    with LiveServer(lm.app) as lm_server, LiveServer(create_app(codec, ServeSettings.of(lm_url=lm_server.url + "/v1"))) as s:
         assert httpx.get(s.url + "/ready").json()["ready"] is True
 
 

@@ -12,6 +12,7 @@ import time
 from collections import Counter
 
 from snac_fast.serve.access.auth import send_error
+from snac_fast.serve.settings import HTTPSettings
 
 
 class TooManyStreams(Exception):
@@ -179,8 +180,8 @@ def header_timeout_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER
     return HeaderTimeoutProtocol
 
 
-def uvicorn_options(settings) -> dict:
-    """The uvicorn options the limits set (``ServeSettings``): the WebSocket message size, and the
+def uvicorn_options(settings: HTTPSettings) -> dict:
+    """The uvicorn options the limits set: the WebSocket message size, and the
     header timeout where uvicorn runs httptools (``serve``'s extra installs it)."""
     options = {"ws_max_size": settings.max_ws_message_bytes}
     try:

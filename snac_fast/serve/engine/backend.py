@@ -12,7 +12,7 @@ import numpy as np
 
 from snac_fast.orpheus import TokenLayout
 from snac_fast.serve.engine.client import EngineLostError
-from snac_fast.serve.settings import ServeSettings
+from snac_fast.serve.settings import EngineSettings
 
 # an in-process server runs its engine calls on the event loop: any other thread that takes the GIL
 # (an executor's, a library's) would hold the loop for up to the default 5 ms switch interval. This
@@ -71,12 +71,11 @@ class Backend(Protocol):
 
 class InProcessBackend:
     """The codec's shared stream engine behind an :class:`~snac_fast.serve.AsyncStreamBatcher` whose
-    engine calls run on this process's event loop (``engine_thread``: on a thread of their own)."""
+    engine calls run on this process's event loop (``engine_calls="thread"``: on a thread of their own)."""
 
-    def __init__(self, codec, settings: ServeSettings) -> None:
-        settings.layout.check_model(codec.config)
+    def __init__(self, codec, settings: EngineSettings, layout: TokenLayout) -> None:
+        layout.check_model(codec.config)
         from snac_fast.batching.batchers import AsyncStreamBatcher
-
         from snac_fast.gpu_memory import memory_readings
 
         self.memory_readings = memory_readings
@@ -85,8 +84,8 @@ class InProcessBackend:
         self.device, self.max_streams = str(codec.device), self.engine.max_streams
         self.rate, self.samples_per_frame = int(codec.config["sampling_rate"]), self.engine.samples_per_frame
         self.batcher = AsyncStreamBatcher(self.engine, max_batch=settings.max_batch, max_wait_ms=settings.max_wait_ms,
-                                          layout=settings.layout, output="float32",
-                                          idle_timeout_s=settings.idle_timeout_s, engine_thread=settings.engine_thread)
+                                          layout=layout, output="float32", idle_timeout_s=settings.idle_timeout_s,
+                                          engine_thread=not settings.calls_on_loop(engine_process=False))
 
     async def open(self, seed: int | None) -> int | None:
         if self.engine.open_streams >= self.engine.max_streams:

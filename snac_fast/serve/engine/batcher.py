@@ -10,11 +10,12 @@ import time
 
 import numpy as np
 
-from snac_fast.gpu_memory import memory_readings
+from snac_fast.batching.defaults import LIBRARY_MAX_WAIT_MS
 from snac_fast.batching.drivers import LoopDriver, ThreadDriver
-from snac_fast.serve.engine.wire import PUSH, TAG, error_item, read_pushes
 from snac_fast.batching.pcm import PCMBlock
 from snac_fast.batching.rounds import BatchRounds, Request, streams_done
+from snac_fast.gpu_memory import memory_readings
+from snac_fast.serve.engine.wire import PUSH, TAG, error_item, read_pushes
 from snac_fast.streaming import StreamEngine
 
 # per push in C, not in a Python loop
@@ -113,7 +114,7 @@ class EngineBatcher(BatchRounds):
     back to them. ``event_loop``: its engine calls run on the event loop that :meth:`bind` names
     (the engine process's one loop), else on an engine thread."""
 
-    def __init__(self, engine: StreamEngine, max_batch: int, max_wait_ms: float = 0.0, output: str = "int16",
+    def __init__(self, engine: StreamEngine, max_batch: int, max_wait_ms: float = LIBRARY_MAX_WAIT_MS, output: str = "int16",
                  idle_timeout_s: float | None = None, event_loop: bool = False) -> None:
         super().__init__(engine, max_batch, max_wait_ms, None, output, idle_timeout_s)
         self.driver = LoopDriver(self) if event_loop else ThreadDriver(self)

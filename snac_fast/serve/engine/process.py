@@ -10,11 +10,11 @@ and each front-end process (an HTTP worker, say) talks to it through an
 process one thread reads every front-end and queues each message's pushes as one block, the engine
 thread runs the blocks as row slices of its engine calls and answers each call with one message per
 front-end, and a thread per front-end sends those, so a front-end that reads slowly never holds up
-the engine. With ``engine_event_loop`` one asyncio event loop does the reading, the engine calls
+the engine. With ``engine_calls="loop"`` one asyncio event loop does the reading, the engine calls
 and the writing instead of those threads (docs/batching.md).
 
-    engine = EngineProcess(ServeSettings(model="hubertsiuzdak/snac_24khz", max_streams=4096))  # parent
-    client = EngineClient(engine.address)                                                     # front-end
+    engine = EngineProcess(EngineSettings(model="hubertsiuzdak/snac_24khz", max_streams=4096))  # parent
+    client = EngineClient(engine.address)                                                      # front-end
     sid = await client.open(seed=1)
     pcm = await client.push_ids(sid, ids)     # int16 numpy audio that became final
     tail = await client.flush(sid)
@@ -33,13 +33,14 @@ import sys
 import tempfile
 import threading
 from multiprocessing.connection import Connection, Listener
+from typing import Any
 
 import numpy as np
 
 from snac_fast.batching.batchers import freeze_startup_objects
 from snac_fast.serve.engine.batcher import EngineBatcher, Front
 from snac_fast.serve.engine.wire import LONG_SIZE, SIZE, audio_message
-from snac_fast.serve.settings import ServeSettings
+from snac_fast.serve.settings import EngineSettings, ServeSettings
 
 ENGINE_OUTPUTS = ("int16", "float32")
 
@@ -96,7 +97,7 @@ class _LoopFront(Front):
         self.writer.write(payload)
 
 
-def _serve_engine(address: str, settings: ServeSettings, output: str, model_options: dict, report: Connection) -> None:
+def _serve_engine(address: str, settings: EngineSettings, output: str, model_options: dict, report: Connection) -> None:
     """The engine process: load, warm up, then accept front-ends until terminated."""
     # the engine, reader and sender threads take turns at the interpreter: hand it over within 1 ms,
     # not the default 5, so a push waits less for the engine thread (docs/measurements.md)
@@ -104,17 +105,16 @@ def _serve_engine(address: str, settings: ServeSettings, output: str, model_opti
     try:
         import torch
 
-        from snac_fast.api import FastSNAC
         from snac_fast.ops.device import make_current
 
         if settings.device:
             make_current(torch.device(settings.device))  # warm-up and graphs on that GPU, not the first
-        codec = FastSNAC.from_pretrained(settings.model, device=settings.device, dtype=settings.dtype,
-                                         local_files_only=settings.local_files_only, **model_options)
+        codec = settings.load_codec(**model_options)
         engine, settings = ready_engine(codec, settings, settings.cpu_threads or len(os.sched_getaffinity(0)))
+        on_loop = settings.calls_on_loop(engine_process=True)
         batcher = EngineBatcher(engine, settings.max_batch, settings.max_wait_ms, output, settings.idle_timeout_s,
-                                event_loop=settings.engine_event_loop)
-        listener = None if settings.engine_event_loop else Listener(address, family="AF_UNIX")
+                                event_loop=on_loop)
+        listener = None if on_loop else Listener(address, family="AF_UNIX")
     except BaseException as error:  # noqa: BLE001 - the parent raises it with its message
         report.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
@@ -122,7 +122,7 @@ def _serve_engine(address: str, settings: ServeSettings, output: str, model_opti
     ready = ("ready", {"sampling_rate": codec.sampling_rate, "output": output, "config": dict(codec.config),
                        "samples_per_frame": engine.samples_per_frame, "max_streams": engine.max_streams,
                        "device": str(codec.device)})
-    if settings.engine_event_loop:
+    if on_loop:
         asyncio.run(_serve_on_loop(batcher, address, report, ready))
         return
     report.send(ready)
@@ -195,10 +195,11 @@ def _front_gone(batcher: EngineBatcher, front: Front) -> None:
 
 
 class EngineProcess:
-    """The engine's process (spawned), from ``settings``: the model (:attr:`ServeSettings.model`,
+    """The engine's process (spawned), from ``settings`` (:class:`EngineSettings`, or a
+    :class:`ServeSettings` whose engine part alone is handed on): the model (``model``,
     ``device``, ``dtype``, ``local_files_only``), ``max_streams`` stream slots, engine calls of at
     most ``max_batch`` streams waiting up to ``max_wait_ms`` for them, ``idle_timeout_s``,
-    ``lookahead``, and ``engine_event_loop`` (one event loop in the engine process reads the
+    ``lookahead``, and ``engine_calls`` (``"loop"``: one event loop in the engine process reads the
     front-ends, runs the engine calls and writes the replies, instead of a reader thread, an engine
     thread and a sender thread per front-end). Audio goes out as ``output`` (``"int16"`` or
     ``"float32"`` PCM). Waits until the model is loaded and warm; raises RuntimeError with the
@@ -206,11 +207,11 @@ class EngineProcess:
     :class:`~snac_fast.serve.engine.client.EngineClient` connects to. Close it (or use it as a
     context manager) to stop it."""
 
-    def __init__(self, settings: ServeSettings, *, output: str = "int16", model_options: dict | None = None,
+    def __init__(self, settings: EngineSettings | ServeSettings, *, output: str = "int16", model_options: dict | None = None,
                  start_timeout_s: float = 600.0) -> None:
         if output not in ENGINE_OUTPUTS:
             raise ValueError(f"output must be 'int16' or 'float32', got {output!r}")
-        settings.check()
+        settings = (settings.engine if isinstance(settings, ServeSettings) else settings).check()
         self._folder = tempfile.mkdtemp(prefix="snac-fast-engine-")
         self.address = os.path.join(self._folder, "engine.sock")
         ours, theirs = mp.Pipe(duplex=False)
@@ -267,7 +268,7 @@ class EngineProcess:
         self.close()
 
 
-def ready_engine(codec, settings: ServeSettings, cpu_threads: int) -> tuple:
+def ready_engine(codec, settings: EngineSettings, cpu_threads: int) -> tuple[Any, EngineSettings]:
     """The codec's shared stream engine for a worker or the engine process, ready to serve, and the
     settings it serves with: on CUDA warmed up (every step's graph), within ``--gpu-memory-gb`` if
     set (``max_batch`` then the largest batch whose step graphs fit; ValueError when none does); on

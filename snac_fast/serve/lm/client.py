@@ -10,10 +10,10 @@ import json
 import re
 import time
 from collections.abc import AsyncIterator
-from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, END_OF_SPEECH, TokenLayout
+from snac_fast.serve.settings import LMSettings
 
 # The prompt Orpheus-family models were trained on, in text form: start of human (128259), the text
 # as "voice: text" after <|begin_of_text|>, end of text (128009), end of human (128260), start of AI
@@ -35,20 +35,6 @@ def redacted_url(url: str) -> str:
         return "<an unparsable URL>"
     host = f"[{host}]" if ":" in host else host
     return urlunsplit((parts.scheme, host + port, parts.path, "", ""))
-
-class LMSettings(Protocol):
-    """What the client reads of its server's settings (:class:`snac_fast.serve.ServeSettings`)."""
-
-    lm_url: str | None
-    lm_model: str | None
-    max_streams: int
-    lm_timeout_s: float
-    max_tokens: int
-    temperature: float
-    top_p: float
-    repetition_penalty: float
-    layout: TokenLayout
-
 
 class LMOutputError(Exception):
     """The language model's stream could not be turned into audio (a malformed token, an error)."""
@@ -87,8 +73,8 @@ class LMClient:
     httpx's host time (docs/http_server.md, "The LM client"), and a server reads one chunk per stream
     every ~30 ms."""
 
-    def __init__(self, config: LMSettings) -> None:
-        self.config = config
+    def __init__(self, config: LMSettings, layout: TokenLayout, max_connections: int) -> None:
+        self.config, self.layout, self.max_connections = config, layout, max_connections
         self._session = None
         self._aiohttp = None
         if config.lm_url is not None:  # imported now: importing it at the first request delayed its audio
@@ -105,7 +91,7 @@ class LMClient:
             # see a local connect complete (CI timed out 1 of 32 at 5 s); a dead LM refuses at once
             # keepalive_timeout under the 5 s that uvicorn-served LMs (vLLM, SGLang) keep an idle
             # connection: a pooled connection is dropped here before the LM closes it
-            connector = aiohttp.TCPConnector(limit=self.config.max_streams + 8, keepalive_timeout=KEEPALIVE_S)
+            connector = aiohttp.TCPConnector(limit=self.max_connections + 8, keepalive_timeout=KEEPALIVE_S)
             timeout = aiohttp.ClientTimeout(total=None, connect=self.config.lm_timeout_s,
                                             sock_read=self.config.lm_timeout_s)
             # trust_env: HTTP(S)_PROXY and NO_PROXY apply, as for any HTTP client a user configures
@@ -139,7 +125,7 @@ class LMClient:
                     left = self.config.max_tokens  # enforced here too: an LM that never stops is cut there
                     clock = _AudioClock(self.config.lm_timeout_s)
                     chunks = clock.watch(response.content.iter_any())
-                    async for ids in _ids_of_events(_sse_data(chunks), self.config.layout.offset):
+                    async for ids in _ids_of_events(_sse_data(chunks), self.layout.offset):
                         clock.heard()
                         ids = ids[:left]
                         left -= len(ids)
@@ -170,7 +156,7 @@ class LMClient:
         async def events():
             yield b'data: {"choices": [{"text": "<custom_token_10>"}]}\n\ndata: [DONE]\n\n'
 
-        async for _ in _ids_of_events(_sse_data(events()), self.config.layout.offset):
+        async for _ in _ids_of_events(_sse_data(events()), self.layout.offset):
             pass
 
     async def probe(self, timeout_s: float = 2.0) -> tuple[str, str | None]:

@@ -54,8 +54,8 @@ def connection_problem(websocket) -> tuple[str | None, AudioFormat | None, float
     fmt = elevenlabs_format(websocket.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT))
     timeout = inactivity_timeout(websocket.query_params.get("inactivity_timeout"))
     problem = None
-    if voice not in settings.voice_names:
-        problem = f"voice_id must be one of {list(settings.voice_names)}, got {voice!r}"
+    if voice not in settings.lm.voice_names:
+        problem = f"voice_id must be one of {list(settings.lm.voice_names)}, got {voice!r}"
     elif fmt is None:
         problem = ("output_format must be pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000 or mp3_<rate>_<kbps>, got "
                    f"{websocket.query_params.get('output_format')!r}")

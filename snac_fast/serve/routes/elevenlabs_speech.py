@@ -35,9 +35,9 @@ async def text_to_speech(request):
     name = request.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT)
     fmt = elevenlabs_format(name)
     voice = request.path_params["voice_id"]
-    problem, text, seed, speed = _checked(body, server.settings.max_input_chars)
-    if problem is None and voice not in server.settings.voice_names:
-        problem = f"voice_id must be one of {list(server.settings.voice_names)}, got {voice!r}"
+    problem, text, seed, speed = _checked(body, server.settings.http.max_input_chars)
+    if problem is None and voice not in server.settings.lm.voice_names:
+        problem = f"voice_id must be one of {list(server.settings.lm.voice_names)}, got {voice!r}"
     if problem is None and fmt is None:
         problem = f"output_format must be pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000 or mp3_<rate>_<kbps>, got {name!r}"
     if problem is not None:

@@ -56,13 +56,13 @@ async def stream_ids(websocket) -> None:
         await websocket.close(code=1003, reason=f"sample_format must be one of {list(SAMPLE_FORMATS)}")
         return
     ended = False
-    rate = MessageRate(server.settings.max_ws_messages_per_s)
+    rate = MessageRate(server.settings.http.max_ws_messages_per_s)
     try:
         while True:
             try:
-                message = await asyncio.wait_for(websocket.receive(), server.settings.ws_idle_timeout_s)
+                message = await asyncio.wait_for(websocket.receive(), server.settings.http.ws_idle_timeout_s)
             except asyncio.TimeoutError:
-                await websocket.close(code=1008, reason=f"nothing sent for {server.settings.ws_idle_timeout_s:g} s")
+                await websocket.close(code=1008, reason=f"nothing sent for {server.settings.http.ws_idle_timeout_s:g} s")
                 break
             if message["type"] == "websocket.disconnect":
                 break

@@ -116,7 +116,7 @@ class _Connection:
     async def _receive(self) -> None:
         from starlette.websockets import WebSocketDisconnect
 
-        rate = MessageRate(self.server.settings.max_ws_messages_per_s)
+        rate = MessageRate(self.server.settings.http.max_ws_messages_per_s)
         try:
             while not self.closing:
                 raw = await self.ws.receive()

@@ -75,7 +75,7 @@ async def stream_input(websocket) -> None:
     async def receive() -> None:
         """Text in until its end; a client gone stops the speaking at once (its slot freed)."""
         nonlocal timed_out
-        rate = MessageRate(server.settings.max_ws_messages_per_s)
+        rate = MessageRate(server.settings.http.max_ws_messages_per_s)
         try:
             while True:
                 try:

@@ -118,7 +118,7 @@ async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice:
     times = times or FirstAudioTimes(time.perf_counter())
     finished = False
     frame_size = server.settings.layout.frame_size
-    texts = _listed(split_text(text, server.settings.segment_chars)) if isinstance(text, str) else text
+    texts = _listed(split_text(text, server.settings.lm.segment_chars)) if isinstance(text, str) else text
 
     async def push(ids: list[int]) -> np.ndarray:
         try:

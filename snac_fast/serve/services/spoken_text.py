@@ -33,7 +33,7 @@ class SpokenText:
         self.buffer = ""  # text not spoken yet: its sentence has not ended
         # text buffered or queued and not yet asked of the LM, at most this much: 100 messages of
         # 1,000,000 characters without a sentence end, each rescanned, kept a server busy for a minute
-        self.max_chars = server.settings.max_input_chars
+        self.max_chars = server.settings.http.max_input_chars
         self._queued_chars = 0
         self.ended = False
         self.interrupted = False  # stopped by its client before all its text was spoken
@@ -91,7 +91,7 @@ class SpokenText:
         self.cancel()
 
     def _queue(self, text: str) -> None:
-        for segment in split_text(text, self.server.settings.segment_chars) if text.strip() else []:
+        for segment in split_text(text, self.server.settings.lm.segment_chars) if text.strip() else []:
             self._texts.put_nowait(segment)
             self._queued += 1
             self._queued_chars += len(segment)
