@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from snac_fast.codes import validate_audio, validate_codes, validate_lengths
+from snac_fast.configs import DEFAULT_MODEL
 from snac_fast.encoding import GraphedEncode, encode_padded, encoder_reach, padding_unit
 from snac_fast.graphs import GraphedDecode
 from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
@@ -351,6 +352,21 @@ class FastSNAC:
         if self.device.type != "cuda":
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
+
+
+# the options of FastSNAC.from_pretrained that say where a checkpoint is (a Checkpoint found already has them)
+HUB_OPTIONS = ("revision", "cache_dir", "local_files_only", "token")
+
+
+def load_codec(model: str | os.PathLike | Checkpoint | None = None, *, device: torch.device | str | None = None,
+               dtype: torch.dtype | str | None = None, **options) -> FastSNAC:
+    """The one way the CLI, the server, the engine process and the corpus runs load a codec:
+    :meth:`FastSNAC.from_pretrained` of ``model`` (default :data:`~snac_fast.configs.DEFAULT_MODEL`;
+    a :class:`~snac_fast.loading.Checkpoint` already found is loaded as it is, the hub options of
+    ``options`` left out)."""
+    if isinstance(model, Checkpoint):
+        options = {k: v for k, v in options.items() if k not in HUB_OPTIONS}
+    return FastSNAC.from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, **options)
 
 
 def _config_of(model: nn.Module) -> dict:

@@ -8,7 +8,7 @@ import os
 import sys
 from pathlib import Path
 
-from snac_fast.configs import DEFAULT_MODEL
+from snac_fast import options
 
 EPILOG = """\
 models: a hub id (hubertsiuzdak/snac_24khz, _32khz, _44khz), a local folder with config.json and
@@ -101,30 +101,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", help="folder, .txt list, .parquet/.jsonl manifest, or .tar shards (a quoted glob)")
     p.add_argument("out", type=Path, help="output folder for the shards")
     _add_model_args(p)
-    p.add_argument("--files-per-shard", type=int, default=256, help="inputs per Parquet shard (default 256)")
-    p.add_argument("--batch-seconds", type=float, default=300.0, help="padded audio per encode batch (default 300)")
-    p.add_argument("--pad-seconds", type=float, default=1.0,
-                   help="batch clips whose lengths round up to one multiple of this (0: only equal padded lengths); "
-                        "codes are each clip's own encode's either way")
-    p.add_argument("--suffixes", help="comma-separated file suffixes to take from a folder (default: every file)")
-    p.add_argument("--loaders", type=int,
-                   help="files read at a time, by reader processes of two threads (default one per CPU up to 16; "
-                        "ray: per actor, at most its CPUs)")
-    p.add_argument("--engine", choices=["local", "ray"], default="local",
-                   help="local: this process; ray: Ray Data, one actor per GPU, each the local engine over a share "
-                        "of the shards (pip install 'snac-fast[ray]')")
-    p.add_argument("--address", help="with --engine ray: join this Ray cluster (default: start a local one)")
-    p.add_argument("--columns", default="", help="comma-separated manifest columns or WebDataset JSON fields to carry "
-                                                 "to each row (as strings), e.g. text,speaker,language")
-    p.add_argument("--format", choices=["codes", "orpheus"], default="codes",
-                   help="orpheus: also orpheus_ids, each clip's codes as an Orpheus LM's audio ids (7 a frame)")
-    p.add_argument("--remove-duplicate-frames", action="store_true",
-                   help="with --format orpheus: drop each frame whose first id repeats the last kept frame's "
-                        "(Unsloth's notebook; the audio gets shorter)")
-    p.add_argument("--tokenizer", help="with --format orpheus: a transformers tokenizer (hub name or folder) for "
-                                       "input_ids / labels / attention_mask from --text-column")
-    p.add_argument("--text-column", default="text", help="the text of each clip (default text)")
-    p.add_argument("--speaker-column", help="prompt as 'speaker: text' from this column (multi-speaker fine-tunes)")
+    from snac_fast.datasets.runs import EncodeSettings
+
+    options.add_arguments(p, EncodeSettings)
 
     p = sub.add_parser("decode-dataset", help="Parquet code shards -> audio files or Parquet",
                        epilog=EPILOG, formatter_class=fmt,
@@ -199,15 +178,14 @@ def _check_device(device: str | None) -> None:
 
 
 def _load_model(args: argparse.Namespace, file_model: str | None, **options):
-    from snac_fast.api import FastSNAC
+    from snac_fast.api import load_codec
 
     _check_device(args.device)
     if args.model and file_model and args.model != file_model and not getattr(args, "ignore_file_model", False):
         raise UsageError(f"{args.tokens} was encoded with {file_model}, not --model {args.model}: another model "
                          "decodes it to wrong audio (pass --ignore-file-model to do it anyway)")
-    name = args.model or file_model or DEFAULT_MODEL
-    return FastSNAC.from_pretrained(name, device=args.device, dtype=args.dtype, local_files_only=args.local_files_only,
-                                    **options)
+    return load_codec(args.model or file_model, device=args.device, dtype=args.dtype,
+                      local_files_only=args.local_files_only, **options)
 
 
 class _Stages:
@@ -359,25 +337,16 @@ def cmd_warmup(args: argparse.Namespace) -> None:
 
 def cmd_encode_dataset(args: argparse.Namespace) -> None:
     from snac_fast.datasets import encode_dataset
-    from snac_fast.datasets.rows import RowFormat
+    from snac_fast.datasets.runs import EncodeSettings
 
     _check_device(args.device)
-    if args.files_per_shard < 1 or (args.loaders or 1) < 1 or args.batch_seconds <= 0 or args.pad_seconds < 0:
-        raise UsageError("--files-per-shard and --loaders must be >= 1, --batch-seconds > 0, --pad-seconds >= 0")
-    suffixes = [s if s.startswith(".") else "." + s for s in args.suffixes.split(",") if s] if args.suffixes else None
     # the inputs are listed (and refused) before the model loads: here, or in each Ray actor
-    rows = RowFormat(columns=tuple(c for c in args.columns.split(",") if c), format=args.format,
-                     remove_duplicate_frames=args.remove_duplicate_frames, tokenizer=args.tokenizer,
-                     text_column=args.text_column, speaker_column=args.speaker_column)
     try:
-        rows.check(3 if args.format == "orpheus" else 0)  # the flags' own agreement; the model's levels later
-    except ValueError as e:
-        raise UsageError(str(e).replace("format='orpheus'", "--format orpheus")) from None
-    summary = encode_dataset(args.src, args.out, model=args.model, device=args.device, dtype=args.dtype,
-                             model_options={"local_files_only": args.local_files_only}, engine=args.engine,
-                             address=args.address, files_per_shard=args.files_per_shard,
-                             batch_seconds=args.batch_seconds, pad_seconds=args.pad_seconds, suffixes=suffixes,
-                             loaders=args.loaders, rows=rows)
+        settings = options.from_arguments(EncodeSettings, args).check()
+    except ValueError as e:  # said with the flags' names
+        raise UsageError(options.as_flags(EncodeSettings, str(e).replace("format='orpheus'", "--format orpheus"))) from None
+    summary = encode_dataset(args.src, args.out, settings=settings, model=args.model, device=args.device,
+                             dtype=args.dtype, model_options={"local_files_only": args.local_files_only})
     print(f"{args.out}: {summary['files']} files in {summary['shards']} shards ({summary['shards_skipped']} already done), "
           f"{summary['audio_seconds'] / 3600:.3f} h of audio, {summary['errors']} errors, {summary['wall_seconds']:.1f} s")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 from typing import Any, Callable
 
 
@@ -37,6 +38,23 @@ def flag_of(kind: type, name: str) -> str:
             except KeyError:
                 pass
     raise KeyError(name)
+
+
+def as_flags(kind: type, message: str) -> str:
+    """``message`` with each option of ``kind`` it names (``files_per_shard``) named as its flag."""
+    names = [f.name for f in _options(kind)]
+    return re.sub(r"\b(" + "|".join(names) + r")\b", lambda m: flag_of(kind, m.group(1)), message) if names else message
+
+
+def _options(kind: type) -> list[dataclasses.Field]:
+    """The option fields of ``kind`` and of its parts."""
+    found = []
+    for f in dataclasses.fields(kind):
+        if "part" in f.metadata:
+            found += _options(f.default_factory)
+        elif "option" in f.metadata:
+            found.append(f)
+    return found
 
 
 def add_arguments(parser: argparse.ArgumentParser, kind: type, group: Any = None) -> None:

@@ -7,8 +7,8 @@ import time
 import uvicorn
 
 from snac_fast.serve import ServeSettings, create_app
-from snac_fast.serve.lm.fake import FakeLM
 from snac_fast.serve.access.limits import uvicorn_options
+from snac_fast.serve.lm.fake import FakeLM
 
 
 class LiveServer:

@@ -232,12 +232,13 @@ def test_local_engine_reads_while_the_model_loads(corpus, tmp_path, monkeypatch)
     checkpoint is looked up once (a hub lookup is a network round trip when online)."""
     import snac_fast.api
     import snac_fast.loading
-    from snac_fast.datasets import local_engine, readers
+    from snac_fast.datasets import readers
+    from snac_fast.datasets.runs import CodecSource
 
     events = []
-    submit, load, resolve = readers.Readers.submit, local_engine.load_codec, snac_fast.loading.resolve_checkpoint
+    submit, load, resolve = readers.Readers.submit, CodecSource.load, snac_fast.loading.resolve_checkpoint
     monkeypatch.setattr(readers.Readers, "submit", lambda self, items: events.append("read") or submit(self, items))
-    monkeypatch.setattr(local_engine, "load_codec", lambda **options: events.append("load") or load(**options))
+    monkeypatch.setattr(CodecSource, "load", lambda self: events.append("load") or load(self))
     for module in (snac_fast.loading, snac_fast.api):
         monkeypatch.setattr(module, "resolve_checkpoint", lambda *a, **k: events.append("resolve") or resolve(*a, **k))
     options = dict(model=str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), device="cpu",

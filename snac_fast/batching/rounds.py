@@ -24,10 +24,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from snac_fast.ops.device import make_current
-from snac_fast.orpheus import TokenLayout
 from snac_fast.batching.futures import resolve
 from snac_fast.batching.pcm import PCMBlock, int16_pcm
+from snac_fast.ops.device import make_current
+from snac_fast.orpheus import TokenLayout
 from snac_fast.streaming import CheckedCodes, StreamEngine, StreamSlot
 from snac_fast.streaming.shapes import joined_audio
 

@@ -33,7 +33,9 @@ columns and Orpheus training rows (``rows``: :class:`RowFormat`; docs/datasets.m
 Modules: ``inputs`` (what a run reads), ``readers`` (reader processes), ``rows`` (what rows hold
 beside the codes), ``batching`` (clips to batches and codes back), ``shards`` (Parquet shards and
 the run's record), ``encode`` and ``decode`` (the two runs), ``local_engine`` (one codec's shard
-loop), ``ray_engine`` (the same loop in Ray Data actors), ``runs`` (what both share).
+loop), ``ray_engine`` (the same loop in Ray Data actors), ``runs`` (what both share: the options,
+:class:`EncodeSettings`, whose fields make ``encode-dataset``'s flags; the codec a run loads; how
+its shards are written).
 """
 
 from snac_fast.datasets.batching import (
@@ -51,6 +53,7 @@ from snac_fast.datasets.encode import encode_back_to_back, encode_dataset
 from snac_fast.datasets.inputs import AudioInput, Clip, list_inputs, read_clip
 from snac_fast.datasets.local_engine import write_shard
 from snac_fast.datasets.rows import RowFormat
+from snac_fast.datasets.runs import EncodeSettings
 from snac_fast.datasets.shards import read_shards, shard_name, shard_table
 
 __all__ = [
@@ -74,4 +77,5 @@ __all__ = [
     "encode_back_to_back",
     "decode_dataset",
     "RowFormat",
+    "EncodeSettings",
 ]

@@ -217,13 +217,14 @@ def batch_dtype(codec) -> torch.dtype:
     return torch.float16 if codec.dtype == torch.float16 else torch.float32
 
 
-def batch_dtype_of(load: dict, device: str | None = None) -> torch.dtype:
-    """:func:`batch_dtype` of the codec ``runs.load_codec(**load)`` will make, known before it loads;
-    ``device``: where it will load if ``load`` names no device (default: this machine's default)."""
+def batch_dtype_of(source, device: str | None = None) -> torch.dtype:
+    """:func:`batch_dtype` of the codec ``source`` (a :class:`~snac_fast.datasets.runs.CodecSource`)
+    will load, known before it loads; ``device``: where it will load if ``source`` names no device
+    (default: this machine's default)."""
     from snac_fast.api import default_device, parse_dtype
 
-    where = torch.device(load.get("device") or device or default_device())
-    return torch.float16 if parse_dtype(load.get("dtype"), where) == torch.float16 else torch.float32
+    where = torch.device(source.device or device or default_device())
+    return torch.float16 if parse_dtype(source.dtype, where) == torch.float16 else torch.float32
 
 
 def launched_codes(codec, launched: Launched) -> Iterator[tuple[object, list[np.ndarray]]]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from snac_fast.datasets.runs import load_codec, progress_bar
+from snac_fast.datasets.runs import CodecSource, progress_bar
 from snac_fast.datasets.shards import (
     read_shards,
     require_pyarrow,
@@ -40,7 +40,7 @@ def decode_dataset(source: str | Path, out: str | Path, codec=None, *, model: st
     if codec is None:
         if model is None and len(names) > 1:
             raise ValueError(f"{source} mixes models {sorted(names)}: pass model=")
-        codec = load_codec(model or next(iter(names), None), device, dtype, **(model_options or {}))
+        codec = CodecSource(model or next(iter(names), None), device, dtype, dict(model_options or {})).load()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     levels = codec.n_levels

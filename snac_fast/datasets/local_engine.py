@@ -25,24 +25,23 @@ from snac_fast.datasets.batching import (
 )
 from snac_fast.datasets.inputs import Clip
 from snac_fast.datasets.readers import READ_AHEAD, Readers
-from snac_fast.datasets.rows import RowFormat
-from snac_fast.datasets.runs import load_codec, model_name, progress_bar
+from snac_fast.datasets.runs import CodecSource, ShardWriting, model_name, progress_bar
 from snac_fast.datasets.shards import shard_name, shard_table, write_atomically
 
 
-def write_shard(codec, clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], index: int, settings: dict) -> dict:
+def write_shard(codec, clips: Sequence[Clip], codes: Sequence[list[np.ndarray] | None], index: int,
+                writing: ShardWriting) -> dict:
     """Write one shard's file; returns what it held (audio seconds, errors)."""
-    rows = RowFormat.from_dict(settings["rows"]) if settings.get("rows") else None
-    table = shard_table(clips, codes, model_name(codec), codec.n_levels, rows)
-    write_atomically(table, Path(settings["out"]) / shard_name(index))
+    table = shard_table(clips, codes, model_name(codec), codec.n_levels, writing.rows)
+    write_atomically(table, Path(writing.out) / shard_name(index))
     return {"shard": index, "audio_seconds": sum(c.duration or 0.0 for c in clips),
             "errors": sum(c.error is not None for c in clips), "finished_at": time.time()}
 
 
-def load_batching_in(load: dict, dtype: torch.dtype):
-    """``load_codec(**load)``, checked to build its batches in ``dtype``, the dtype its readers were
+def load_batching_in(source: CodecSource, dtype: torch.dtype):
+    """``source``'s codec, checked to build its batches in ``dtype``, the dtype its readers were
     started with (:func:`batch_dtype_of` must agree with what ``from_pretrained`` made)."""
-    codec = load_codec(**load)
+    codec = source.load()
     if batch_dtype(codec) != dtype:  # the readers' samples would be converted again, or rounded differently
         raise RuntimeError(f"the readers made {dtype} samples, the codec batches {batch_dtype(codec)}")
     return codec
@@ -53,7 +52,7 @@ def start_reading(readers: Readers, shards, todo) -> dict[int, list[Future]]:
     return {k: readers.submit(shards[todo[k]]) for k in range(min(READ_AHEAD, len(todo)))}
 
 
-def encode_here(shards, todo, codec, settings, readers: Readers, progress, start,
+def encode_here(shards, todo, codec, writing: ShardWriting, readers: Readers, progress, start,
                  reads: dict[int, list[Future]] | None = None) -> list[dict]:
     """The local engine (the Ray engine's actors run it too). This thread only launches encodes; one
     helper thread collects each shard's audio from ``readers`` (reading ``READ_AHEAD`` shards ahead) and queues its
@@ -62,7 +61,7 @@ def encode_here(shards, todo, codec, settings, readers: Readers, progress, start
     back. With all of that in it, the launching thread was the bottleneck (docs/datasets.md).
     ``reads``: the first shards' reads if already submitted (:func:`start_reading`)."""
     done: list[dict] = []
-    queues = BatchQueues(codec, settings["pad_seconds"], settings["batch_seconds"])
+    queues = BatchQueues(codec, writing.pad_seconds, writing.batch_seconds)
     graphs = corpus_graphs(codec)
     open_shards: list[PendingShard] = []  # the writer thread's: shards with codes still out
     with progress_bar(sum(len(shards[n]) for n in todo), progress) as bar, \
@@ -88,7 +87,7 @@ def encode_here(shards, todo, codec, settings, readers: Readers, progress, start
                 owner.pending -= 1
             complete = [s for s in open_shards if not s.pending]
             open_shards[:] = [s for s in open_shards if s.pending]
-            return [write_shard(codec, s.clips, s.codes, s.index, settings) for s in complete]
+            return [write_shard(codec, s.clips, s.codes, s.index, writing) for s in complete]
 
         def written(future: Future) -> None:
             for shard in future.result():

@@ -23,7 +23,7 @@ import torch
 from snac_fast.datasets.batching import batch_dtype_of
 from snac_fast.datasets.local_engine import encode_here, load_batching_in
 from snac_fast.datasets.readers import Readers
-from snac_fast.datasets.runs import find_checkpoint, progress_bar
+from snac_fast.datasets.runs import CodecSource, ShardWriting, progress_bar
 from snac_fast.datasets.shards import shard_name
 
 
@@ -32,16 +32,17 @@ class _EncodeShare:
     handed. Its reader processes are forked before the model loads: a process without a CUDA
     context forks several times faster."""
 
-    def __init__(self, shards: list, load: dict, settings: dict, rate: int, dtype: torch.dtype, loaders: int) -> None:
+    def __init__(self, shards: list, source: CodecSource, writing: ShardWriting, rate: int, dtype: torch.dtype,
+                 loaders: int) -> None:
         self.reader_args = (loaders, rate, dtype)
         self.readers: Readers | None = Readers(*self.reader_args)
-        self.codec, self.shards, self.settings = load_batching_in(load, dtype), shards, settings
+        self.codec, self.shards, self.writing = load_batching_in(source, dtype), shards, writing
 
     def __call__(self, row: dict) -> list[dict]:
         start = time.perf_counter()
         readers, self.readers = self.readers, None  # one share per actor; a second call forks its own
         with readers or Readers(*self.reader_args) as readers:
-            return encode_here(self.shards, [int(n) for n in row["share"]], self.codec, self.settings, readers,
+            return encode_here(self.shards, [int(n) for n in row["share"]], self.codec, self.writing, readers,
                                 False, start)
 
 
@@ -91,7 +92,7 @@ def _watching(out: Path, shards: list, todo: list[int], enabled: bool) -> Iterat
             bar.update(_files_written(out, shards, todo) - bar.n)
 
 
-def encode_with_ray(shards, todo, load: dict, settings: dict, address: str | None, loaders: int,
+def encode_with_ray(shards, todo, source: CodecSource, writing: ShardWriting, address: str | None, loaders: int,
                      progress: bool = False) -> list[dict]:
     """The shards ``todo`` of ``shards`` encoded on a Ray cluster (``address``, else a local one
     started here); each actor reads up to ``loaders`` files at a time. Returns what each shard
@@ -103,23 +104,23 @@ def encode_with_ray(shards, todo, load: dict, settings: dict, address: str | Non
         raise ImportError("engine='ray' needs Ray Data: pip install 'snac-fast[ray]'") from error
     if not todo:
         return []
-    rate = int(find_checkpoint(load).config["sampling_rate"])
+    rate = int(source.checkpoint().config["sampling_rate"])
     started = not ray.is_initialized()
     if started:
         ray.init(address=address, log_to_driver=False)
     try:
-        actors, cpus, gpus = _actor_resources(ray.nodes(), load.get("device") != "cpu")
+        actors, cpus, gpus = _actor_resources(ray.nodes(), source.device != "cpu")
         actors = min(actors, len(todo))
         shares = [todo[k::actors] for k in range(actors)]
-        settings_of_actor = {"shards": shards, "load": load, "settings": settings, "rate": rate,
-                             "dtype": batch_dtype_of(load, "cuda" if gpus else "cpu"),
+        settings_of_actor = {"shards": shards, "source": source, "writing": writing, "rate": rate,
+                             "dtype": batch_dtype_of(source, "cuda" if gpus else "cpu"),
                              "loaders": max(1, min(loaders, int(cpus)))}
         data = ray.data.from_items([{"share": share} for share in shares], override_num_blocks=actors)
         # one share per actor: by default Ray queues several blocks on the first actor ready
         data = data.flat_map(_EncodeShare, fn_constructor_kwargs=settings_of_actor,
                              compute=ActorPoolStrategy(size=actors, max_tasks_in_flight_per_actor=1),
                              num_gpus=gpus, num_cpus=cpus)
-        with _watching(Path(settings["out"]), shards, todo, progress):
+        with _watching(Path(writing.out), shards, todo, progress):
             return data.take_all()
     finally:
         if started:

@@ -20,6 +20,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from snac_fast.options import option
 from snac_fast.orpheus import (
     END_OF_AI,
     END_OF_HUMAN,
@@ -40,20 +41,26 @@ class RowFormat:
     ``tokenizer`` (a transformers tokenizer name or folder: also ``input_ids``, ``labels``,
     ``attention_mask`` from ``text_column`` and, if set, ``speaker_column``)."""
 
-    columns: tuple[str, ...] = ()
-    format: str = "codes"
-    remove_duplicate_frames: bool = False
-    tokenizer: str | None = None
-    text_column: str = "text"
-    speaker_column: str | None = None
+    columns: tuple[str, ...] = option((), "comma-separated manifest columns or WebDataset JSON fields to carry to "
+                                      "each row (as strings), e.g. text,speaker,language (default: none)",
+                                      parse=lambda text: tuple(c for c in text.split(",") if c), shown="")
+    format: str = option("codes", "orpheus: also orpheus_ids, each clip's codes as an Orpheus LM's audio ids (7 a "
+                         "frame)", choices=FORMATS)
+    remove_duplicate_frames: bool = option(False, "with --format orpheus: drop each frame whose first id repeats the "
+                                           "last kept frame's (Unsloth's notebook; the audio gets shorter)")
+    tokenizer: str | None = option(None, "with --format orpheus: a transformers tokenizer (hub name or folder) for "
+                                   "input_ids / labels / attention_mask from --text-column")
+    text_column: str = option("text", "the text of each clip")
+    speaker_column: str | None = option(None, "prompt as 'speaker: text' from this column (multi-speaker fine-tunes)")
 
-    def check(self, levels: int) -> "RowFormat":
-        """ValueError naming the first problem (before any input is read); returns the format."""
+    def check(self, levels: int | None = None) -> "RowFormat":
+        """ValueError naming the first problem (before any input is read; ``levels``: the model's,
+        once known); returns the format."""
         if self.format not in FORMATS:
             raise ValueError(f"format must be one of {list(FORMATS)}, got {self.format!r}")
         if self.format != "orpheus" and (self.remove_duplicate_frames or self.tokenizer):
             raise ValueError("remove_duplicate_frames and tokenizer build Orpheus rows: add format='orpheus'")
-        if self.format == "orpheus" and levels != 3:
+        if self.format == "orpheus" and levels is not None and levels != 3:
             raise ValueError(f"Orpheus ids take a 3-level model (snac_24khz); this one has {levels} levels")
         return self
 

@@ -1,7 +1,7 @@
 """``snac-fast serve``: OpenAI's and ElevenLabs' speech APIs over an LM and a stream engine.
 
 Where a change goes:
-``settings`` (one :class:`ServeSettings`, the CLI's flags made from it), ``app`` (the server's state
+``settings`` (:class:`ServeSettings`: a settings type per layer, the CLI's flags made from them), ``app`` (the server's state
 and the map of its routes), ``run`` + ``workers`` (uvicorn, one process or several), ``metrics``;
 ``routes/`` (each API's routes, its request shapes and ``/openapi.json``'s schema; a route only
 reads the request and calls a service), ``services/`` (speaking text into a stream, audio formats),
@@ -17,7 +17,8 @@ _NAMES = {
     "freeze_startup_objects": "snac_fast.batching", "PCMBlock": "snac_fast.batching",
     "int16_pcm": "snac_fast.batching", "EngineClient": "snac_fast.serve.engine.client",
     "EngineLostError": "snac_fast.serve.engine.client", "EngineProcess": "snac_fast.serve.engine.process",
-    "ServeSettings": "snac_fast.serve.settings", "SpeechServer": "snac_fast.serve.app",
+    "ServeSettings": "snac_fast.serve.settings", "EngineSettings": "snac_fast.serve.settings",
+    "LMSettings": "snac_fast.serve.settings", "HTTPSettings": "snac_fast.serve.settings", "SpeechServer": "snac_fast.serve.app",
     "create_app": "snac_fast.serve.app", "serve": "snac_fast.serve.run",
 }
 __all__ = sorted(_NAMES)

@@ -21,22 +21,22 @@ import time
 
 import numpy as np
 
-from snac_fast.serve.access.auth import DOCS_PREFIX, BearerKey, OriginCheck
-from snac_fast.serve.engine.backend import Backend, EngineProcessBackend, InProcessBackend
 from snac_fast.batching.batchers import freeze_startup_objects
-from snac_fast.serve.routes.elevenlabs_speech import text_to_speech
-from snac_fast.serve.services.formats import FORMATS, StreamEncoder, pcm_bytes
+from snac_fast.serve.access.auth import DOCS_PREFIX, BearerKey, OriginCheck
 from snac_fast.serve.access.limits import BodyLimit, StreamOwners
+from snac_fast.serve.engine.backend import Backend, EngineProcessBackend, InProcessBackend
 from snac_fast.serve.lm.client import LMClient, redacted_url
 from snac_fast.serve.metrics import ServeMetrics
+from snac_fast.serve.routes.elevenlabs_speech import text_to_speech
+from snac_fast.serve.routes.ids_stream import stream_ids
+from snac_fast.serve.routes.openai_speech import speech
 from snac_fast.serve.routes.page import page
 from snac_fast.serve.routes.protocol import OPENAI_MODELS, models_list, voices_list
 from snac_fast.serve.routes.schema import openapi_document
-from snac_fast.serve.settings import ServeSettings
-from snac_fast.serve.routes.openai_speech import speech
 from snac_fast.serve.routes.text_contexts import multi_stream_input
 from snac_fast.serve.routes.text_stream import stream_input
-from snac_fast.serve.routes.ids_stream import stream_ids
+from snac_fast.serve.services.formats import FORMATS, StreamEncoder, pcm_bytes
+from snac_fast.serve.settings import ServeSettings
 
 DRAIN_S = 30.0  # a graceful shutdown waits this long for open streams to end
 LM_PROBE_S = 2.0  # /health and /ready ask the LM at most this often

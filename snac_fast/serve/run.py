@@ -10,8 +10,8 @@ import os
 import signal
 import threading
 
-from snac_fast.serve.engine.client import EngineLostError
 from snac_fast.serve.access.limits import uvicorn_options
+from snac_fast.serve.engine.client import EngineLostError
 from snac_fast.serve.settings import ServeSettings
 from snac_fast.serve.workers import check_port_free, run_workers
 

@@ -106,11 +106,11 @@ class EngineSettings:
         return self
 
     def load_codec(self, device: str | None = None, **model_options: Any):
-        """The model, loaded (``FastSNAC.from_pretrained``) on ``device`` (default: :attr:`device`)."""
-        from snac_fast.api import FastSNAC
+        """The model, loaded (:func:`snac_fast.api.load_codec`) on ``device`` (default: :attr:`device`)."""
+        from snac_fast.api import load_codec
 
-        return FastSNAC.from_pretrained(self.model, device=device or self.device, dtype=self.dtype,
-                                        local_files_only=self.local_files_only, **model_options)
+        return load_codec(self.model, device=device or self.device, dtype=self.dtype,
+                          local_files_only=self.local_files_only, **model_options)
 
     def calls_on_loop(self, engine_process: bool) -> bool:
         """Whether an event loop runs the engine's calls: in the engine process (``engine_process``)

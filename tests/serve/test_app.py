@@ -23,8 +23,8 @@ from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS
 from snac_fast.serve import ServeSettings, create_app
-from snac_fast.serve.lm.fake import FakeLM
 from snac_fast.serve.lm.client import ORPHEUS_PROMPT, LMClient, LMOutputError
+from snac_fast.serve.lm.fake import FakeLM
 from snac_fast.synthetic import synthetic_model
 
 RATE = 24000

@@ -12,6 +12,7 @@ import torch
 from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 
 from snac_fast import FastSNAC
+from snac_fast.batching.pcm import PCMBlock
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
 from snac_fast.noise import decode_with_keyed_noise
@@ -19,7 +20,6 @@ from snac_fast.orpheus import ORPHEUS
 from snac_fast.serve import EngineClient, EngineProcess, ServeSettings
 from snac_fast.serve.engine.batcher import EngineBatcher, Front, PushBlock, RowChunk
 from snac_fast.serve.engine.wire import OPS, audio_message, push_message, read_audio
-from snac_fast.batching.pcm import PCMBlock
 from snac_fast.synthetic import make_checkpoint
 
 OPTIONS = {"fuse": False, "accelerate_encoder": False}

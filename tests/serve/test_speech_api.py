@@ -21,8 +21,8 @@ from live_server import LiveServer, serving
 from snac_fast import FastSNAC
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.lm.fake import FakeLM
-from snac_fast.serve.services.formats import FORMATS, StreamEncoder, Tempo, int16_samples
 from snac_fast.serve.routes.protocol import ORPHEUS_VOICES
+from snac_fast.serve.services.formats import FORMATS, StreamEncoder, Tempo, int16_samples
 from snac_fast.synthetic import synthetic_model
 
 RATE = 24000

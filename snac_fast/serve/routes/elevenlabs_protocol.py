@@ -9,9 +9,9 @@ import dataclasses
 import re
 
 from snac_fast.serve.engine.client import EngineLostError
-from snac_fast.serve.services.formats import FORMATS, AudioFormat, checked_speed
 from snac_fast.serve.lm.client import LMOutputError
 from snac_fast.serve.routes.protocol import json_or_none
+from snac_fast.serve.services.formats import FORMATS, AudioFormat, checked_speed
 
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 INACTIVITY_TIMEOUT_S = (20.0, 180.0)  # ElevenLabs' default and largest

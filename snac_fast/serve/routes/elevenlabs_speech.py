@@ -22,8 +22,8 @@ import time
 
 from snac_fast.serve.routes.elevenlabs_protocol import DEFAULT_OUTPUT_FORMAT, elevenlabs_format, voice_speed
 from snac_fast.serve.routes.protocol import SpeechRequest, checked_text
-from snac_fast.serve.routes.schema import ElevenLabsSpeechBody, first_problem
 from snac_fast.serve.routes.responses import TIMESTAMPED, json_body, spoken_response
+from snac_fast.serve.routes.schema import ElevenLabsSpeechBody, first_problem
 from snac_fast.serve.services.speech import FirstAudioTimes
 
 

@@ -13,11 +13,11 @@ import asyncio
 import numpy as np
 
 from snac_fast.noise import check_seed
-from snac_fast.serve.engine.client import EngineLostError
-from snac_fast.serve.services.formats import pcm_bytes
 from snac_fast.serve.access.limits import MessageRate, TooManyStreams, client_of
+from snac_fast.serve.engine.client import EngineLostError
 from snac_fast.serve.routes.protocol import json_or_none
 from snac_fast.serve.routes.schema import SAMPLE_FORMATS
+from snac_fast.serve.services.formats import pcm_bytes
 
 CLOSE_REASON_BYTES = 120  # a close frame's reason holds 123 bytes
 # a message's ids go to the engine this many frames at a time, each piece a round of its own: one

@@ -17,8 +17,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from snac_fast.serve.services.formats import FORMATS, OPUS_RATES
 from snac_fast.serve.routes.schema import SpeechBody, first_problem
+from snac_fast.serve.services.formats import FORMATS, OPUS_RATES
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
 # the voices the Orpheus fine-tunes were trained on (canopylabs/orpheus-3b-0.1-ft, in order of conversational realism)

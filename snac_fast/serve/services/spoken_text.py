@@ -12,8 +12,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-from snac_fast.serve.services.formats import StreamEncoder
 from snac_fast.serve.lm.segments import ended_sentences, split_text
+from snac_fast.serve.services.formats import StreamEncoder
 from snac_fast.serve.services.speech import speech_chunks
 
 
