@@ -31,33 +31,16 @@ from torch import Tensor, nn
 
 from snac_fast.compiling import compiling_concurrently
 from snac_fast.graphs import GraphCache
+from snac_fast.layers import input_reach, is_absorbed
 from snac_fast.ops.device import device_scope
 from snac_fast.ops.row_tails import clear_row_tails
 
 
-def _conv_reach(conv: nn.Conv1d, reach: int) -> int:
-    """Input samples a conv needs on each side when its outputs need ``reach`` on each side:
-    output j reads inputs j * stride - padding + [0, dilation * (kernel - 1)]."""
-    k, d, p, s = conv.kernel_size[0], conv.dilation[0], conv.padding[0], conv.stride[0]
-    return reach * s + max(p, d * (k - 1) - p)
-
-
 def encoder_reach(model: nn.Module) -> int:
     """Audio samples on each side of a latent step's span that its value depends on (the encoder's
-    receptive field; the 32/44 kHz attention windows counted whole). 24 kHz: 5,268 samples."""
-    from snac.attention import LocalMHA
-
-    def reach_of(module: nn.Module, reach: int) -> int:
-        if isinstance(module, LocalMHA):  # a window's outputs read the whole window
-            return math.ceil(reach / module.window_size) * module.window_size
-        if isinstance(module, nn.Conv1d):
-            return reach if getattr(module, "absorbed_by", "") else _conv_reach(module, reach)
-        children = list(module.children())
-        for child in reversed(children):  # Sequential, blocks, residual units: their layers in reverse
-            reach = reach_of(child, reach)
-        return reach
-
-    return reach_of(model.encoder, 0)
+    receptive field, :func:`snac_fast.layers.input_reach`; the 32/44 kHz attention windows counted
+    whole). 24 kHz: 5,268 samples."""
+    return input_reach(model.encoder.block, 0)
 
 
 def padding_unit(config: dict) -> int:
@@ -72,7 +55,7 @@ def _tail_width(encoder: nn.Module) -> int:
     the last output j = end / s - 1 reads up to end - s - p + d (k - 1)."""
     width = 0
     for conv in encoder.modules():
-        if isinstance(conv, nn.Conv1d) and not getattr(conv, "absorbed_by", ""):
+        if isinstance(conv, nn.Conv1d) and not is_absorbed(conv):
             k, d, p, s = conv.kernel_size[0], conv.dilation[0], conv.padding[0], conv.stride[0]
             width = max(width, d * (k - 1) - p - s + 1)
     return width
@@ -89,7 +72,7 @@ def _layers_read_by_wider_convs(encoder: nn.Module) -> list[nn.Module]:
         if isinstance(layer, EncoderBlock):
             layers += list(layer.block)[:-1]
         layers.append(layer)
-    return [layer for layer in layers if not getattr(layer, "absorbed_by", "")]
+    return [layer for layer in layers if not is_absorbed(layer)]
 
 
 @contextmanager

@@ -9,37 +9,8 @@ from typing import Iterable
 
 from torch import nn
 
+from snac_fast.layers import Kind, input_reach, kind_of
 from snac_fast.noise import noise_blocks
-
-
-def _context(layer: nn.Module, reach: int) -> int:
-    """Samples of ``layer``'s input needed on each side when its outputs need ``reach`` samples of
-    context on each side (zero-padded 'same' convs, SNAC's transposed convs, pointwise layers)."""
-    from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
-
-    from snac_fast.modules import Absorbed, FastSnake1d
-
-    if isinstance(layer, (DecoderBlock, nn.Sequential)):
-        children = layer.block if isinstance(layer, DecoderBlock) else layer
-        for child in reversed(list(children)):
-            reach = _context(child, reach)
-        return reach
-    if isinstance(layer, ResidualUnit):  # upstream's and the fused unit (a subclass)
-        return _context(layer.block, reach)
-    if isinstance(layer, nn.ConvTranspose1d):  # SNAC's k = 2s: output j reads inputs floor(j / s) - 1 .. + 1
-        return -(-reach // layer.stride[0]) + 1
-    if isinstance(layer, nn.Conv1d) and not isinstance(layer, Absorbed):
-        k, d, p = layer.kernel_size[0], layer.dilation[0], layer.padding[0]
-        if layer.stride[0] != 1 or 2 * p != d * (k - 1):
-            raise ValueError(f"cannot stream through {type(layer).__name__}: needs a stride-1 'same'-padded conv")
-        return reach + p
-    if isinstance(layer, (NoiseBlock, Snake1d, FastSnake1d, Absorbed, nn.Tanh, nn.Identity)) or is_pointwise_1x1(layer):
-        return reach
-    raise ValueError(f"cannot stream through {type(layer).__name__}")
-
-
-def is_pointwise_1x1(layer: nn.Module) -> bool:
-    return isinstance(layer, nn.Conv1d) and layer.kernel_size[0] == 1 and layer.padding[0] == 0
 
 
 def _upsample(layers: Iterable[nn.Module]) -> int:
@@ -67,11 +38,8 @@ class Stage:
 
 def build_stages(model: nn.Module, latent_per_frame: int) -> list[Stage]:
     """Cut a SNAC decoder (upstream's or after surgery) into stages; see the module docstring."""
-    from snac.attention import LocalMHA
-    from snac.layers import DecoderBlock
-
     layers = list(model.decoder.model)
-    blocks = [i for i, m in enumerate(layers) if isinstance(m, DecoderBlock)]
+    blocks = [i for i, m in enumerate(layers) if kind_of(m) is Kind.BLOCK]
     if not blocks:
         raise ValueError("cannot stream a decoder without DecoderBlocks")
     groups = [layers[:blocks[0]]] + [[layers[i]] for i in blocks]
@@ -80,13 +48,13 @@ def build_stages(model: nn.Module, latent_per_frame: int) -> list[Stage]:
     window = model.attn_window_size
     stages = []
     for group in groups:
-        post = [m for m in group if isinstance(m, LocalMHA)]
+        post = [m for m in group if kind_of(m) is Kind.ATTENTION]
         if post and group[-1] is not post[-1]:
             raise ValueError("cannot stream: layers after the local attention in its stage")
-        convs = [m for m in group if not isinstance(m, LocalMHA)]
+        convs = [m for m in group if kind_of(m) is not Kind.ATTENTION]
         reach = 0
         for layer in reversed(convs):
-            reach = _context(layer, reach)
+            reach = input_reach(layer, reach, streaming=True)
         right = -(-reach // window) * window if post else reach  # the attention takes whole windows
         channels = next(m for m in convs[0].modules() if isinstance(m, (nn.Conv1d, nn.ConvTranspose1d))).in_channels
         stage = Stage(convs, post, channels, reach, right, _upsample(convs))

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from snac_fast.layers import Kind, children_of, input_reach, kind_of
 from snac_fast.noise import noise_blocks
 from snac_fast.ops.conv_transpose import upsampling_padding
 from snac_fast.ops.noise import keyed_normal_at
@@ -231,40 +232,35 @@ class _Delay(_Layer):
 def _layers_of(model: nn.Module, dtype: torch.dtype) -> list[_Layer]:
     """The decoder of a SNAC (upstream's or after surgery: an absorbed layer is still its upstream
     self) as streaming layers, in order."""
-    from snac.attention import LocalMHA
-    from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
-
-    from snac_fast.modules import FastSnake1d
-
     index_of = {id(m): i for i, m in enumerate(noise_blocks(model))}
     window = model.attn_window_size
     out: list[_Layer] = []
 
     def visit(module: nn.Module, channels: int) -> int:
-        if isinstance(module, DecoderBlock):
-            for child in module.block:
+        try:
+            kind = kind_of(module)
+        except ValueError:
+            raise ValueError(f"cannot stream through {type(module).__name__}") from None
+        if kind is Kind.BLOCK:
+            for child in children_of(module):
                 channels = visit(child, channels)
-        elif isinstance(module, ResidualUnit):
+        elif kind is Kind.RESIDUAL:
             out.append(_Residual(module, dtype))
-        elif isinstance(module, nn.ConvTranspose1d):
+        elif kind is Kind.TRANSPOSED:
             out.append(_Transposed(module, dtype))
             channels = module.out_channels
-        elif isinstance(module, nn.Conv1d):
-            k, d, p = module.kernel_size[0], module.dilation[0], module.padding[0]
-            if module.stride[0] != 1 or 2 * p != d * (k - 1):
-                raise ValueError(f"cannot stream through {type(module).__name__}: needs a stride-1 'same' conv")
+        elif kind is Kind.CONV:
+            input_reach(module, 0, streaming=True)  # a stride-1 'same'-padded conv, else ValueError
             out.append(_Conv(module, dtype))
             channels = module.out_channels
-        elif isinstance(module, (Snake1d, FastSnake1d)):
+        elif kind is Kind.SNAKE:
             out.append(_Snake(module.alpha, dtype))
-        elif isinstance(module, NoiseBlock):
+        elif kind is Kind.NOISE:
             out.append(_Noise(module, index_of[id(module)], dtype))
-        elif isinstance(module, LocalMHA):
+        elif kind is Kind.ATTENTION:
             out.append(_Attention(module, window, channels))
-        elif isinstance(module, nn.Tanh):
+        elif kind is Kind.TANH:
             out.append(_Pointwise(torch.tanh))
-        elif not isinstance(module, nn.Identity):
-            raise ValueError(f"cannot stream through {type(module).__name__}")
         return channels
 
     channels = model.decoder.model[0].in_channels
