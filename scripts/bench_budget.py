@@ -55,7 +55,7 @@ def one(budget: float, max_streams: int, max_batch: int, streams: int, rounds: i
     group = engine.frames_per_group
     times = []
     for r in range(rounds + 5):
-        pushes = {s: [torch.from_numpy(rng.integers(0, 4096, (1, group * k))) for k in engine._ratios] for s in opened}
+        pushes = {s: [torch.from_numpy(rng.integers(0, 4096, (1, group * k))) for k in engine.ratios] for s in opened}
         torch.cuda.synchronize()
         start = time.perf_counter()
         engine.advance(pushes)

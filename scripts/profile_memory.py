@@ -86,7 +86,7 @@ def main() -> None:
     group = engine.frames_per_group
     rng = np.random.default_rng(0)
     for step in range(args.steps):
-        pushes = {s: [torch.from_numpy(rng.integers(0, 4096, (1, group * r))) for r in engine._ratios] for s in streams}
+        pushes = {s: [torch.from_numpy(rng.integers(0, 4096, (1, group * r))) for r in engine.ratios] for s in streams}
         engine.advance(pushes)
     rows.append(reading(f"{args.steps} steps of {args.streams} streams", device, started))
     engine.advance({}, finish=streams)

@@ -25,21 +25,30 @@ def int64_numpy(codes: Tensor) -> np.ndarray:
     return a if a.dtype == np.int64 else a.astype(np.int64)
 
 
-class CodeChecks:
-    """The :class:`~snac_fast.streaming.StreamEngine`'s checks of its inputs (a part of the engine:
-    it reads the engine's strides, level ratios and codebook size)."""
+class CodeChecker:
+    """A stream engine's checks of its inputs, for a model of ``config`` (its ``vq_strides`` and
+    ``codebook_size``): one stream's codes (:meth:`check_codes`), many streams' ids in one pass
+    (:meth:`check_ids`), a step's codes for all its streams (:meth:`check_step_shapes`)."""
+
+    def __init__(self, config: dict) -> None:
+        self.strides = list(config["vq_strides"])
+        self.codebook_size = int(config["codebook_size"])
+        self.ratios = [self.strides[0] // s for s in self.strides]  # codes of level i per coarse frame
+        self._step_config = {**config, "attn_window_size": None}  # a step takes any frame count
+        self._step_signatures: set[tuple] = set()  # (type, dtype, shape) per level of step's codes, validated
 
     def check_codes(self, codes: Sequence[Tensor]) -> CheckedCodes:
         """One stream's codes for k >= 1 new frames: per level [L_i] or [1, L_i] integers (any
         device) with L_i = k * vq_strides[0] / vq_strides[i], ids in [0, codebook_size). Returns
         them as int64 numpy [L_i] (:class:`CheckedCodes`, which :meth:`advance` takes unchecked)."""
-        checked = self._check_shapes(codes)
+        checked = self.check_shapes(codes)
         if not checked.ids_checked:
-            self._check_ids([checked])
+            self.check_ids([checked])
             checked.ids_checked = True
         return checked
 
-    def _check_shapes(self, codes: Sequence[Tensor]) -> CheckedCodes:
+    def check_shapes(self, codes: Sequence[Tensor]) -> CheckedCodes:
+        """One stream's codes checked for their shapes alone (ids unchecked), as int64 numpy."""
         if isinstance(codes, CheckedCodes):
             return codes
         n = len(self.strides)
@@ -58,14 +67,14 @@ class CodeChecks:
                 raise ValueError(f"codes level {i} must be [L] or [1, L] for one stream, got {tuple(c.shape)}")
             checked.append(a)
         frames = len(checked[0])
-        want = [frames * r for r in self._ratios]
+        want = [frames * r for r in self.ratios]
         if frames == 0 or [len(c) for c in checked] != want:
             raise ValueError(f"code lengths {[len(c) for c in checked]} do not follow vq_strides {self.strides}: "
-                             f"for {max(frames, 1)} frames expect {[max(frames, 1) * r for r in self._ratios]}")
+                             f"for {max(frames, 1)} frames expect {[max(frames, 1) * r for r in self.ratios]}")
         checked.frames = frames
         return checked
 
-    def _check_ids(self, streams: list[CheckedCodes]) -> None:
+    def check_ids(self, streams: list[CheckedCodes]) -> None:
         """Every id of every stream in [0, codebook_size): one numpy pass over all of them."""
         if not streams:
             return
@@ -79,7 +88,7 @@ class CodeChecks:
                     raise ValueError(f"codes level {i} holds id {bad[0]}, outside [0, {self.codebook_size}) "
                                      "of this model's codebook")
 
-    def _check_step_shapes(self, codes: Sequence[Tensor], rows: int) -> None:
+    def check_step_shapes(self, codes: Sequence[Tensor], rows: int) -> None:
         """:func:`validate_codes`' checks of ``step``'s codes (ids aside), run once per distinct
         (type, dtype, shape) of the levels: a server sends the same shapes every step."""
         signature = None

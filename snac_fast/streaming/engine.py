@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from snac_fast.graphs import out_of_memory_explained
 from snac_fast.noise import check_seed
 from snac_fast.ops.device import device_scope
-from snac_fast.streaming.code_checks import CodeChecks, host_numpy
+from snac_fast.streaming.code_checks import CodeChecker, host_numpy
 from snac_fast.streaming.geometry import Geometry, align_contexts, build_stages
 from snac_fast.streaming.layer_state import LayerStates
 from snac_fast.streaming.lookahead import LookaheadGeometry, preset_lookahead
@@ -70,7 +70,7 @@ class _StepBatch:
     started: bool
 
 
-class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
+class StreamEngine(LookaheadGeometry, StepShapes, StageForward):
     """Stateful streaming decode for many streams at once (one state row per stream) of a SNAC
     ``model`` (snac-fast's tree after surgery, or upstream's) with its ``config``, on ``device`` in
     ``dtype`` (the model's). Build it with :meth:`snac_fast.FastSNAC.stream_engine`.
@@ -99,8 +99,8 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
             raise ValueError("max_streams must be at least 1")
         self.model, self.config = model, config
         self.device, self.dtype = torch.device(device), dtype
-        self.strides = list(config["vq_strides"])
-        self.codebook_size = int(config["codebook_size"])
+        self.checks = CodeChecker(config)
+        self.strides, self.codebook_size, self.ratios = self.checks.strides, self.checks.codebook_size, self.checks.ratios
         stages = build_stages(model, self.strides[0])
         window = config.get("attn_window_size")
         exact = Geometry.of(stages, self.strides[0], window)
@@ -135,16 +135,13 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
                 self.state = [torch.zeros((max_streams + 1, s.channels, s.context), device=self.device, dtype=self.dtype)
                               for s in self.geometry.stages]
         self._free = list(range(max_streams - 1, -1, -1))
-        self._ratios = [self.strides[0] // s for s in self.strides]
-        self._pending = PendingCodes(max_streams, self._ratios)
+        self._pending = PendingCodes(max_streams, self.ratios)
         # per slot, the key rows of a step (frames consumed, seed, row): one gather for all three
         self._slot_keys = np.zeros((3, max_streams + 1), np.int64)
         self._consumed, self._seeds, self._rows = self._slot_keys
         # approximate streams, per slot: exact audio produced so far, and audio emitted (samples)
         self._exact_out = np.zeros(max_streams + 1, np.int64)
         self._emitted = np.zeros(max_streams + 1, np.int64)
-        self._step_config = {**config, "attn_window_size": None}  # step takes any frame count; groups are the engine's
-        self._step_signatures: set[tuple] = set()  # (type, dtype, shape) per level of step's codes, validated
         self._step_batches: dict[tuple, _StepBatch] = {}  # step's streams -> their slots and keys
         self._lock = lock or threading.RLock()  # a codec's: its decodes patch the same NoiseBlocks
         if cuda_graphs and self.device.type != "cuda":
@@ -207,7 +204,7 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
 
     def _advance(self, pushes: Mapping[StreamSlot, Sequence[Tensor]], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
         """:meth:`advance` of exact streams (the exact audio of approximate ones)."""
-        checked = {s: self._check_shapes(c) for s, c in pushes.items()}
+        checked = {s: self.checks.check_shapes(c) for s, c in pushes.items()}
         with self._lock:
             all_started = self._check_streams(list(checked) + finish)
             for s in finish:
@@ -223,7 +220,7 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
                 arrays = [level[None] for level in codes[0]] if len(codes) == 1 else [np.stack(c) for c in zip(*codes)]
                 ids_checked = all(c.ids_checked for c in codes)  # check_codes' output: checked once already
                 return dict(zip(streams, self._direct_step(slots, arrays, codes[0].frames, ids_checked).unbind(0)))
-            self._check_ids([c for c in codes if not c.ids_checked])
+            self.checks.check_ids([c for c in codes if not c.ids_checked])
             for s, codes in checked.items():
                 self._pending.put(s.slot, codes)
             return self._decode_pending(streams, finish)
@@ -242,15 +239,15 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
         return self._step(streams, codes)
 
     def _step(self, streams: tuple, codes: Sequence[Tensor]) -> list[Tensor]:
-        self._check_step_shapes(codes, len(streams))
+        self.checks.check_step_shapes(codes, len(streams))
         arrays = [host_numpy(c) for c in codes]  # [B, L_i], any integer dtype
-        frames = arrays[0].shape[1] // self._ratios[0]
+        frames = arrays[0].shape[1] // self.ratios[0]
         with self._lock:
             batch = self._step_batch(streams)
             slots = batch.slots
             if batch.started and self._in_steady_state(len(streams), slots, frames):
                 return list(self._direct_step(slots, arrays, frames, keys=batch.keys).unbind(0))
-            self._check_ids([arrays])
+            self.checks.check_ids([arrays])
             self._pending.put_rows(slots, arrays, frames)
             audio = self._decode_pending(list(streams), [])
         return [audio[s] for s in streams]
@@ -272,7 +269,7 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
     def _step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int) -> tuple[Tensor, np.ndarray]:
         n = len(streams)
         levels, start = [], 0
-        for r in self._ratios:
+        for r in self.ratios:
             levels.append(rows[:, start:start + frames * r])
             start += frames * r
         if rows.shape != (n, start):
@@ -288,6 +285,11 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
             self._pending.put_rows(slots, levels, frames)
             pieces = self._decode_pending(list(streams), [])
         return joined_audio([pieces[s] for s in streams])
+
+    def check_codes(self, codes: Sequence[Tensor]) -> CheckedCodes:
+        """One stream's codes for k >= 1 new frames, checked on the host before any kernel runs
+        (:meth:`CodeChecker.check_codes`); :meth:`advance` takes them unchecked."""
+        return self.checks.check_codes(codes)
 
     def row_of(self, codes: CheckedCodes) -> np.ndarray:
         """One stream's checked codes as the level-major row :meth:`step_rows` takes."""
@@ -334,7 +336,7 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
         graph = self._graphs.get((STEP, bucket, frames)) if self.cuda_graphs else None
         if graph is None:
             if not ids_checked:
-                self._check_ids([codes])
+                self.checks.check_ids([codes])
             codes = [c.astype(np.int64, copy=False) for c in codes]
             with torch.inference_mode(), device_scope(self.device):
                 return self._run(STEP, slots, frames, codes)
@@ -349,7 +351,7 @@ class StreamEngine(LookaheadGeometry, CodeChecks, StepShapes, StageForward):
             if n < bucket:  # padding rows: code 0
                 level[n:] = 0
         if not ids_checked and graph.unsigned_codes.max() >= self.codebook_size:  # negatives wrap high
-            self._check_ids([codes])  # names the level and the id
+            self.checks.check_ids([codes])  # names the level and the id
             raise ValueError(f"codes hold ids outside [0, {self.codebook_size})")
         with device_scope(self.device):
             audio = graph.launch()[:n, 0].clone()  # the next replay overwrites the graph's output

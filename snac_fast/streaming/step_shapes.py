@@ -92,7 +92,7 @@ class StepShapes:
         for kind, bucket, k in shapes:
             keys = np.zeros((4, bucket), np.int64)
             keys[0] = self.max_streams  # the scratch row
-            inputs[kind, bucket, k] = keys, [] if kind in CODELESS else [np.zeros((bucket, k * r), np.int64) for r in self._ratios]
+            inputs[kind, bucket, k] = keys, [] if kind in CODELESS else [np.zeros((bucket, k * r), np.int64) for r in self.ratios]
         return inputs
 
     def _launch_shapes(self, inputs: dict) -> None:
