@@ -1,6 +1,6 @@
 """Cold start of a fresh process: import, load, first decode (24 kHz streaming chunk, B=1, 4 frames),
 second decode, each in a new Python process, with an empty and with a warm Triton cache, with and
-without the concurrent kernel warm-up (:mod:`snac_fast.warmup`); then the ``snac-fast decode`` CLI's
+without the concurrent kernel warm-up (:mod:`snac_fast.runtime.warmup`); then the ``snac-fast decode`` CLI's
 whole wall clock on a warm cache, with the synthetic model and with the published id read from a
 filled hub cache (seeded weights), interleaved with bare ``import torch`` runs. Where site-packages hold no compiled bytecode and
 ``PYTHONDONTWRITEBYTECODE`` is set (as on the project's GPU machine: ``import torch`` then takes
@@ -88,7 +88,7 @@ def main() -> None:
             print(rows[-2], rows[-1], flush=True)
     with tempfile.TemporaryDirectory() as cache, tempfile.TemporaryDirectory() as tmp:
         # the published model's path as a user runs it offline: its hub cache (seeded weights here)
-        from snac_fast.synthetic import fill_hub_cache, make_checkpoint
+        from snac_fast.model.synthetic import fill_hub_cache, make_checkpoint
 
         hub_id = "hubertsiuzdak/snac_24khz"
         fill_hub_cache(f"{tmp}/hub", hub_id, make_checkpoint(f"{tmp}/checkpoint", "snac_24khz"))

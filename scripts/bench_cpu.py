@@ -65,7 +65,7 @@ class Bench:
 
     def __init__(self, cli, onnx_path: Path | None) -> None:
         from snac_fast import FastSNAC
-        from snac_fast.loading import build_upstream, resolve_checkpoint
+        from snac_fast.model.loading import build_upstream, resolve_checkpoint
 
         self.cli = cli
         self.codec = FastSNAC.from_pretrained(f"synthetic:{cli.model}", device="cpu", dtype=torch.float32)
@@ -202,7 +202,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = None
         if cli.onnx:
-            from snac_fast.loading import build_upstream, resolve_checkpoint
+            from snac_fast.model.loading import build_upstream, resolve_checkpoint
 
             onnx_path = Path(tmp) / "snac_decoder.onnx"
             t0 = time.perf_counter()

@@ -107,7 +107,7 @@ def notebook_rows(parquet: Path, device: str, model_name: str) -> tuple[dict, fl
     import torchaudio
     from datasets import Audio, load_dataset
 
-    from snac_fast.loading import build_upstream, resolve_checkpoint
+    from snac_fast.model.loading import build_upstream, resolve_checkpoint
 
     model = build_upstream(resolve_checkpoint(model_name)).to(device).eval()  # upstream SNAC, float32
     start = time.perf_counter()

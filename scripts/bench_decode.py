@@ -30,8 +30,8 @@ from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
 from snac_fast.fidelity import decode_with_noise, true_float32  # noqa: E402
 from snac_fast.metrics import snr_db  # noqa: E402
-from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
-from snac_fast.synthetic import synthetic_model  # noqa: E402
+from snac_fast.model.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
+from snac_fast.model.synthetic import synthetic_model  # noqa: E402
 
 CUDA = torch.device("cuda")
 N_SETS = 3

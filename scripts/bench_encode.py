@@ -44,8 +44,8 @@ from snac_fast import (
 )
 from snac_fast.configs import published_config  # noqa: E402
 from snac_fast.encoding import padding_unit  # noqa: E402
-from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
-from snac_fast.synthetic import speech_like, synthetic_model  # noqa: E402
+from snac_fast.model.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
+from snac_fast.model.synthetic import speech_like, synthetic_model  # noqa: E402
 
 CUDA = torch.device("cuda")
 N_SETS = 3

@@ -41,9 +41,9 @@ from bench_common import GcProbe, environment, markdown_table, write_results  # 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.fidelity import true_float32  # noqa: E402
 from snac_fast.metrics import snr_db  # noqa: E402
+from snac_fast.model.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
+from snac_fast.model.synthetic import synthetic_model  # noqa: E402
 from snac_fast.serve import AsyncStreamBatcher  # noqa: E402
-from snac_fast.surgery import fold_weight_norm, to_device_dtype  # noqa: E402
-from snac_fast.synthetic import synthetic_model  # noqa: E402
 
 WINDOW = 4  # frames per window, as Orpheus-style servers decode
 

@@ -21,11 +21,11 @@ import torch
 
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.lm.fake import FakeLM
 from snac_fast.serve.lm.segments import split_text
-from snac_fast.synthetic import synthetic_model
 
 CHARS_PER_SECOND = 15.0
 

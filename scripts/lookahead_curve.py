@@ -29,9 +29,9 @@ from bench_common import markdown_table  # noqa: E402
 
 from snac_fast.configs import published_config  # noqa: E402
 from snac_fast.metrics import snr_db  # noqa: E402
-from snac_fast.noise import decode_with_keyed_noise, noise_blocks  # noqa: E402
+from snac_fast.model.noise import decode_with_keyed_noise, noise_blocks  # noqa: E402
+from snac_fast.model.synthetic import synthetic_model  # noqa: E402
 from snac_fast.streaming import StreamEngine  # noqa: E402
-from snac_fast.synthetic import synthetic_model  # noqa: E402
 
 MODELS = ("snac_24khz", "snac_32khz", "snac_44khz")
 NARROW = {"decoder_dim": 256, "encoder_dim": 16}

@@ -16,7 +16,7 @@ import torch
 
 from snac_fast.codes import load_tokens
 from snac_fast.fidelity import decode_with_noise
-from snac_fast.synthetic import state_dict_fingerprint, state_dict_sha256, synthetic_model
+from snac_fast.model.synthetic import state_dict_fingerprint, state_dict_sha256, synthetic_model
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "samples" / "reference"
@@ -41,7 +41,7 @@ def main() -> None:
             "checkpoint_sha256": state_dict_sha256(model.state_dict()),  # exact, on the machine that made it
             "checkpoint_fingerprint": state_dict_fingerprint(model.state_dict()),  # checked, 1e-6 relative
             "noise_seed": NOISE_SEED,
-            "noise": "CPU torch.Generator, float32 randn per NoiseBlock in call order (snac_fast.noise.seeded_noise)",
+            "noise": "CPU torch.Generator, float32 randn per NoiseBlock in call order (snac_fast.model.noise.seeded_noise)",
             "sampling_rate": model.sampling_rate,
             "samples": int(audio.size),
             "wav_sha256": hashlib.sha256(wav.read_bytes()).hexdigest(),

@@ -14,7 +14,7 @@ import torch
 import torchaudio.functional as AF
 
 from snac_fast.codes import save_tokens
-from snac_fast.synthetic import synthetic_model
+from snac_fast.model.synthetic import synthetic_model
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 TEXT = "The quick brown fox jumps over the lazy dog. Fast codecs keep speech servers responsive."

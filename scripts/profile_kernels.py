@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 from kernel_timeline import print_timeline
 from snac_fast import FastSNAC
 from snac_fast.configs import published_config
-from snac_fast.synthetic import synthetic_model
+from snac_fast.model.synthetic import synthetic_model
 
 
 def main() -> None:

@@ -71,7 +71,7 @@ def main() -> None:
     rows.append(reading("codec loaded", device, started))
     engine = codec.shared_stream_engine(max_streams=args.max_streams)
     rows.append(reading(f"engine of {args.max_streams} slots", device, started))
-    from snac_fast.warmup import compile_kernels
+    from snac_fast.runtime.warmup import compile_kernels
 
     compile_kernels(codec, [(1, 4)], engine=engine, streams=args.max_batch)
     rows.append(reading("compile pass (decode 1x4, steps)", device, started))

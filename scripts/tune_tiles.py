@@ -177,7 +177,7 @@ def sweep_calls(name: str, calls: dict, counts: dict, launch, candidates_of, def
     """Time each recorded call at its default tile and at each of ``candidates_of(args)``; print each
     call's best and each workload's total, and write every timing to ``json_path``.
     ``launch(args, cfg)``: the call as a function of its first argument (the timed input)."""
-    from snac_fast.compiling import compiling_concurrently
+    from snac_fast.runtime.compiling import compiling_concurrently
 
     first = lambda args: next(iter(args.values()))  # noqa: E731
     with compiling_concurrently():  # every (call, tile) variant at once, on a process pool

@@ -2,10 +2,10 @@
 
 from snac_fast.api import FastSNAC
 from snac_fast.codes import load_tokens, save_tokens
-from snac_fast.loading import CheckpointError
-from snac_fast.modules import FastSnake1d
+from snac_fast.model.loading import CheckpointError
+from snac_fast.model.modules import FastSnake1d
+from snac_fast.model.surgery import SurgeryReport, accelerate
 from snac_fast.ops.snake import snake, snake_reference
-from snac_fast.surgery import SurgeryReport, accelerate
 
 # what README's streaming and serving examples use, imported on first access (a decode-only
 # process does not pay for the batchers' imports)

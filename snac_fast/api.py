@@ -16,12 +16,12 @@ from torch import Tensor, nn
 from snac_fast.codes import validate_audio, validate_codes, validate_lengths
 from snac_fast.configs import DEFAULT_MODEL
 from snac_fast.encoding import GraphedEncode, encode_padded, encoder_reach, padding_unit
-from snac_fast.graphs import GraphedDecode
-from snac_fast.loading import Checkpoint, build_upstream, resolve_checkpoint
-from snac_fast.noise import check_seed, injected_noise, keyed_noise
+from snac_fast.model.loading import Checkpoint, build_upstream, resolve_checkpoint
+from snac_fast.model.noise import check_seed, injected_noise, keyed_noise
+from snac_fast.model.surgery import SurgeryReport, accelerate
 from snac_fast.ops.device import device_scope
 from snac_fast.ops.warm_start import finish_runtime_warmup, start_runtime_warmup
-from snac_fast.surgery import SurgeryReport, accelerate
+from snac_fast.runtime.graphs import GraphedDecode
 
 DTYPE_NAMES = {"float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
                "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -120,9 +120,9 @@ class FastSNAC:
         config.json + pytorch_model.bin (or model.safetensors), or ``synthetic:snac_24khz`` (seeded,
         untrained weights built offline). Defaults: CUDA if available, float16 there, float32 on CPU;
         fused decoder kernels; CUDA graphs on CUDA (one per codes shape, at most ``max_graphs``).
-        ``name_or_path`` may also be a :class:`snac_fast.loading.Checkpoint` that
-        :func:`snac_fast.loading.resolve_checkpoint` found (no second lookup; the hub options
-        then must stay unset). Raises :class:`snac_fast.loading.CheckpointError` (a ValueError)
+        ``name_or_path`` may also be a :class:`snac_fast.model.loading.Checkpoint` that
+        :func:`snac_fast.model.loading.resolve_checkpoint` found (no second lookup; the hub options
+        then must stay unset). Raises :class:`snac_fast.model.loading.CheckpointError` (a ValueError)
         saying what to do."""
         if isinstance(name_or_path, Checkpoint):
             if (revision, cache_dir, local_files_only, token) != (None, None, False, None):
@@ -185,7 +185,7 @@ class FastSNAC:
         """Codes -> audio [B, 1, latent_length * hop_length] in the model's dtype, on its device.
 
         codes: one integer tensor [B, L_i] per level (upstream's ``encode`` output), any device.
-        seed: position-keyed NoiseBlock noise (row b keyed by (seed, b), see :mod:`snac_fast.noise`):
+        seed: position-keyed NoiseBlock noise (row b keyed by (seed, b), see :mod:`snac_fast.model.noise`):
         the same audio with or without CUDA graphs, and the audio a :meth:`stream` with this seed
         produces; a prefix of the codes decodes to the prefix of the audio, up to the receptive
         field at its end. None draws fresh noise like upstream. generator: draw the noise from this
@@ -245,8 +245,8 @@ class FastSNAC:
         """Compile (concurrently) and capture everything decodes of these (batch, coarse frames)
         shapes need, and with ``streams`` > 0 the steps of the stream engine of ``lookahead``;
         kernels persist in Triton's cache (``TRITON_CACHE_DIR``). Returns seconds per phase. See
-        :mod:`snac_fast.warmup`."""
-        from snac_fast.warmup import warmup
+        :mod:`snac_fast.runtime.warmup`."""
+        from snac_fast.runtime.warmup import warmup
 
         return warmup(self, batch_sizes, frames, streams, lookahead=lookahead)
 
@@ -362,7 +362,7 @@ def load_codec(model: str | os.PathLike | Checkpoint | None = None, *, device: t
                dtype: torch.dtype | str | None = None, **options) -> FastSNAC:
     """The one way the CLI, the server, the engine process and the corpus runs load a codec:
     :meth:`FastSNAC.from_pretrained` of ``model`` (default :data:`~snac_fast.configs.DEFAULT_MODEL`;
-    a :class:`~snac_fast.loading.Checkpoint` already found is loaded as it is, the hub options of
+    a :class:`~snac_fast.model.loading.Checkpoint` already found is loaded as it is, the hub options of
     ``options`` left out)."""
     if isinstance(model, Checkpoint):
         options = {k: v for k, v in options.items() if k not in HUB_OPTIONS}

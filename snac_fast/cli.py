@@ -238,7 +238,7 @@ def cmd_decode(args: argparse.Namespace) -> None:
     import soundfile
 
     from snac_fast.codes import load_tokens
-    from snac_fast.warmup import compile_kernels
+    from snac_fast.runtime.warmup import compile_kernels
 
     audio_format, subtype = _audio_output(args.out, args.subtype)
     codes, file_model = load_tokens(args.tokens)

@@ -29,16 +29,16 @@ from typing import Iterator
 import torch
 from torch import Tensor, nn
 
-from snac_fast.compiling import compiling_concurrently
-from snac_fast.graphs import GraphCache
-from snac_fast.layers import input_reach, is_absorbed
+from snac_fast.model.layers import input_reach, is_absorbed
 from snac_fast.ops.device import device_scope
 from snac_fast.ops.row_tails import clear_row_tails
+from snac_fast.runtime.compiling import compiling_concurrently
+from snac_fast.runtime.graphs import GraphCache
 
 
 def encoder_reach(model: nn.Module) -> int:
     """Audio samples on each side of a latent step's span that its value depends on (the encoder's
-    receptive field, :func:`snac_fast.layers.input_reach`; the 32/44 kHz attention windows counted
+    receptive field, :func:`snac_fast.model.layers.input_reach`; the 32/44 kHz attention windows counted
     whole). 24 kHz: 5,268 samples."""
     return input_reach(model.encoder.block, 0)
 

@@ -8,7 +8,7 @@ the largest single decode's, not their sum:
    eager, TF32 off, on the fast model's device unless told otherwise;
 3. the baseline: the same original model in the fast model's dtype, i.e. what plain upstream gives
    at that precision (its 32/44 kHz attention kept float32 as in snac-fast, since upstream's own
-   cannot run in half; see :func:`snac_fast.surgery.keep_attention_float32`). Passing means the fast path is no less faithful than the baseline (within a
+   cannot run in half; see :func:`snac_fast.model.surgery.keep_attention_float32`). Passing means the fast path is no less faithful than the baseline (within a
    margin) and above a floor.
 
 Every decode draws its NoiseBlock noise from one CPU generator seeded with ``seed``.
@@ -27,11 +27,11 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.codes import validate_codes
-from snac_fast.loading import Checkpoint, build_upstream
 from snac_fast.metrics import max_abs_error, rms, snr_db
-from snac_fast.noise import seeded_noise
+from snac_fast.model.loading import Checkpoint, build_upstream
+from snac_fast.model.noise import seeded_noise
+from snac_fast.model.surgery import to_device_dtype
 from snac_fast.ops.device import true_float32
-from snac_fast.surgery import to_device_dtype
 
 # Thresholds per fast dtype, set 8-12 dB under the lowest SNR of the GPU fidelity matrix and 5-7x over
 # its highest log-mel distance (docs/measurements.md); and reduced precision must also come within

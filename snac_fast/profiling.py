@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.codes import validate_codes
-from snac_fast.surgery import to_device_dtype
+from snac_fast.model.surgery import to_device_dtype
 
 
 def _timed_classes() -> tuple[type, ...]:
@@ -34,7 +34,7 @@ def _timed_classes() -> tuple[type, ...]:
     from snac.attention import LocalMHA
     from snac.layers import DecoderBlock, NoiseBlock, ResidualUnit, Snake1d
 
-    from snac_fast.modules import FastSnake1d
+    from snac_fast.model.modules import FastSnake1d
 
     return (Snake1d, FastSnake1d, nn.Conv1d, nn.ConvTranspose1d, NoiseBlock, ResidualUnit, DecoderBlock,
             LocalMHA, nn.Tanh)
@@ -201,7 +201,7 @@ def _hooked_runs(model, codes, clock, runs, warmup, top_only):
     marks: dict[str, list] = {}
     shapes: dict[str, list[int]] = {}
     handles = []
-    from snac_fast.modules import Absorbed
+    from snac_fast.model.modules import Absorbed
 
     # absorbed layers run inside a neighbour's kernel: no row of their own (they would time nothing)
     selected = [(n, m, d) for n, m, d in _timed_modules(model) if (d == 0 or not top_only) and not isinstance(m, Absorbed)]

@@ -154,7 +154,7 @@ def workloads(model_name: str) -> dict[str, Callable[[], object]]:
     256 streams (one new frame each, after their prefills)."""
     from snac_fast import FastSNAC
     from snac_fast.configs import published_config
-    from snac_fast.synthetic import synthetic_model
+    from snac_fast.model.synthetic import synthetic_model
 
     config = published_config(model_name)
     codec = FastSNAC(synthetic_model(model_name), device="cpu", dtype=torch.float16)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import torch
 
 from snac_fast.configs import published_config
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.ops.common import is_channels_last
 from snac_fast.streaming import StreamEngine
-from snac_fast.synthetic import synthetic_model
 
 # a published model's structure (strides, attention windows, receptive field) at 1/4 to 1/6 of its
 # channel widths: for tests whose check is not about full-width tiles, the interpreter runs it fast
@@ -212,8 +212,8 @@ def upstream_unit(C, dilation, seed):
 
 def fused_copy(unit):
     """A fused unit with the same weights, from a fresh upstream unit (deepcopy breaks weight norm)."""
-    from snac_fast.modules import FastSnake1d, FusedResidualUnit
-    from snac_fast.surgery import fold_weight_norm
+    from snac_fast.model.modules import FastSnake1d, FusedResidualUnit
+    from snac_fast.model.surgery import fold_weight_norm
 
     twin = upstream_unit(unit.block[0].alpha.shape[1], unit.block[1].dilation[0], 0)
     twin.load_state_dict(unit.state_dict())

@@ -15,11 +15,11 @@ from torch.nn.utils import parametrize
 from snac_fast import FastSNAC, FastSnake1d, accelerate
 from snac_fast.configs import published_config
 from snac_fast.fidelity import decode_with_noise
-from snac_fast.local_attention import HalfLocalMHA
 from snac_fast.metrics import max_abs_error, snr_db
-from snac_fast.modules import FusedConvTranspose1d
-from snac_fast.noise import decode_with_keyed_noise, noise_blocks
-from snac_fast.synthetic import synthetic_model
+from snac_fast.model.local_attention import HalfLocalMHA
+from snac_fast.model.modules import FusedConvTranspose1d
+from snac_fast.model.noise import decode_with_keyed_noise, noise_blocks
+from snac_fast.model.synthetic import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
 

@@ -184,7 +184,7 @@ def short_tokens(tmp_path):
 
     from snac_fast import save_tokens
     from snac_fast.configs import published_config
-    from snac_fast.synthetic import make_checkpoint
+    from snac_fast.model.synthetic import make_checkpoint
 
     folder = make_checkpoint(tmp_path / "narrow", "snac_24khz", **NARROW)
     path = tmp_path / "short.pt"

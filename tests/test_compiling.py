@@ -1,4 +1,4 @@
-"""snac_fast.compiling: Triton kernels compiled concurrently, cache misses compiled in forked
+"""snac_fast.runtime.compiling: Triton kernels compiled concurrently, cache misses compiled in forked
 children, launchers built once, the probing cache lookup, and the async-compile mode's clean-up."""
 
 import contextlib
@@ -17,7 +17,7 @@ def test_compile_only_launches_stay_in_the_entering_thread(monkeypatch):
     from triton.compiler import compiler
     from triton.runtime.jit import JITFunction
 
-    import snac_fast.compiling as compiling
+    import snac_fast.runtime.compiling as compiling
 
     seen = []
     original_manager = compiler.get_cache_manager
@@ -49,7 +49,7 @@ def test_cache_misses_compile_in_a_forked_child(monkeypatch, tmp_path):
     """A compile job loads a cached kernel in this process; a missing one is compiled by a forked
     child (writing the cache) and then loaded here; a child that fails leaves the compilation and
     its error to this process."""
-    import snac_fast.compiling as compiling
+    import snac_fast.runtime.compiling as compiling
 
     calls = []
 
@@ -80,7 +80,7 @@ def test_concurrent_compile_jobs_fork_one_at_a_time(monkeypatch, tmp_path):
     """filelock (imported by huggingface_hub and Inductor) vetoes an os.fork made while another
     thread is inside one: the jobs of the pool fork one at a time, so every kernel still compiles
     in a child; a vetoed fork compiles the kernel in this process instead of failing the job."""
-    import snac_fast.compiling as compiling
+    import snac_fast.runtime.compiling as compiling
 
     inside, guard, real_fork = [0], threading.Lock(), os.fork
 
@@ -120,7 +120,7 @@ def test_compile_jobs_build_each_launcher_source_once(monkeypatch):
 
     from triton.runtime.driver import driver
 
-    import snac_fast.compiling as compiling
+    import snac_fast.runtime.compiling as compiling
 
     built, guard = [], threading.Lock()
 
@@ -145,7 +145,7 @@ def test_compile_jobs_build_each_launcher_source_once(monkeypatch):
 
 
 def test_probing_cache_lookup_raises_on_a_miss_only_where_asked(monkeypatch):
-    import snac_fast.compiling as compiling
+    import snac_fast.runtime.compiling as compiling
 
     class Manager:  # Triton's FileCacheManager: get_group(filename) -> {filename: path, ...} or None
         def __init__(self, key):
@@ -171,7 +171,7 @@ def test_failed_compile_clears_async_compile_mode():
     and every later warm-up then failed with 'Another AsyncCompileMode is already active')."""
     from triton.runtime._async_compile import active_mode
 
-    import snac_fast.compiling as compiling
+    import snac_fast.runtime.compiling as compiling
 
     def failing_compile():
         raise RuntimeError("the compiler's own error")

@@ -15,8 +15,8 @@ from helpers import NARROW
 from snac_fast import FastSNAC
 from snac_fast import datasets as ds
 from snac_fast.datasets.rows import RowFormat, remove_duplicate_frames
+from snac_fast.model.synthetic import speech_like, synthetic_model
 from snac_fast.orpheus import ORPHEUS
-from snac_fast.synthetic import speech_like, synthetic_model
 
 
 @pytest.fixture(scope="module")
@@ -170,7 +170,7 @@ def test_ray_engine_writes_the_same_orpheus_rows_from_tar_shards(shards, tmp_pat
     """The Ray engine (a local CPU cluster, two actors) over WebDataset shards with carried columns
     and Orpheus ids: the same shards as the local engine."""
     from snac_fast.datasets import ray_engine
-    from snac_fast.synthetic import make_checkpoint
+    from snac_fast.model.synthetic import make_checkpoint
 
     root, _ = shards
     monkeypatch.setattr(ray_engine, "_actor_resources", lambda nodes, on_gpus: (2, 1.0, 0))  # two on CI's 2 CPUs
@@ -224,7 +224,7 @@ def test_hugging_face_datasets_in_memory_and_saved_to_disk(codec, tmp_path):
 @pytest.mark.heavy
 def test_encode_dataset_command_with_orpheus_rows(shards, tmp_path, capsys):
     from snac_fast.cli import main
-    from snac_fast.synthetic import make_checkpoint
+    from snac_fast.model.synthetic import make_checkpoint
 
     root, _ = shards
     model = str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW))

@@ -19,7 +19,7 @@ from helpers import NARROW
 from snac_fast import FastSNAC
 from snac_fast import datasets as ds
 from snac_fast.configs import published_config
-from snac_fast.synthetic import make_checkpoint, speech_like, synthetic_model
+from snac_fast.model.synthetic import make_checkpoint, speech_like, synthetic_model
 
 
 @pytest.fixture(scope="module")
@@ -231,15 +231,15 @@ def test_local_engine_reads_while_the_model_loads(corpus, tmp_path, monkeypatch)
     shards' reads submitted before the model loads; none of it when every shard is done. The
     checkpoint is looked up once (a hub lookup is a network round trip when online)."""
     import snac_fast.api
-    import snac_fast.loading
+    import snac_fast.model.loading
     from snac_fast.datasets import readers
     from snac_fast.datasets.runs import CodecSource
 
     events = []
-    submit, load, resolve = readers.Readers.submit, CodecSource.load, snac_fast.loading.resolve_checkpoint
+    submit, load, resolve = readers.Readers.submit, CodecSource.load, snac_fast.model.loading.resolve_checkpoint
     monkeypatch.setattr(readers.Readers, "submit", lambda self, items: events.append("read") or submit(self, items))
     monkeypatch.setattr(CodecSource, "load", lambda self: events.append("load") or load(self))
-    for module in (snac_fast.loading, snac_fast.api):
+    for module in (snac_fast.model.loading, snac_fast.api):
         monkeypatch.setattr(module, "resolve_checkpoint", lambda *a, **k: events.append("resolve") or resolve(*a, **k))
     options = dict(model=str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), device="cpu",
                    model_options={"accelerate_encoder": False, "fuse": False}, files_per_shard=3, loaders=1,

@@ -8,8 +8,8 @@ from helpers import NARROW
 
 from snac_fast import FastSNAC
 from snac_fast.encoding import Chunk, encoder_reach, padding_unit, plan_chunks
-from snac_fast.modules import DepthwiseConv1d, FusedDenseConv1d, FusedResidualUnit
-from snac_fast.synthetic import speech_like, synthetic_model
+from snac_fast.model.modules import DepthwiseConv1d, FusedDenseConv1d, FusedResidualUnit
+from snac_fast.model.synthetic import speech_like, synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
 # the published structure in miniature (hop 6): receptive fields of ~150 samples, so that chunked

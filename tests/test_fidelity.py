@@ -14,7 +14,7 @@ from snac_fast.fidelity import (
     log_mel_distance_db,
 )
 from snac_fast.metrics import max_abs_error, rms, snr_db
-from snac_fast.synthetic import synthetic_model
+from snac_fast.model.synthetic import synthetic_model
 
 
 def test_snr_and_errors_on_known_signals():

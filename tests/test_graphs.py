@@ -5,7 +5,7 @@ import torch
 from helpers import random_codes
 
 from snac_fast import FastSNAC
-from snac_fast.graphs import GraphedDecode
+from snac_fast.runtime.graphs import GraphedDecode
 
 
 class _FakeGraph:
@@ -27,7 +27,7 @@ def fake_snac(codebook_size=4096):
 
 
 def test_graph_cache_is_bounded_lru_and_checks_cpu_ids(monkeypatch):
-    from snac_fast.graphs import _Captured
+    from snac_fast.runtime.graphs import _Captured
 
     def fake_capture(self, codes, noise):  # (the cache counts captures as it stores them)
         flag = torch.zeros(1, dtype=torch.int32)

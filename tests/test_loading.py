@@ -12,7 +12,7 @@ from helpers import PERTURBATIONS, perturb, random_codes
 
 from snac_fast import CheckpointError, FastSNAC
 from snac_fast.configs import published_config
-from snac_fast.synthetic import (
+from snac_fast.model.synthetic import (
     fill_hub_cache,
     make_checkpoint,
     state_dict_sha256,
@@ -97,7 +97,7 @@ def run_python(code: str, env_extra: dict) -> subprocess.CompletedProcess:
 def test_hub_cache_offline(tmp_path, checkpoint_dir):
     cache = tmp_path / "hub"
     fill_hub_cache(cache, REPO, checkpoint_dir)
-    code = ("from snac_fast import FastSNAC; from snac_fast.synthetic import state_dict_sha256; "
+    code = ("from snac_fast import FastSNAC; from snac_fast.model.synthetic import state_dict_sha256; "
             f"m = FastSNAC.from_pretrained({REPO!r}, device='cpu'); "
             "print(state_dict_sha256(m.model.state_dict()), m.source)")
     proc = run_python(code, {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(cache), "HF_HOME": str(tmp_path / "home")})
@@ -195,7 +195,7 @@ def test_weights_only_refuses_pickled_code(tmp_path, checkpoint_dir):
 def test_built_model_takes_every_tensor_from_the_checkpoint():
     """build_upstream skips weight init (every weight is loaded right after): all parameters and
     buffers, the attention's non-persistent ones included, equal those of the seeded model."""
-    from snac_fast.loading import Checkpoint, build_upstream
+    from snac_fast.model.loading import Checkpoint, build_upstream
 
     overrides = {"decoder_dim": 64, "encoder_dim": 8}
     source = synthetic_model("snac_32khz", seed=3, **overrides)
@@ -211,7 +211,7 @@ def test_built_model_takes_every_tensor_from_the_checkpoint():
 def test_synthetic_checkpoint_builds_its_seeded_model_once():
     """A synthetic checkpoint's model is built with its seeded weights (no empty build plus load),
     equal to the weights a folder written from it holds."""
-    from snac_fast.loading import build_upstream, resolve_checkpoint
+    from snac_fast.model.loading import build_upstream, resolve_checkpoint
 
     checkpoint = resolve_checkpoint("synthetic:snac_24khz")
     built, state = build_upstream(checkpoint), checkpoint.load_state_dict()
@@ -223,7 +223,7 @@ def test_synthetic_checkpoint_builds_its_seeded_model_once():
 def test_from_pretrained_takes_a_resolved_checkpoint():
     """A Checkpoint that resolve_checkpoint found loads as its name would, without a second lookup;
     options that locate a checkpoint are refused beside one."""
-    from snac_fast.loading import resolve_checkpoint
+    from snac_fast.model.loading import resolve_checkpoint
 
     checkpoint = resolve_checkpoint("synthetic:snac_24khz")
     by_checkpoint = FastSNAC.from_pretrained(checkpoint, device="cpu", fuse=False, accelerate_encoder=False)
@@ -247,7 +247,7 @@ def test_weight_init_is_skipped_on_the_building_thread_only():
 
     import torch.nn.init as init
 
-    from snac_fast.loading import _without_weight_init
+    from snac_fast.model.loading import _without_weight_init
 
     original = init.uniform_
     seen = {}

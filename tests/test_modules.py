@@ -5,14 +5,14 @@ import torch
 from helpers import close, fused_copy, set_alphas, upstream_unit
 from snac.layers import DecoderBlock, NoiseBlock
 
-from snac_fast.modules import (
+from snac_fast.model.modules import (
     AbsorbedSnake1d,
     FastSnake1d,
     FusedConvTranspose1d,
     FusedNoiseBlock,
 )
+from snac_fast.model.surgery import fold_weight_norm, fuse_decoder
 from snac_fast.ops.snake import snake
-from snac_fast.surgery import fold_weight_norm, fuse_decoder
 
 
 @pytest.mark.parametrize("dilation", [1, 3, 9])

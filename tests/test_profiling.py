@@ -6,8 +6,8 @@ import pytest
 from helpers import NARROW, random_codes
 
 from snac_fast import FastSNAC
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.profiling import _timed_modules
-from snac_fast.synthetic import synthetic_model
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from helpers import PERTURBATIONS, perturb
 from snac_fast import FastSNAC, load_tokens
 from snac_fast.fidelity import decode_with_noise
 from snac_fast.metrics import max_abs_error, snr_db
-from snac_fast.synthetic import state_dict_fingerprint, synthetic_model
+from snac_fast.model.synthetic import state_dict_fingerprint, synthetic_model
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "samples" / "reference"

@@ -14,8 +14,8 @@ from helpers import NARROW, assert_matches_upstream_fp32, random_codes
 from snac_fast import FastSNAC
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
-from snac_fast.noise import decode_with_keyed_noise
-from snac_fast.synthetic import make_checkpoint, synthetic_model
+from snac_fast.model.noise import decode_with_keyed_noise
+from snac_fast.model.synthetic import make_checkpoint, synthetic_model
 
 
 def test_build_and_decode_inside_inference_mode_and_no_grad(tmp_path):
@@ -74,7 +74,7 @@ def test_inference_keeps_torch_compiler_stack_unloaded():
         import sys, torch
         from helpers import NARROW, random_codes
         from snac_fast import FastSNAC
-        from snac_fast.synthetic import synthetic_model
+        from snac_fast.model.synthetic import synthetic_model
         codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu")
         codec.decode(random_codes(codec.config, 1), seed=0)
         print("dynamo" if "torch._dynamo" in sys.modules else "clean")

@@ -1,7 +1,7 @@
 """Surgery: which Snakes each layer absorbs."""
 
 from snac_fast import FastSNAC
-from snac_fast.modules import AbsorbedSnake1d, FastSnake1d, FusedConvTranspose1d
+from snac_fast.model.modules import AbsorbedSnake1d, FastSnake1d, FusedConvTranspose1d
 
 
 def test_surgery_absorbs_snakes_by_architecture():

@@ -215,7 +215,7 @@ def test_stream_steps_of_up_to_8_rows_take_the_one_row_steps_tiles():
     times smaller), in every step kind; 16 rows choose their own again."""
     from snac_fast import FastSNAC
     from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP
-    from snac_fast.synthetic import synthetic_model
+    from snac_fast.model.synthetic import synthetic_model
     from snac_fast.targets import record_launches
 
     engine = FastSNAC(synthetic_model("snac_24khz"), device="cpu", dtype=torch.float16).stream_engine(max_streams=16)
@@ -261,7 +261,7 @@ def test_prefills_and_flushes_launch_their_buckets_step_tiles():
     alignment their length lacks; warm-up runs each bucket's step first."""
     from snac_fast import FastSNAC
     from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP
-    from snac_fast.synthetic import synthetic_model
+    from snac_fast.model.synthetic import synthetic_model
     from snac_fast.targets import record_launches
 
     codec = FastSNAC(synthetic_model("snac_24khz"), device="cpu", dtype=torch.float16)

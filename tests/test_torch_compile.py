@@ -6,7 +6,7 @@ import pytest
 import torch
 from helpers import close, fused_copy, upstream_unit
 
-from snac_fast.modules import (
+from snac_fast.model.modules import (
     FastSnake1d,
 )
 from snac_fast.ops.codebook import codes_to_latent

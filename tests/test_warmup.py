@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import snac_fast.warmup as warmup
+import snac_fast.runtime.warmup as warmup
 
 
 @pytest.fixture
@@ -81,8 +81,8 @@ def test_the_manifest_key_follows_what_decides_the_kernels(monkeypatch, tmp_path
 
 WARM_TWICE = """
 import hashlib, sys, torch
-import snac_fast.warmup as warmup
 from snac_fast import FastSNAC
+import snac_fast.runtime.warmup as warmup
 passes, real = [], warmup.compiling_concurrently
 def counted(*args, **kwargs):
     passes.append(1)
@@ -118,7 +118,7 @@ def test_gpu_a_warm_start_skips_the_compile_pass_and_streams_the_same_audio(tmp_
 def test_the_compile_pool_records_each_kernels_cache_files(monkeypatch):
     """What a compile pass's manifest lists: every job's kernel files in Triton's cache, from the
     pool's threads (a job whose kernel has none adds nothing)."""
-    import snac_fast.compiling as compiling
+    import snac_fast.runtime.compiling as compiling
 
     kernels = {f"k{i}": SimpleNamespace(metadata_group={f"k{i}.json": f"/cache/k{i}/k{i}.json", f"k{i}.cubin": f"/cache/k{i}/k{i}.cubin"})
                for i in range(5)}

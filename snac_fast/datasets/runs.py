@@ -53,7 +53,7 @@ class EncodeSettings:
 @dataclass(frozen=True)
 class CodecSource:
     """The codec a run loads, as its Ray actors are handed it: ``model`` (a name, default the
-    default model, or a :class:`snac_fast.loading.Checkpoint` found already), ``device``, ``dtype``
+    default model, or a :class:`snac_fast.model.loading.Checkpoint` found already), ``device``, ``dtype``
     and ``options`` (``FastSNAC.from_pretrained``'s others: the hub options, ``fuse``, ...)."""
 
     model: Any = None
@@ -76,7 +76,7 @@ class CodecSource:
         """The checkpoint :meth:`load` will load (its config, its source's name), found without
         building the model."""
         from snac_fast.api import HUB_OPTIONS
-        from snac_fast.loading import Checkpoint, resolve_checkpoint
+        from snac_fast.model.loading import Checkpoint, resolve_checkpoint
 
         if isinstance(self.model, Checkpoint):
             return self.model

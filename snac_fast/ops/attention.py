@@ -6,7 +6,7 @@ embedding), and attends within each window. In torch that core is about twenty l
 float32 rotation of q and k, permuted copies, SDPA, the merge of the heads). Here it is one kernel,
 a program per (window, head, batch row): it reads q, k and v straight from the QKV projection's
 output, rotates q and k in float32 registers and rounds them once to the input dtype (as
-:class:`~snac_fast.local_attention.HalfLocalMHA`'s torch path does), computes the n x n scores with float32
+:class:`~snac_fast.model.local_attention.HalfLocalMHA`'s torch path does), computes the n x n scores with float32
 accumulation, the softmax in float32 with each row's max and sum kept in registers, and writes the
 heads already merged, [B, T, C], where the output projection reads them.
 """

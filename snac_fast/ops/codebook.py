@@ -234,7 +234,7 @@ def _nearest_codeword(encodings: Tensor, table: Tensor, table_sq: Tensor | None 
     while n_codes % (splits * 128):
         splits -= 1
     best = torch.empty((splits, N), dtype=torch.float32, device=encodings.device)
-    # zeros: a compile-only pass (snac_fast.compiling) skips the kernel, and the gather after it must stay in bounds
+    # zeros: a compile-only pass (snac_fast.runtime.compiling) skips the kernel, and the gather after it must stay in bounds
     best_idx = torch.zeros((splits, N), dtype=torch.int64, device=encodings.device)
     _nearest_codeword_kernel[(triton.cdiv(N, block_r), splits)](
         encodings, table, table_sq, best, best_idx, N,

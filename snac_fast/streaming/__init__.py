@@ -7,7 +7,7 @@ layers, from their kernel sizes, dilations and strides) and, given n new input s
 layers on ``[context | new]`` and keeps the ``n * upsample`` outputs whose whole receptive field lay
 inside that buffer. Each stage so lags its input by ``right`` samples, and the audio that comes out
 is exactly what a whole decode gives there: the same layers, the same weights, and NoiseBlock noise
-keyed by absolute position (:mod:`snac_fast.noise`), so ``stream(seed=s)`` equals
+keyed by absolute position (:mod:`snac_fast.model.noise`), so ``stream(seed=s)`` equals
 ``decode(all_codes, seed=s)``.
 
 Three kinds of step keep every layer's zero padding where upstream has it:

@@ -16,9 +16,9 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from snac_fast.graphs import out_of_memory_explained
-from snac_fast.noise import check_seed
+from snac_fast.model.noise import check_seed
 from snac_fast.ops.device import device_scope
+from snac_fast.runtime.graphs import out_of_memory_explained
 from snac_fast.streaming.code_checks import CodeChecker, host_numpy
 from snac_fast.streaming.geometry import Geometry, align_contexts, build_stages
 from snac_fast.streaming.layer_state import LayerStates
@@ -432,7 +432,7 @@ class StreamEngine(LookaheadGeometry, StepShapes, StageForward):
 
     def _decode_whole(self, s: StreamSlot, take: bool = True) -> Tensor:
         """The whole decode of the codes ``s`` holds (taking them, unless not ``take``): [samples]."""
-        from snac_fast.noise import keyed_noise
+        from snac_fast.model.noise import keyed_noise
 
         held = self._pending.take_all(s.slot) if take else self._pending.peek_all(s.slot)
         codes = [torch.from_numpy(c)[None].to(self.device) for c in held]

@@ -9,8 +9,8 @@ from typing import Iterable
 
 from torch import nn
 
-from snac_fast.layers import Kind, input_reach, kind_of
-from snac_fast.noise import noise_blocks
+from snac_fast.model.layers import Kind, input_reach, kind_of
+from snac_fast.model.noise import noise_blocks
 
 
 def _upsample(layers: Iterable[nn.Module]) -> int:

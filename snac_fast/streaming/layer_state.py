@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from snac_fast.layers import Kind, children_of, input_reach, kind_of
-from snac_fast.noise import noise_blocks
+from snac_fast.model.layers import Kind, children_of, input_reach, kind_of
+from snac_fast.model.noise import noise_blocks
 from snac_fast.ops.conv_transpose import upsampling_padding
 from snac_fast.ops.noise import keyed_normal_at
 from snac_fast.streaming.shapes import FLUSH, PREFILL, STEP

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from snac_fast.noise import patched_noise
+from snac_fast.model.noise import patched_noise
 from snac_fast.ops.context import context_step
 from snac_fast.ops.device import cuda_index
 from snac_fast.ops.launch import launches_as_recorded, tiles_as_for_fewer_rows

@@ -8,8 +8,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from snac_fast.compiling import compiling_concurrently
 from snac_fast.ops.device import cuda_index
+from snac_fast.runtime.compiling import compiling_concurrently
 
 
 class NoiseCall(NamedTuple):

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from snac_fast.compiling import compiling_concurrently
 from snac_fast.ops.device import device_scope
+from snac_fast.runtime.compiling import compiling_concurrently
 from snac_fast.streaming.shapes import (
     CODELESS,
     FLUSH,
@@ -56,8 +56,8 @@ class StepShapes:
     def compile_steps(self, max_batch: int | None = None, frames: Sequence[int] = ()) -> None:
         """Compile the kernels of the steps :meth:`warmup` captures for these arguments, without
         capturing: one shapes-only pass in which every kernel compiles concurrently. Inside a caller's
-        :func:`~snac_fast.compiling.compiling_concurrently` block they join that block's compiles
-        (:func:`snac_fast.warmup.warmup` compiles the decode shapes and the steps in one pass)."""
+        :func:`~snac_fast.runtime.compiling.compiling_concurrently` block they join that block's compiles
+        (:func:`snac_fast.runtime.warmup.warmup` compiles the decode shapes and the steps in one pass)."""
         if not self.cuda_graphs:
             return
         shapes = self._warmup_shapes(max_batch, frames)

@@ -14,7 +14,7 @@ def test_half_local_mha_matches_float64_upstream(dtype, batch, windows):
 
     from snac.attention import LocalMHA
 
-    from snac_fast.local_attention import HalfLocalMHA
+    from snac_fast.model.local_attention import HalfLocalMHA
 
     torch.manual_seed(batch * 10 + windows)
     upstream = LocalMHA(dim=128, window_size=32, dim_head=64)

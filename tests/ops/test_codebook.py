@@ -19,8 +19,8 @@ from snac_fast.ops.conv_tanh import (
     conv_tanh,
     conv_tanh_reference,
 )
-from snac_fast.surgery import fold_weight_norm
-from snac_fast.synthetic import synthetic_model
+from snac_fast.model.surgery import fold_weight_norm
+from snac_fast.model.synthetic import synthetic_model
 
 TOLERANCE = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}  # of the largest |output|
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from helpers import DTYPES, UPSAMPLERS, channels_last, close, d, log_uniform_alpha
 
-from snac_fast.modules import FusedConvTranspose1d
+from snac_fast.model.modules import FusedConvTranspose1d
 from snac_fast.ops.conv_transpose import (
     conv_transpose,
     conv_transpose_reference,
@@ -119,9 +119,9 @@ def test_cpu_stream_through_the_phase_conv_equals_the_whole_decode():
 import torch
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.ops import conv_transpose
 from snac_fast.orpheus import ORPHEUS
-from snac_fast.synthetic import synthetic_model
 calls = []
 phases = conv_transpose.conv_transpose_phases
 conv_transpose.conv_transpose_phases = lambda *a: calls.append(1) or phases(*a)

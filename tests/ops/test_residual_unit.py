@@ -133,7 +133,7 @@ def test_gpu_fused_unit_module_takes_the_kernel(cuda, dilation, monkeypatch):
     channels-last snake a block's last unit writes."""
     if not _hopper_gluon():
         pytest.fail("the Gluon unit needs an sm_90 GPU and Triton with Gluon")
-    from snac_fast.modules import FastSnake1d
+    from snac_fast.model.modules import FastSnake1d
 
     unit = upstream_unit(64, dilation, seed=dilation)
     fused = fused_copy(unit).half().to(cuda)

@@ -21,11 +21,11 @@ from live_server import LiveServer, serving
 
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.lm.client import ORPHEUS_PROMPT, LMClient, LMOutputError
 from snac_fast.serve.lm.fake import FakeLM
-from snac_fast.synthetic import synthetic_model
 
 RATE = 24000
 
@@ -55,7 +55,7 @@ def lm_client(**options) -> LMClient:
 
 def _engine_checkpoint(tmp_path) -> tuple[str, dict]:
     """A seeded 24 kHz checkpoint (narrow) for an engine process, and its model options (CPU)."""
-    from snac_fast.synthetic import make_checkpoint
+    from snac_fast.model.synthetic import make_checkpoint
 
     return str(make_checkpoint(tmp_path / "model", "snac_24khz", **NARROW)), {"fuse": False, "accelerate_encoder": False}
 

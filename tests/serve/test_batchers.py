@@ -14,11 +14,11 @@ from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
-from snac_fast.noise import decode_with_keyed_noise
+from snac_fast.model.noise import decode_with_keyed_noise
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.serve import AsyncStreamBatcher, PCMBlock, StreamBatcher
 from snac_fast.streaming import StreamEngine
-from snac_fast.synthetic import synthetic_model
 
 NAME = "snac_24khz"
 CONFIG = published_config(NAME)

@@ -15,12 +15,12 @@ from snac_fast import FastSNAC
 from snac_fast.batching.pcm import PCMBlock
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
-from snac_fast.noise import decode_with_keyed_noise
+from snac_fast.model.noise import decode_with_keyed_noise
+from snac_fast.model.synthetic import make_checkpoint
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.serve import EngineClient, EngineProcess, ServeSettings
 from snac_fast.serve.engine.batcher import EngineBatcher, Front, PushBlock, RowChunk
 from snac_fast.serve.engine.wire import OPS, audio_message, push_message, read_audio
-from snac_fast.synthetic import make_checkpoint
 
 OPTIONS = {"fuse": False, "accelerate_encoder": False}
 

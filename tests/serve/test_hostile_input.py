@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from live_server import serving
 
 from snac_fast import FastSNAC
-from snac_fast.synthetic import synthetic_model
+from snac_fast.model.synthetic import synthetic_model
 
 BOUND_S = 30.0  # every answer, audio or error, within this
 FIELDS = ["input", "voice", "model", "response_format", "speed", "instructions", "stream_format", "sample_rate",

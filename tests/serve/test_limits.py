@@ -12,7 +12,7 @@ from helpers import NARROW
 from live_server import serving
 
 from snac_fast import FastSNAC
-from snac_fast.synthetic import synthetic_model
+from snac_fast.model.synthetic import synthetic_model
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from live_server import serving
 
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.serve.lm.segments import split_text
-from snac_fast.synthetic import synthetic_model
 
 TEXT = ("The first sentence is here. A second one follows it closely! Does a third ask a question? "
         "And the fourth ends the text.")

@@ -11,7 +11,7 @@ from browser import chromium
 from live_server import serving
 
 from snac_fast import FastSNAC
-from snac_fast.synthetic import synthetic_model
+from snac_fast.model.synthetic import synthetic_model
 
 FRAME_S = 2048 / 24000
 

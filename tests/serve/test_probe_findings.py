@@ -16,10 +16,10 @@ from helpers import NARROW
 from live_server import LiveServer
 
 from snac_fast import FastSNAC
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.access.limits import uvicorn_options
-from snac_fast.synthetic import synthetic_model
 
 PASSWORD = "s3cret-lm-password"
 KEY = "server-key"

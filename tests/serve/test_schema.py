@@ -19,8 +19,8 @@ from schemathesis.specs.openapi.checks import (
 )
 
 from snac_fast import FastSNAC
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.serve.routes.schema import openapi_document
-from snac_fast.synthetic import synthetic_model
 
 KEY = "fuzz-key"
 CHECKS = [schemathesis.checks.not_a_server_error, status_code_conformance, content_type_conformance,

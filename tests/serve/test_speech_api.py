@@ -19,11 +19,11 @@ from helpers import NARROW, random_codes
 from live_server import LiveServer, serving
 
 from snac_fast import FastSNAC
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.lm.fake import FakeLM
 from snac_fast.serve.routes.protocol import ORPHEUS_VOICES
 from snac_fast.serve.services.formats import FORMATS, StreamEncoder, Tempo, int16_samples
-from snac_fast.synthetic import synthetic_model
 
 RATE = 24000
 # lossy formats against the int16 PCM: the long-term spectrum's bands below 8 kHz within this many

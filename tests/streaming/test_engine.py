@@ -16,12 +16,12 @@ from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 from snac_fast import FastSNAC
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
-from snac_fast.noise import decode_with_keyed_noise
+from snac_fast.model.noise import decode_with_keyed_noise
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.orpheus import ORPHEUS
 from snac_fast.streaming import DecoderStream, StreamEngine
 from snac_fast.streaming.lookahead import FP16_LOOKAHEAD
 from snac_fast.streaming.shapes import bucket_rows, warmup_buckets
-from snac_fast.synthetic import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
 
@@ -621,7 +621,7 @@ def test_gpu_codec_warmup_compiles_in_one_pass_then_captures_every_step(cuda, no
     (the same pool) as the decode shapes' (in two passes, the first one's last compiles left most
     cores idle), then every step graph up to N streams is captured, so serving 3 streams captures
     nothing more and still equals the decode."""
-    import snac_fast.compiling as compiling
+    import snac_fast.runtime.compiling as compiling
     from snac_fast.streaming import StreamEngine
 
     pools, seen = [], []
@@ -648,7 +648,7 @@ def test_gpu_codec_warmup_pass_compiles_every_variant_its_captures_launch(cuda):
     Triton compile after the pass reaches the post-compile hook, whose calls are counted."""
     script = (
         "import torch, triton\n"
-        "import snac_fast.warmup as warmup\n"
+        "import snac_fast.runtime.warmup as warmup\n"
         "from snac_fast import FastSNAC\n"
         f"fast = FastSNAC.from_pretrained('synthetic:snac_24khz', device='{cuda}')\n"
         "late, compile_kernels = [], warmup.compile_kernels\n"

@@ -10,10 +10,10 @@ from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 
 from snac_fast import FastSNAC
 from snac_fast.configs import published_config
-from snac_fast.noise import decode_with_keyed_noise
+from snac_fast.model.noise import decode_with_keyed_noise
+from snac_fast.model.synthetic import synthetic_model
 from snac_fast.ops.noise import keyed_normal, keyed_normal_at
 from snac_fast.streaming import StreamEngine
-from snac_fast.synthetic import synthetic_model
 
 MODELS = ["snac_24khz", "snac_32khz", "snac_44khz"]
 

@@ -12,7 +12,7 @@ import asyncio
 
 import numpy as np
 
-from snac_fast.noise import check_seed
+from snac_fast.model.noise import check_seed
 from snac_fast.serve.access.limits import MessageRate, TooManyStreams, client_of
 from snac_fast.serve.engine.client import EngineLostError
 from snac_fast.serve.routes.protocol import json_or_none

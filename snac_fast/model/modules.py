@@ -494,7 +494,7 @@ def _upstream_quantizer():
 class FusedResidualVectorQuantize(_upstream_quantizer()):
     """Upstream's residual quantizer whose ``from_codes`` (codes -> latent, about five launches per
     level) is one kernel (:func:`snac_fast.ops.codebook.codes_to_latent`), and whose encoding
-    (``forward``), once :func:`snac_fast.surgery.fuse_encoder` set ``fused_encode``, runs in float32
+    (``forward``), once :func:`snac_fast.model.surgery.fuse_encoder` set ``fused_encode``, runs in float32
     whatever the model's dtype (:func:`snac_fast.ops.codebook.quantize`). Same submodules and parameters."""
 
     replaces = ("from_codes", "forward")

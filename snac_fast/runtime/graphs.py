@@ -32,9 +32,9 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.codes import check_code_ids
-from snac_fast.compiling import compiling_concurrently
-from snac_fast.noise import draw, keyed_noise, patched_noise
+from snac_fast.model.noise import draw, keyed_noise, patched_noise
 from snac_fast.ops.device import cuda_index, device_scope
+from snac_fast.runtime.compiling import compiling_concurrently
 
 
 @dataclass
@@ -162,7 +162,7 @@ class GraphedDecode(GraphCache):
             return self._capture_here(codes, noise_kind)
 
     def compile_kernels(self, codes: list[Tensor], noise_kind: str = KEYED) -> None:
-        """Inside :func:`~snac_fast.compiling.compiling_concurrently`: launch (compile only) the
+        """Inside :func:`~snac_fast.runtime.compiling.compiling_concurrently`: launch (compile only) the
         kernels that capturing a graph for these codes and noise kind launches, with the same
         static inputs, id flag and noise (a decode of separate code tensors without them launched
         other variants: aligned pointers, no flag, no keyed noise). Nothing is captured or cached."""

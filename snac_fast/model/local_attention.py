@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from snac_fast.modules import SnakeOut
+from snac_fast.model.modules import SnakeOut
 
 if TYPE_CHECKING:
-    from snac_fast.modules import FusedConvTranspose1d
+    from snac_fast.model.modules import FusedConvTranspose1d
 
 
 def upstream_attention():

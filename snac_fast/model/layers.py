@@ -31,7 +31,7 @@ def kind_of(layer: nn.Module) -> Kind:
     from snac.attention import LocalMHA
     from snac.layers import DecoderBlock, EncoderBlock, NoiseBlock, ResidualUnit, Snake1d
 
-    from snac_fast.modules import FastSnake1d
+    from snac_fast.model.modules import FastSnake1d
 
     for types, kind in ((LocalMHA, Kind.ATTENTION), ((DecoderBlock, EncoderBlock, nn.Sequential), Kind.BLOCK),
                         (ResidualUnit, Kind.RESIDUAL), (nn.ConvTranspose1d, Kind.TRANSPOSED), (nn.Conv1d, Kind.CONV),
@@ -49,7 +49,7 @@ def children_of(layer: nn.Module) -> list[nn.Module]:
 
 def is_absorbed(layer: nn.Module) -> bool:
     """Whether ``layer``'s computation runs inside another layer's kernel (its forward is identity:
-    :class:`snac_fast.modules.Absorbed`); its parameters stay."""
+    :class:`snac_fast.model.modules.Absorbed`); its parameters stay."""
     return bool(getattr(layer, "absorbed_by", ""))
 
 

@@ -1,7 +1,7 @@
 """Cold start: compile every Triton kernel a server will launch before the first request.
 
 :func:`compile_kernels` runs the decodes of the given shapes (and a stream engine's steps) once
-under :func:`snac_fast.compiling.compiling_concurrently`, so their kernel variants compile
+under :func:`snac_fast.runtime.compiling.compiling_concurrently`, so their kernel variants compile
 concurrently (on a thread pool) instead of one by one at their first launch; the compiled kernels land in
 Triton's persistent cache (``TRITON_CACHE_DIR``, default ``~/.triton/cache``), which a container
 build can bake. :func:`warmup` then runs real decodes of those shapes (CUDA graph captures,
@@ -29,9 +29,9 @@ from typing import Sequence
 
 import torch
 
-from snac_fast.compiling import compiling_concurrently
-from snac_fast.graphs import KEYED
 from snac_fast.ops.device import device_scope
+from snac_fast.runtime.compiling import compiling_concurrently
+from snac_fast.runtime.graphs import KEYED
 
 
 def compile_kernels(codec, shapes: Sequence[tuple[int, int]], workers: int | None = None, engine=None,

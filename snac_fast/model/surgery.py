@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from snac_fast.local_attention import HalfLocalMHA, upstream_attention
-from snac_fast.modules import (
+from snac_fast.model.local_attention import HalfLocalMHA, upstream_attention
+from snac_fast.model.modules import (
     Absorbed,
     DepthwiseConv1d,
     DepthwisePointwiseConv1d,
@@ -109,7 +109,7 @@ def keep_attention_float32(model: nn.Module, dtype: torch.dtype) -> list[str]:
     scale, so they become float32 while v stays half and scaled_dot_product_attention refuses the
     mix. This is how upstream baselines run in half (the fidelity check's plain upstream, the
     benchmarks' folded peer) and what ``accelerate(fuse=False)`` does; fused half models run
-    :class:`~snac_fast.local_attention.HalfLocalMHA` instead (20-37% faster 32 kHz decodes and encodes,
+    :class:`~snac_fast.model.local_attention.HalfLocalMHA` instead (20-37% faster 32 kHz decodes and encodes,
     `attention_ab_h100.md` (3f9392a)).
     """
     from snac.attention import LocalMHA
@@ -290,7 +290,7 @@ def accelerate(
     ``fold_weights=False``, fuses the decoder (:func:`fuse_decoder`) and, with ``encoder``, the
     encoder (:func:`fuse_encoder`) unless ``fuse=False`` (needs folded weights), then moves the model
     to ``device``/``dtype`` when given. In float16 and bfloat16 the 32/44 kHz attention becomes
-    :class:`~snac_fast.local_attention.HalfLocalMHA` (fused models) or stays float32 (``fuse=False``, see
+    :class:`~snac_fast.model.local_attention.HalfLocalMHA` (fused models) or stays float32 (``fuse=False``, see
     :func:`keep_attention_float32`).
     Raises ValueError when the model is not a SNAC or its Snake1d count is not the architecture's.
     """

@@ -1,5 +1,5 @@
 """Find, read and check SNAC checkpoints: hub ids (through huggingface_hub), local folders, and
-``synthetic:<model>`` (seeded weights built in memory, see :mod:`snac_fast.synthetic`)."""
+``synthetic:<model>`` (seeded weights built in memory, see :mod:`snac_fast.model.synthetic`)."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def _from_hub(repo_id: str, revision: str | None, cache_dir: str | None, local_f
 
 def _synthetic(name: str) -> Checkpoint:
     from snac_fast.configs import published_config
-    from snac_fast.synthetic import SYNTHETIC_PREFIX, synthetic_model
+    from snac_fast.model.synthetic import SYNTHETIC_PREFIX, synthetic_model
 
     model = name[len(SYNTHETIC_PREFIX):]
     try:
@@ -158,7 +158,7 @@ def resolve_checkpoint(
     token: str | bool | None = None,
 ) -> Checkpoint:
     """Locate a checkpoint: ``synthetic:<model>``, a local folder, else a hub repo id."""
-    from snac_fast.synthetic import SYNTHETIC_PREFIX
+    from snac_fast.model.synthetic import SYNTHETIC_PREFIX
 
     name = os.fspath(name_or_path)
     if name.startswith(SYNTHETIC_PREFIX):
