@@ -35,7 +35,7 @@ def one(budget: float, max_streams: int, max_batch: int, streams: int, rounds: i
     import torch
 
     from snac_fast import FastSNAC
-    from snac_fast.runtime.gpu_memory import fit_max_batch, memory_readings
+    from snac_fast.serve.engine.gpu_memory import fit_max_batch, memory_readings
 
     codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
     engine = codec.shared_stream_engine(max_streams=max_streams)

@@ -9,7 +9,7 @@ import types
 import pytest
 import torch
 
-from snac_fast.runtime.gpu_memory import GB, WARMUP_FACTOR, choose_max_batch, memory_readings, process_bytes
+from snac_fast.serve.engine.gpu_memory import GB, WARMUP_FACTOR, choose_max_batch, memory_readings, process_bytes
 from snac_fast.serve import ServeSettings
 from snac_fast.streaming.shapes import warmup_buckets
 
@@ -87,7 +87,7 @@ def test_the_readme_recipe_reserves_what_it_serves_with():
 _BUDGET_CHECK = """
 import json, torch
 from snac_fast import FastSNAC
-from snac_fast.runtime.gpu_memory import GB, context_bytes, fit_max_batch
+from snac_fast.serve.engine.gpu_memory import GB, context_bytes, fit_max_batch
 
 codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
 engine = codec.stream_engine(1024)

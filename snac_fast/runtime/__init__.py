@@ -1,3 +1,2 @@
 """Running the model fast: ``compiling`` (Triton kernels compiled ahead, concurrently), ``warmup``
-(the cold start), ``graphs`` (CUDA graphs of whole decodes), ``gpu_memory`` (what a serving process
-holds, and the budget beside an LM)."""
+(the cold start), ``graphs`` (CUDA graphs of whole decodes)."""

@@ -31,7 +31,7 @@ class Health:
     status: str  # "ok", "engine_lost" or "engine_failing"
     slots_in_use: int  # of every worker, where an engine process serves several
     error: str | None = None  # the last engine failure, when failing
-    memory: dict | None = None  # the engine's GPU memory in bytes (snac_fast.runtime.gpu_memory.memory_readings)
+    memory: dict | None = None  # the engine's GPU memory in bytes (snac_fast.serve.engine.gpu_memory.memory_readings)
 
 
 class Backend(Protocol):
@@ -76,7 +76,7 @@ class InProcessBackend:
     def __init__(self, codec, settings: EngineSettings, layout: TokenLayout) -> None:
         layout.check_model(codec.config)
         from snac_fast.batching.batchers import AsyncStreamBatcher
-        from snac_fast.runtime.gpu_memory import memory_readings
+        from snac_fast.serve.engine.gpu_memory import memory_readings
 
         self.memory_readings = memory_readings
         sys.setswitchinterval(SWITCH_INTERVAL_S)

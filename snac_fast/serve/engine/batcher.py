@@ -14,7 +14,7 @@ from snac_fast.batching.defaults import LIBRARY_MAX_WAIT_MS
 from snac_fast.batching.drivers import LoopDriver, ThreadDriver
 from snac_fast.batching.pcm import PCMBlock
 from snac_fast.batching.rounds import BatchRounds, Request, streams_done
-from snac_fast.runtime.gpu_memory import memory_readings
+from snac_fast.serve.engine.gpu_memory import memory_readings
 from snac_fast.serve.engine.wire import PUSH, TAG, error_item, read_pushes
 from snac_fast.streaming import StreamEngine
 

@@ -281,7 +281,7 @@ def ready_engine(codec, settings: EngineSettings, cpu_threads: int) -> tuple[Any
     engine = codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams)
     if codec.device.type == "cuda":
         if settings.gpu_memory_gb:
-            from snac_fast.runtime.gpu_memory import GB, fit_max_batch
+            from snac_fast.serve.engine.gpu_memory import GB, fit_max_batch
 
             fitted, figures = fit_max_batch(engine, int(settings.gpu_memory_gb * GB), settings.warmup_streams)
             if fitted < settings.warmup_streams:
