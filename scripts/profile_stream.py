@@ -96,10 +96,10 @@ def main() -> None:
         lv = graph.static_views[1:]
         saved = [t.clone() for t in engine.state]
         with torch.inference_mode():
-            engine._forward(STEP, keys, lv, g)
+            engine.forward(STEP, keys, lv, g)
             torch.cuda.synchronize()
             with profile(activities=activities, record_shapes=args.timeline) as prof:
-                engine._forward(STEP, keys, lv, g)
+                engine.forward(STEP, keys, lv, g)
                 torch.cuda.synchronize()
         for t, s in zip(engine.state, saved):
             t.copy_(s)

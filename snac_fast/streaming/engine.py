@@ -70,7 +70,7 @@ class _StepBatch:
     started: bool
 
 
-class StreamEngine(LookaheadGeometry, StepShapes, StageForward):
+class StreamEngine(LookaheadGeometry, StepShapes):
     """Stateful streaming decode for many streams at once (one state row per stream) of a SNAC
     ``model`` (snac-fast's tree after surgery, or upstream's) with its ``config``, on ``device`` in
     ``dtype`` (the model's). Build it with :meth:`snac_fast.FastSNAC.stream_engine`.
@@ -134,6 +134,8 @@ class StreamEngine(LookaheadGeometry, StepShapes, StageForward):
             with torch.inference_mode(False):
                 self.state = [torch.zeros((max_streams + 1, s.channels, s.context), device=self.device, dtype=self.dtype)
                               for s in self.geometry.stages]
+        # the step itself (what the step graphs capture), a part that owns its launch choices
+        self.forward = StageForward(model, self.geometry, self.state, self._layered, self._tail_keep)
         self._free = list(range(max_streams - 1, -1, -1))
         self._pending = PendingCodes(max_streams, self.ratios)
         # per slot, the key rows of a step (frames consumed, seed, row): one gather for all three
@@ -149,9 +151,6 @@ class StreamEngine(LookaheadGeometry, StepShapes, StageForward):
         self.cuda_graphs = cuda_graphs
         self.max_graphs = max_graphs
         self._graphs: dict[tuple, StepGraph] = {}
-        # per batch bucket, the one-frame step's launch choices, which that bucket's prefills and
-        # flushes reuse (ops.launch.launches_as_recorded): no kernel variants of their own to compile
-        self._launches: dict[int, dict] = {}
         # after a warm-up: the step shapes (STEP, bucket, frames) warmed. A step of more frames than
         # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
         # audio of a server's first streams for 85-250 ms (docs/http_server.md)
@@ -480,5 +479,5 @@ class StreamEngine(LookaheadGeometry, StepShapes, StageForward):
                     graph = self._graphs[key] = self._step_graph(kind, keys, padded, frames)
             # rows past n keep earlier calls' codes: valid codes, decoded into the scratch slot
             return graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
-        return self._forward(kind, torch.from_numpy(keys).to(self.device),
+        return self.forward(kind, torch.from_numpy(keys).to(self.device),
                              [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]

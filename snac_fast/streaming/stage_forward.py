@@ -4,21 +4,16 @@ receptive field lay inside that buffer (the package docstring of :mod:`snac_fast
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Callable
 
-import numpy as np
-import torch
 from torch import Tensor
 
 from snac_fast.model.noise import patched_noise
 from snac_fast.ops.context import context_step
-from snac_fast.ops.device import cuda_index
 from snac_fast.ops.launch import launches_as_recorded, tiles_as_for_fewer_rows
 from snac_fast.ops.noise import keyed_normal
 from snac_fast.streaming.shapes import CODELESS, PREFILL, STEP, TAIL
-from snac_fast.streaming.step_graph import NoiseCall, StepGraph
+from snac_fast.streaming.step_graph import NoiseCall
 
 # steps of up to this many rows take the 1-row step's tiles: warming 256 streams compiles fewer kernel
 # variants for 8-30% more GPU time at 2-8 rows (docs/batching.md, docs/measurements.md)
@@ -26,36 +21,24 @@ ONE_ROW_TILES_UP_TO = 8
 
 
 class StageForward:
-    """The :class:`~snac_fast.streaming.StreamEngine`'s step itself (a part of the engine: it reads
-    the engine's model, geometry and state)."""
+    """A stream engine's step itself: ``model``'s decoder cut into ``geometry``'s stages over the
+    per-slot ``state`` (or, with ``layered``, the per-layer states of a CPU's exact streams). Calling
+    it runs one batched step on device tensors; it keeps, per row count, the kernel launches the
+    one-group step recorded (which the other steps of that many rows reuse)."""
 
-    def _step_graph(self, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
-                    compiled: bool = False) -> StepGraph:
-        return StepGraph(self._forward, self.draw_noise, self.state, self._pool, self._capture_streams(), kind, keys,
-                         codes, frames, compiled)
+    def __init__(self, model, geometry, state: list[Tensor], layered=None, tail_keep: list[int] | None = None) -> None:
+        self.model, self.geometry, self.state, self.layered, self.tail_keep = model, geometry, state, layered, tail_keep
+        self.launches: dict[int, dict] = {}
 
-    def _capture_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-        """The engine's (capture, side) CUDA streams, made at the first use."""
-        if self._graph_streams is None:
-            self._graph_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
-        return self._graph_streams
-
-    @contextlib.contextmanager
-    def _in_graph_pool(self) -> Iterator[None]:
-        """This thread's allocations from the step graphs' pool, on their capture stream (the caching
-        allocator reuses a freed block only on the stream that allocated it)."""
-        with torch.cuda.stream(self._capture_streams()[0]), torch.cuda.use_mem_pool(self._pool, cuda_index(self.device)):
-            yield
-
-    def _forward(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
+    def __call__(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
                  noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:
         """The step itself, on device tensors only (what a CUDA graph captures). keys: int64
         [4, B] (state slot, frames consumed, seed, row); codes: per level [B, L_i] (not for flush).
         noise_for: where NoiseBlocks get their noise (default: :meth:`draw_noise`)."""
         rows = keys.shape[1]
-        recording = kind == STEP and frames == self.frames_per_group
+        recording = kind == STEP and frames == self.geometry.group
         with tiles_as_for_fewer_rows(rows if rows <= ONE_ROW_TILES_UP_TO else 1), \
-                launches_as_recorded(self._launches.setdefault(rows, {}), recording):
+                launches_as_recorded(self.launches.setdefault(rows, {}), recording):
             return self._forward_rows(kind, keys, codes, frames, noise_for)
 
     def _forward_rows(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
@@ -63,8 +46,8 @@ class StageForward:
         geo = self.geometry
         slots = keys[0]
         new = self.model.quantizer.from_codes(codes) if kind not in CODELESS else None
-        if self._layered is not None:
-            return self._layered.forward(kind, keys, new)
+        if self.layered is not None:
+            return self.layered.forward(kind, keys, new)
         offsets: dict[int, tuple[int, int]] = {}  # NoiseBlock index -> (samples per frame, start)
         noise_for = noise_for or (lambda call: self.draw_noise(keys, call))
 
@@ -94,7 +77,7 @@ class StageForward:
                 s = stage.upsample
                 x = x[:, :, valid[0] * s:valid[1] * s]
                 if kind == TAIL:
-                    x = x[:, :, :self._tail_keep[l]]
+                    x = x[:, :, :self.tail_keep[l]]
                 for layer in stage.post:
                     x = layer(x.contiguous())
                 new = x

@@ -4,12 +4,12 @@ and captures every CUDA graph a server's steps will need, before the first strea
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
 
-from snac_fast.ops.device import device_scope
+from snac_fast.ops.device import cuda_index, device_scope
 from snac_fast.runtime.compiling import compiling_concurrently
 from snac_fast.streaming.shapes import (
     CODELESS,
@@ -20,13 +20,34 @@ from snac_fast.streaming.shapes import (
     joined_audio,
     warmup_buckets,
 )
+from snac_fast.streaming.stage_forward import StageForward
+from snac_fast.streaming.step_graph import StepGraph
 
 POOL_ROUNDING = 2 << 20  # the caching allocator's large segments are whole 2 MiB pages
 POOL_SLACK = 1.1  # room for the graphs' outputs, which stay allocated in the pool
 
 
 class StepShapes:
-    """The :class:`~snac_fast.streaming.StreamEngine`'s step sizes and warm-up (a part of the engine)."""
+    """The :class:`~snac_fast.streaming.StreamEngine`'s step sizes, step graphs and warm-up (a part
+    of the engine)."""
+
+    def _step_graph(self, kind: str, keys: np.ndarray, codes: list[np.ndarray], frames: int,
+                    compiled: bool = False) -> StepGraph:
+        return StepGraph(self.forward, StageForward.draw_noise, self.state, self._pool, self._capture_streams(), kind,
+                         keys, codes, frames, compiled)
+
+    def _capture_streams(self) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+        """The engine's (capture, side) CUDA streams, made at the first use."""
+        if self._graph_streams is None:
+            self._graph_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device))
+        return self._graph_streams
+
+    @contextlib.contextmanager
+    def _in_graph_pool(self) -> Iterator[None]:
+        """This thread's allocations from the step graphs' pool, on their capture stream (the caching
+        allocator reuses a freed block only on the stream that allocated it)."""
+        with torch.cuda.stream(self._capture_streams()[0]), torch.cuda.use_mem_pool(self._pool, cuda_index(self.device)):
+            yield
 
     def warmup(self, max_batch: int | None = None, frames: Sequence[int] = (), compiled: bool = False) -> int:
         """Capture the CUDA graphs (and compile the kernels) of every step a server will run, so
@@ -101,7 +122,7 @@ class StepShapes:
         the graphs' pool, once reserved: the pass needs no reserve of its own."""
         with self._in_graph_pool() if self._pool_reserved else contextlib.nullcontext(), compiling_concurrently():
             for (kind, bucket, k), (keys, codes) in inputs.items():
-                self._forward(kind, torch.from_numpy(keys).to(self.device),
+                self.forward(kind, torch.from_numpy(keys).to(self.device),
                               [torch.from_numpy(c).to(self.device) for c in codes], k)
 
     def intermediates(self, rows: int) -> int:
