@@ -52,12 +52,12 @@ class StreamSlot:
     @property
     def frames(self) -> int:
         """Frames decoded so far (prefill and steps)."""
-        return int(self.engine._consumed[self.slot])
+        return self.engine.frames_decoded(self.slot)
 
     @property
     def pending_frames(self) -> int:
         """Frames pushed but not decoded yet."""
-        return self.engine._pending.held(self.slot)
+        return self.engine.frames_pending(self.slot)
 
 
 @dataclass
@@ -284,6 +284,14 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             self._pending.put_rows(slots, levels, frames)
             pieces = self._decode_pending(list(streams), [])
         return joined_audio([pieces[s] for s in streams])
+
+    def frames_decoded(self, slot: int) -> int:
+        """Frames the stream in state row ``slot`` has decoded (prefill and steps)."""
+        return int(self._consumed[slot])
+
+    def frames_pending(self, slot: int) -> int:
+        """Frames pushed to the stream in ``slot`` and not decoded yet."""
+        return self._pending.held(slot)
 
     def check_codes(self, codes: Sequence[Tensor]) -> CheckedCodes:
         """One stream's codes for k >= 1 new frames, checked on the host before any kernel runs
