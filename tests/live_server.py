@@ -37,8 +37,10 @@ class LiveServer:
 
 
 @contextlib.contextmanager
-def serving(codec, tls: dict | None = None, **options):
-    lm = FakeLM(split_tokens=True)
+def serving(codec, tls: dict | None = None, lm_options: dict | None = None, **options):
+    """A live server of ``codec`` with ``options`` (ServeSettings' names) before a FakeLM of
+    ``lm_options``: yields (server, fake LM, the app's SpeechServer)."""
+    lm = FakeLM(split_tokens=True, **(lm_options or {}))
     with LiveServer(lm.app) as lm_server:
         config = ServeSettings.of(lm_url=lm_server.url + "/v1", lm_model="orpheus", **options)
         app = create_app(codec, config)

@@ -138,7 +138,8 @@ def test_a_model_flag_that_disagrees_with_the_file_is_refused_unless_forced(tmp_
     (lambda d: ["encode-dataset", d, d / "out", "--device", "banana"], ["--device must be"]),
     (lambda d: ["serve", "--port", "99999"], ["--port must be 1-65535"]),
     (lambda d: ["serve", "--device", "banana"], ["--device must be"]),
-    (lambda d: ["serve", "--voice", "alloy"], ["--voice 'alloy' is not one of --voices"]),
+    (lambda d: ["serve", "--voice", "alloy", "--lm-preset", "orpheus"], ["--voice 'alloy' is not one of the orpheus preset"]),
+    (lambda d: ["serve", "--voice", "alloy", "--voices", "tara,leo"], ["--voice 'alloy' is not one of --voices"]),
     (lambda d: ["serve", "--api-key", " "], ["--api-key must not be empty"]),
 ])
 def test_bad_input_exits_2_with_one_line(tmp_path, make_args, fragments):
@@ -152,10 +153,13 @@ def test_version_and_serve_help_with_its_defaults():
     version = cli("--version")
     assert version.returncode == 0 and version.stdout.strip() == f"snac-fast {__version__}"
     serve_help = " ".join(cli("serve", "--help").stdout.split())  # argparse wraps lines at the terminal's width
-    for flag, default in (("--port", "8880"), ("--max-batch", "256"), ("--idle-timeout", "60.0"), ("--voice", "tara"),
-                          ("--lookahead", "exact"), ("--max-input-chars", "20000")):
+    for flag, default in (("--port", "8880"), ("--max-batch", "256"), ("--idle-timeout", "60.0"),
+                          ("--voice", "the preset's"), ("--lookahead", "exact"), ("--max-input-chars", "20000")):
         assert flag in serve_help and f"(default: {default})" in serve_help, flag
     assert "SNAC_FAST_API_KEY" in serve_help
+    from snac_fast.serve.lm.presets import PRESETS  # every preset named in --lm-preset's help
+
+    assert all(name in serve_help for name in PRESETS) and "--lm-preset" in serve_help
 
 
 @pytest.mark.heavy

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 
@@ -26,6 +27,7 @@ from snac_fast.serve.access.auth import DOCS_PREFIX, BearerKey, OriginCheck
 from snac_fast.serve.access.limits import BodyLimit, StreamOwners
 from snac_fast.serve.engine.backend import Backend, EngineProcessBackend, InProcessBackend
 from snac_fast.serve.lm.client import LMClient, redacted_url
+from snac_fast.serve.lm.presets import choose_preset
 from snac_fast.serve.metrics import ServeMetrics
 from snac_fast.serve.routes.elevenlabs_speech import text_to_speech
 from snac_fast.serve.routes.ids_stream import stream_ids
@@ -38,6 +40,7 @@ from snac_fast.serve.routes.text_stream import stream_input
 from snac_fast.serve.services.formats import FORMATS, StreamEncoder, pcm_bytes
 from snac_fast.serve.settings import ServeSettings
 
+log = logging.getLogger("snac_fast.serve")
 DRAIN_S = 30.0  # a graceful shutdown waits this long for open streams to end
 LM_PROBE_S = 2.0  # /health and /ready ask the LM at most this often
 
@@ -52,7 +55,21 @@ class SpeechServer:
         self.draining = False
         self.owners = StreamOwners(settings.http.max_streams_per_key)
         self.lm = LMClient(settings.lm, settings.layout, settings.engine.max_streams)
+        self.voices = settings.lm.voices_of(self.lm.preset)  # the preset found at start-up replaces the named one
         self._lm_state: tuple[float, str, str | None] = (-LM_PROBE_S, "not_configured", None)
+
+    async def find_preset(self) -> None:
+        """The LM's preset (:func:`~snac_fast.serve.lm.presets.choose_preset`): ``--lm-preset``, else
+        the one its model name matches; said in the log. ValueError when ``--voice`` is not one of
+        its voices."""
+        named = self.settings.lm.lm_preset
+        if named is None and self.settings.lm.lm_url is None:
+            return  # no LM to ask: the Orpheus preset, as named in the settings
+        model = None if named is not None else await self.lm.model_name()
+        preset, why = choose_preset(model, named)
+        self.settings.lm.check_voice(preset)
+        self.lm.preset, self.voices = preset, self.settings.lm.voices_of(preset)
+        log.info("LM preset %s (%s): %s", preset.name, preset.title, why)
 
     async def lm_state(self) -> tuple[str, str | None]:
         """Whether the LM answers (:meth:`LMClient.probe`), asked at most every :data:`LM_PROBE_S`."""
@@ -93,6 +110,7 @@ class SpeechServer:
         (:meth:`LMClient.warm_up`), a streaming response, and one silent stream through this
         worker's decode path (open, pushes of one frame of ids, flush). Otherwise the first
         requests pay for that first-time work (docs/http_server.md)."""
+        await self.find_preset()
         await self.lm.warm_up()
         from starlette.responses import StreamingResponse
 
@@ -172,7 +190,7 @@ async def ready(request):
 async def voices(request):
     from starlette.responses import JSONResponse
 
-    return JSONResponse(voices_list(request.app.state.server.settings.lm.voice_names))
+    return JSONResponse(voices_list(request.app.state.server.voices.listing()))
 
 
 async def models(request):

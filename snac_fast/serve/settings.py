@@ -21,6 +21,7 @@ from snac_fast import options
 from snac_fast.batching.defaults import SERVER_MAX_BATCH, SERVER_MAX_WAIT_MS
 from snac_fast.configs import DEFAULT_MODEL
 from snac_fast.options import option, part
+from snac_fast.serve.lm.presets import PRESETS, Preset, Voices
 
 if TYPE_CHECKING:
     from snac_fast.orpheus import TokenLayout
@@ -125,19 +126,23 @@ class EngineSettings:
 
 @dataclass
 class LMSettings:
-    """The language model behind an OpenAI-compatible completions API: where, how it samples,
-    which voices requests may name, how long text is cut for it."""
+    """The language model behind an OpenAI-compatible completions API: where, which family of
+    model (its prompt, voices, stop and sampling: :mod:`snac_fast.serve.lm.presets`), how it
+    samples where the preset's defaults are overridden, how long text is cut for it."""
 
     lm_url: str | None = option(None, "the LM server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
     lm_model: str | None = option(None, "model name of the LM's completions requests (default: the request's "
                                   "'model')")
-    voice: str = option("tara", "voice when a request names none")
-    voices: str = option("tara,leah,jess,leo,dan,mia,zac,zoe", "the voices requests may name (comma-separated; "
-                         "GET /v1/audio/voices lists them): the Orpheus fine-tunes'")
-    max_tokens: int = option(4096, "most tokens an LM request may generate")
-    temperature: float = option(0.6, "the LM's sampling temperature")
-    top_p: float = option(0.8, "the LM's nucleus sampling")
-    repetition_penalty: float = option(1.3, "the LM's repetition penalty")
+    lm_preset: str | None = option(None, "the LM's family, which sets its prompt, voices, stop and sampling (default: "
+                                   "found from the model name GET {lm_url}/models reports; Orpheus's when none "
+                                   f"matches): {', '.join(PRESETS)}", choices=tuple(PRESETS))
+    voice: str | None = option(None, "voice when a request names none (default: the preset's)")
+    voices: str | None = option(None, "the voices requests may name, comma-separated (default: the preset's; GET "
+                                "/v1/audio/voices lists them)")
+    max_tokens: int | None = option(None, "most tokens an LM request may generate (default: the preset's)")
+    temperature: float | None = option(None, "the LM's sampling temperature (default: the preset's)")
+    top_p: float | None = option(None, "the LM's nucleus sampling (default: the preset's)")
+    repetition_penalty: float | None = option(None, "the LM's repetition penalty (default: the preset's)")
     lm_timeout_s: float = option(60.0, "seconds to connect to the LM, and of silence from it, before a request "
                                  "fails", flag="--lm-timeout")
     segment_chars: int = option(200, "a longer 'input' is spoken as segments of at most this many characters cut at "
@@ -146,19 +151,31 @@ class LMSettings:
 
     def check(self) -> "LMSettings":
         """Raise ValueError naming the first bad value; returns the settings."""
-        _at_least(self, ("max_tokens", "segment_chars"), 1)
+        _at_least(self, ("segment_chars",), 1)
+        if self.max_tokens is not None:
+            _at_least(self, ("max_tokens",), 1)
         _at_least(self, ("lm_timeout_s",), 0, strict=True)
         if self.lm_url is not None and not self.lm_url.startswith(("http://", "https://")):
             raise ValueError(f"--lm-url must be an http(s) URL, got {self.lm_url!r}")
-        if not self.voice_names:
+        if self.lm_preset is not None and self.lm_preset not in PRESETS:
+            raise ValueError(f"--lm-preset must be one of {', '.join(PRESETS)}, got {self.lm_preset!r}")
+        if self.voices is not None and not self.voices.replace(",", "").strip():
             raise ValueError("--voices must name at least one voice")
-        if self.voice not in self.voice_names:
-            raise ValueError(f"--voice {self.voice!r} is not one of --voices {','.join(self.voice_names)}")
+        if self.lm_preset is not None or self.voices is not None:  # the voice can be checked now
+            self.check_voice(PRESETS[self.lm_preset or "orpheus"])
         return self
 
-    @property
-    def voice_names(self) -> tuple[str, ...]:
-        return tuple(v.strip() for v in self.voices.split(",") if v.strip())
+    def voices_of(self, preset: Preset) -> Voices:
+        """The voices a server of these settings takes with ``preset``."""
+        return Voices.of(preset, self.voices, self.voice)
+
+    def check_voice(self, preset: Preset) -> None:
+        """ValueError when ``--voice`` is not a voice of ``preset`` (or of ``--voices``)."""
+        voices = self.voices_of(preset)
+        problem = voices.problem(voices.default)
+        if problem is not None:
+            where = "--voices" if self.voices is not None else f"the {preset.name} preset"
+            raise ValueError(f"--voice {voices.default!r} is not one of {where}'s voices: {problem}")
 
 
 @dataclass

@@ -67,7 +67,8 @@ def test_options_named_alone_go_to_their_part_and_a_wrong_name_is_refused():
     ({"max_batch": 0}, "--max-batch must be >= 1"), ({"idle_timeout_s": 0}, "--idle-timeout must be > 0"),
     ({"lm_timeout_s": -1}, "--lm-timeout must be > 0"), ({"segment_chars": 0}, "--segment-chars must be >= 1"),
     ({"port": 0}, "--port must be 1-65535"), ({"engine_calls": "often"}, "--engine-calls must be one of"),
-    ({"ws_idle_timeout_s": 0}, "--ws-idle-timeout must be > 0"), ({"voice": "bob"}, "--voice 'bob' is not one of"),
+    ({"ws_idle_timeout_s": 0}, "--ws-idle-timeout must be > 0"),
+    ({"voice": "bob", "lm_preset": "orpheus"}, "--voice 'bob' is not one of the orpheus preset"),
 ])
 def test_each_part_names_its_bad_value(options, message):
     with pytest.raises(ValueError, match=message):

@@ -22,7 +22,7 @@ from snac_fast import FastSNAC
 from snac_fast.model.synthetic import synthetic_model
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.lm.fake import FakeLM
-from snac_fast.serve.routes.protocol import ORPHEUS_VOICES
+from snac_fast.serve.lm.presets import PRESETS
 from snac_fast.serve.services.formats import FORMATS, StreamEncoder, Tempo, int16_samples
 
 RATE = 24000
@@ -213,7 +213,7 @@ def test_voices_models_limits_and_instructions(codec):
             {"input": "ok", "response_format": "ulaw_8000", "sample_rate": 16000})]
         assert slots_freed(state)
     assert ids[0] == "orpheus" and "tts-1" in ids
-    assert voices["voices"] == list(ORPHEUS_VOICES)
+    assert voices["voices"] == list(PRESETS["orpheus"].voices)
     assert len(fine.read()) == len(expected_pcm(codec, c, 0)) * 2
     assert [e["param"] for e in bad] == ["sample_format", "sample_rate", "stream", "sample_rate"]
 

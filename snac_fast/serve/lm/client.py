@@ -12,13 +12,10 @@ import time
 from collections.abc import AsyncIterator
 from urllib.parse import urlsplit, urlunsplit
 
-from snac_fast.orpheus import CUSTOM_TOKEN_ID, END_OF_SPEECH, TokenLayout
+from snac_fast.orpheus import CUSTOM_TOKEN_ID, END_OF_SPEECH, START_OF_SPEECH, TokenLayout
+from snac_fast.serve.lm.presets import PRESETS, Preset
 from snac_fast.serve.settings import LMSettings
 
-# The prompt Orpheus-family models were trained on, in text form: start of human (128259), the text
-# as "voice: text" after <|begin_of_text|>, end of text (128009), end of human (128260), start of AI
-# (128261), start of speech (128257). canopyai/Orpheus-TTS, orpheus_tts/engine_class.py, _format_prompt.
-ORPHEUS_PROMPT = "<custom_token_3><|begin_of_text|>{voice}: {text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
 CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
 KEEPALIVE_S = 4.0  # how long an idle LM connection stays pooled (LMClient._client)
 MAX_TOKEN_DIGITS = 9  # a <custom_token_N>'s N (Orpheus's reach 28,682): more digits is junk, not a number to parse
@@ -73,8 +70,10 @@ class LMClient:
     httpx's host time (docs/http_server.md, "The LM client"), and a server reads one chunk per stream
     every ~30 ms."""
 
-    def __init__(self, config: LMSettings, layout: TokenLayout, max_connections: int) -> None:
+    def __init__(self, config: LMSettings, layout: TokenLayout, max_connections: int,
+                 preset: Preset | None = None) -> None:
         self.config, self.layout, self.max_connections = config, layout, max_connections
+        self.preset = preset or PRESETS[config.lm_preset or "orpheus"]  # the server sets the one it found
         self._session = None
         self._aiohttp = None
         if config.lm_url is not None:  # imported now: importing it at the first request delayed its audio
@@ -104,9 +103,10 @@ class LMClient:
         LM that cannot be reached or stops answering."""
         if self._aiohttp is None:
             raise LMOutputError("this server has no language model: start it with --lm-url")
-        body = {"model": self.config.lm_model or model, "prompt": ORPHEUS_PROMPT.format(voice=voice, text=text),
-                "max_tokens": self.config.max_tokens, "temperature": self.config.temperature,
-                "top_p": self.config.top_p, "repetition_penalty": self.config.repetition_penalty, "stream": True}
+        preset, config = self.preset, self.config
+        body = {"model": config.lm_model or model, "prompt": preset.render(voice, text),
+                **preset.sampling(config.temperature, config.top_p, config.repetition_penalty, config.max_tokens),
+                "stream": True}
         url = self.config.lm_url.rstrip("/") + "/completions"
         shown = redacted_url(url)
         aiohttp = self._aiohttp
@@ -122,17 +122,17 @@ class LMClient:
                             retry_after = response.headers.get("Retry-After")
                             raise LMBusyError(message, retry_after if retry_after and retry_after.isdigit() else None)
                         raise LMOutputError(message)
-                    left = self.config.max_tokens  # enforced here too: an LM that never stops is cut there
+                    left = most = body["max_tokens"]  # enforced here too: an LM that never stops is cut there
                     clock = _AudioClock(self.config.lm_timeout_s)
                     chunks = clock.watch(response.content.iter_any())
-                    async for ids in _ids_of_events(_sse_data(chunks), self.layout.offset):
+                    async for ids in _ids_of_events(_sse_data(chunks), self.layout.offset, preset.starts_speech):
                         clock.heard()
                         ids = ids[:left]
                         left -= len(ids)
                         yield ids
                         if left <= 0:
                             return
-                    if left == self.config.max_tokens:
+                    if left == most:
                         raise LMOutputError(f"the language model at {shown} answered without audio tokens "
                                             f"(a {response.content_type or 'untyped'} answer, not a stream of completions)")
                 return
@@ -159,6 +159,22 @@ class LMClient:
         async for _ in _ids_of_events(_sse_data(events()), self.layout.offset):
             pass
 
+    async def model_name(self, timeout_s: float = 5.0) -> str | None:
+        """The first model id the LM lists (``GET {lm_url}/models``), or None when it lists none or
+        does not answer: what the server finds its preset from."""
+        if self._aiohttp is None:
+            return None
+        url = self.config.lm_url.rstrip("/") + "/models"
+        try:
+            async with self._client().get(url, timeout=self._aiohttp.ClientTimeout(total=timeout_s)) as response:
+                if response.status != 200:
+                    return None
+                data = json.loads(await response.read()).get("data") or []
+                name = data[0].get("id") if isinstance(data[0], dict) else None
+                return name if isinstance(name, str) else None
+        except (self._aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError, IndexError):
+            return None
+
     async def probe(self, timeout_s: float = 2.0) -> tuple[str, str | None]:
         """Whether the LM answers: ("ok", None), ("unreachable", why) or ("not_configured", None).
         A GET of its ``/models`` (every OpenAI-compatible server has it); any answer under 500 counts."""
@@ -179,13 +195,16 @@ class LMClient:
             await self._session.close()
 
 
-async def _ids_of_events(batches: AsyncIterator[list[str]], offset: int) -> AsyncIterator[list[int]]:
-    """Audio token ids (>= ``offset``) from a completions stream's ``data:`` fields, one list per
+async def _ids_of_events(batches: AsyncIterator[list[str]], offset: int, after_start_of_speech: bool = False
+                         ) -> AsyncIterator[list[int]]:
+    """Audio token ids (>= ``offset``; with ``after_start_of_speech``, those after the start of
+    speech the LM writes itself) from a completions stream's ``data:`` fields, one list per
     batch of fields that completes any (all the events that had arrived when it was read: a stream
     whose consumer fell behind takes all it missed in one list, and so pushes all its whole frames
     at once instead of one a round); ends at ``[DONE]`` or the end of speech. LMOutputError for a
     chunk that is not a completion."""
     tail = ""  # text after the last whole token: a token can be cut between two chunks
+    speaking = not after_start_of_speech
     async for batch in batches:
         ids, end = [], False
         for data in batch:
@@ -212,7 +231,9 @@ async def _ids_of_events(batches: AsyncIterator[list[str]], offset: int) -> Asyn
                 if token == END_OF_SPEECH:
                     end = True
                     break
-                if token >= offset:
+                if token == START_OF_SPEECH:
+                    speaking = True
+                elif token >= offset and speaking:
                     ids.append(token)
             if end:
                 break

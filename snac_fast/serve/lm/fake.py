@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS, TokenLayout
+from snac_fast.serve.lm.presets import PRESETS
 
 END_OF_SPEECH_TEXT = "<custom_token_2><custom_token_6>"  # end of speech (128258), end of AI (128262)
 
@@ -41,13 +42,17 @@ class FakeLM:
     at that rate (as a real TTS LM's), not ``frames``. ``cut_fraction``: that share of random answers
     stops mid-frame with no end of speech (chosen by the text). ``faults``: the shares of random
     answers that fail (a 500, or the stream cut half way), stall (silent for ``stall_seconds`` half
-    way) and send junk (a token of the wrong slot half way), chosen by the text."""
+    way) and send junk (a token of the wrong slot half way), chosen by the text. ``preset``: play
+    that model family (:data:`~snac_fast.serve.lm.presets.PRESETS`): a prompt that is not its form
+    gets a 400, the answer is in its layout (start of speech first where the model writes it; no end
+    of speech where the request stops at its text, as vLLM leaves a stop string out); ``model_name``:
+    what ``GET /v1/models`` lists. :attr:`requests` keeps every request's body."""
 
     def __init__(self, pace: float = 0.0, frames: int = 60, frame_seconds: float = 2048 / 24000,
                  layout: TokenLayout = ORPHEUS, first_frames: int = 4, seed: int = 0, split_tokens: bool = False,
                  stats_dir: str | None = None, chars_per_second: float | None = None,
                  cut_fraction: float = 0.0, faults: tuple[float, float, float] = (0.0, 0.0, 0.0),
-                 stall_seconds: float = 30.0) -> None:
+                 stall_seconds: float = 30.0, preset: str | None = None, model_name: str = "orpheus") -> None:
         from starlette.applications import Starlette
         from starlette.responses import JSONResponse
         from starlette.routing import Route
@@ -58,6 +63,8 @@ class FakeLM:
         self.faults, self.stall_seconds = tuple(faults), stall_seconds
         self.scripts: dict[str, dict] = {}
         self.prompts: list[str] = []
+        self.requests: list[dict] = []
+        self.preset = PRESETS[preset] if preset is not None else None
         self.first_sent: dict[str, float] = {}  # prompt text -> when its first_frames-th frame's last token left
         self.received: dict[str, float] = {}  # prompt text -> when its request arrived
         self.finished: dict[str, float] = {}  # prompt text -> when its answer's last chunk left
@@ -70,7 +77,7 @@ class FakeLM:
             return JSONResponse({"first_sent": self.first_sent})
 
         async def models(request):
-            return JSONResponse({"object": "list", "data": [{"id": "orpheus", "object": "model"}]})
+            return JSONResponse({"object": "list", "data": [{"id": model_name, "object": "model"}]})
         self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
                                      Route("/v1/models", models), Route("/stats", stats)])
 
@@ -113,16 +120,27 @@ class FakeLM:
         body = await request.json()
         prompt = body.get("prompt", "")
         self.prompts.append(prompt)
-        text = prompt.split(": ", 1)[-1].split("<|eot_id|>")[0]
+        self.requests.append(body)
+        if self.preset is None:
+            text = prompt.split(": ", 1)[-1].split("<|eot_id|>")[0]
+        else:
+            parsed = self.preset.parse(prompt) if isinstance(prompt, str) else None
+            if parsed is None:
+                return JSONResponse({"error": {"message": f"the prompt is not in {self.preset.name}'s form: {prompt!r}"}},
+                                    status_code=400)
+            text = parsed[1]
         self.received[text] = received
         script = self.scripts.get(text) or self._random_answer(text)
         fault = script.get("fault")
         if fault == "fail" and len(text) % 2:  # half the failures at once, half after some audio
             return JSONResponse({"error": {"message": "the fake LM failed (injected)"}}, status_code=500)
         size = self.layout.frame_size
-        text_out = "".join(f"<custom_token_{i - CUSTOM_TOKEN_ID}>" for i in script["ids"])
-        token_ends = np.cumsum([len(f"<custom_token_{i - CUSTOM_TOKEN_ID}>") for i in script["ids"]])
-        first_end = token_ends[min(self.first_frames * size, len(token_ends)) - 1] if len(token_ends) else 0
+        # start of AI and start of speech first where the model writes them itself
+        lead = ["<custom_token_5>", "<custom_token_1>"] if self.preset is not None and self.preset.starts_speech else []
+        pieces = lead + [f"<custom_token_{i - CUSTOM_TOKEN_ID}>" for i in script["ids"]]
+        text_out = "".join(pieces)
+        token_ends = np.cumsum([len(piece) for piece in pieces])
+        first_end = token_ends[min(len(lead) + self.first_frames * size, len(token_ends)) - 1] if len(token_ends) else 0
         token_seconds = self.frame_seconds / size / self.pace if self.pace else 0.0
         rng = random.Random(len(text_out))
 
@@ -155,7 +173,7 @@ class FakeLM:
                 with open(self._stats_path, "a") as f:  # noqa: ASYNC230 (a local file, once a request)
                     f.write(json.dumps({"text": text, "received": received, "first_sent": self.first_sent.get(text),
                                         "sends": sends}) + "\n")
-            if script["end"]:
+            if script["end"] and "<custom_token_2>" not in (body.get("stop") or []):
                 yield f"data: {json.dumps({'choices': [{'text': END_OF_SPEECH_TEXT, 'index': 0}]})}\n\n"
             yield "data: [DONE]\n\n"
             self.finished[text] = time.monotonic()
@@ -201,12 +219,15 @@ def main() -> None:
     parser.add_argument("--cut-fraction", type=float, default=0.0, help="share of answers cut mid-frame")
     parser.add_argument("--faults", default="0,0,0", help="shares of answers that fail, stall, send junk (e.g. 0.02,0.02,0.01)")
     parser.add_argument("--stall-seconds", type=float, default=30.0, help="how long a stalling answer is silent")
+    parser.add_argument("--preset", choices=list(PRESETS), default=None, help="play this model family's prompt and answer")
+    parser.add_argument("--model-name", default="orpheus", help="the model GET /v1/models lists")
     args = parser.parse_args()
     os.environ[ENVIRONMENT] = json.dumps({"pace": args.pace, "frames": args.frames, "stats_dir": args.stats_dir,
                                           "chars_per_second": args.chars_per_second,
                                           "cut_fraction": args.cut_fraction,
                                           "faults": [float(f) for f in args.faults.split(",")],
-                                          "stall_seconds": args.stall_seconds})
+                                          "stall_seconds": args.stall_seconds, "preset": args.preset,
+                                          "model_name": args.model_name})
     app = "snac_fast.serve.lm.fake:app_from_environment"
     if args.workers > 1:  # the server's workers: one SO_REUSEPORT socket each, so a burst is spread over them
         run_workers(app, args.host, args.port, args.workers, graceful_s=5, log_level="warning")

@@ -49,13 +49,13 @@ def inactivity_timeout(text: str | None) -> float | None:
 
 def connection_problem(websocket) -> tuple[str | None, AudioFormat | None, float | None]:
     """(what is wrong with the connection's path and query, or None; its format; its timeout)."""
-    settings = websocket.app.state.server.settings
     voice = websocket.path_params["voice_id"]
     fmt = elevenlabs_format(websocket.query_params.get("output_format", DEFAULT_OUTPUT_FORMAT))
     timeout = inactivity_timeout(websocket.query_params.get("inactivity_timeout"))
     problem = None
-    if voice not in settings.lm.voice_names:
-        problem = f"voice_id must be one of {list(settings.lm.voice_names)}, got {voice!r}"
+    voice_problem = websocket.app.state.server.voices.problem(voice)
+    if voice_problem is not None:
+        problem = f"voice_id {voice_problem}"
     elif fmt is None:
         problem = ("output_format must be pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000 or mp3_<rate>_<kbps>, got "
                    f"{websocket.query_params.get('output_format')!r}")

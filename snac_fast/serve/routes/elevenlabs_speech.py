@@ -6,7 +6,7 @@ timestamps" forms; their Python SDK's ``text_to_speech.convert`` and ``.stream``
 (``{"audio_base64", "alignment": null, "normalized_alignment": null}``, a line per piece of audio
 when streamed): this server has no character timings.
 
-Honoured: the path's voice (one of ``--voices``); the query's ``output_format`` (named as the
+Honoured: the path's voice (a voice of the LM's preset, or of ``--voices``); the query's ``output_format`` (named as the
 WebSockets name it, :func:`~snac_fast.serve.routes.elevenlabs_protocol.elevenlabs_format`; default
 ``mp3_44100_128``); the body's ``text`` (at most ``--max-input-chars``; a long one is spoken
 segment by segment into one stream), ``seed`` (the decoder's noise) and ``voice_settings.speed``
@@ -36,8 +36,8 @@ async def text_to_speech(request):
     fmt = elevenlabs_format(name)
     voice = request.path_params["voice_id"]
     problem, text, seed, speed = _checked(body, server.settings.http.max_input_chars)
-    if problem is None and voice not in server.settings.lm.voice_names:
-        problem = f"voice_id must be one of {list(server.settings.lm.voice_names)}, got {voice!r}"
+    if problem is None and server.voices.problem(voice) is not None:
+        problem = f"voice_id {server.voices.problem(voice)}"
     if problem is None and fmt is None:
         problem = f"output_format must be pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000 or mp3_<rate>_<kbps>, got {name!r}"
     if problem is not None:

@@ -35,8 +35,7 @@ async def speech(request):
     try:
         if body is None:
             raise RequestError("the body must be JSON")
-        speech_request = SpeechRequest.parse(body, server.settings.lm.voice_names, server.settings.lm.voice,
-                                             server.settings.http.max_input_chars)
+        speech_request = SpeechRequest.parse(body, server.voices, server.settings.http.max_input_chars)
     except RequestError as e:
         server.metrics.outcome("speech", "bad_request")
         return _error(e)

@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from snac_fast.serve.lm.presets import Voices
 from snac_fast.serve.routes.schema import SpeechBody, first_problem
 from snac_fast.serve.services.formats import FORMATS, OPUS_RATES
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
-# the voices the Orpheus fine-tunes were trained on (canopylabs/orpheus-3b-0.1-ft, in order of conversational realism)
-ORPHEUS_VOICES = ("tara", "leah", "jess", "leo", "dan", "mia", "zac", "zoe")
 # OpenAI's speech model names, accepted as names of this server's model
 OPENAI_MODELS = ("tts-1", "tts-1-hd", "gpt-4o-mini-tts")
 
@@ -76,7 +75,7 @@ class SpeechRequest:
     speed: float = 1.0
 
     @classmethod
-    def parse(cls, body, voices: tuple[str, ...], default_voice: str, max_chars: int) -> "SpeechRequest":
+    def parse(cls, body, voices: Voices, max_chars: int) -> "SpeechRequest":
         """Check a request's JSON body; raises :class:`RequestError` naming the first problem. Each
         field's type and range: :class:`snac_fast.serve.routes.schema.SpeechBody` (what /openapi.json
         shows); here, what depends on the server's settings or on several fields."""
@@ -94,11 +93,12 @@ class SpeechRequest:
         problem = checked_text(text, "input")
         if problem:
             raise RequestError(problem, param="input")
-        voice = body.get("voice") or default_voice
+        voice = body.get("voice") or voices.default
         if isinstance(voice, dict):  # OpenAI's custom-voice form {"id": ...}
             voice = voice["id"]
-        if voice not in voices:
-            raise RequestError(f"'voice' must be one of {list(voices)}, got {voice!r}", param="voice")
+        problem = voices.problem(voice)
+        if problem is not None:
+            raise RequestError(f"'voice' {problem}", param="voice")
         name = body.get("response_format", DEFAULT_FORMAT)
         speed = float(body.get("speed", 1.0))
         stream_format = body.get("stream_format", "audio")

@@ -39,7 +39,9 @@ class SpeechBody(BaseModel):
     input: Text = Field(description="The text to speak (at most the server's --max-input-chars characters; "
                                     "longer text is spoken sentence by sentence into one stream).")
     model: Optional[Text] = Field(None, description="The model's name: tts-1, tts-1-hd, gpt-4o-mini-tts or the LM's.")
-    voice: Optional[Union[Text, VoiceId]] = Field(None, description="One of GET /v1/audio/voices (default: --voice).")
+    voice: Optional[Union[Text, VoiceId]] = Field(None, description="A voice of the LM's preset: GET /v1/audio/voices "
+                                                                   "lists its names (Maya1 also takes a description, "
+                                                                   "snorTTS ids like hindi159; default: --voice).")
     instructions: Optional[Text] = Field(None, description="Accepted, unused: an Orpheus LM takes no instructions.")
     response_format: Literal[tuple(FORMATS)] = Field("mp3", description="The audio's format.")  # type: ignore[valid-type]
     speed: Speed = Field(1.0, description="Playback speed, the pitch kept (FFmpeg's atempo).")

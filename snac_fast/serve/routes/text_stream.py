@@ -3,7 +3,7 @@ out before the text ends, in ElevenLabs' stream-input message shapes (their API 
 "WebSocket", and their Python SDK's ``convert_realtime``), so the clients that speak it (Pipecat,
 LiveKit, bolna and others through their ElevenLabs services) can point their base URL here.
 
-Honoured: the path's voice (one of ``--voices``); the query's ``output_format`` (``pcm_8000`` ...
+Honoured: the path's voice (a voice of the LM's preset, or of ``--voices``); the query's ``output_format`` (``pcm_8000`` ...
 ``pcm_48000``, ``ulaw_8000``, ``alaw_8000``, ``mp3_<rate>_<kbps>``; default ``mp3_44100_128``, as
 theirs) and ``inactivity_timeout`` (seconds without a message before the server closes, default 20,
 at most 180); messages ``{"text": ...}`` (buffered until a sentence ends), ``"flush": true`` (speak
