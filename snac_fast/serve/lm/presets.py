@@ -87,7 +87,8 @@ class Preset:
     def parse(self, prompt: str) -> tuple[str, str] | None:
         """(voice, text) of a prompt this preset renders, or None: what the stand-in LM checks."""
         speaker = re.escape(self.speaker).replace(re.escape("{voice}"), "(?P<voice>.+?)")
-        pattern = re.escape(self.prompt).replace(re.escape("{speaker}"), f"(?:{speaker})?").replace(
+        optional = "?" if self.default_voice == "" else ""  # a voice may be left out (Kartoffel's "in_prompt")
+        pattern = re.escape(self.prompt).replace(re.escape("{speaker}"), f"(?:{speaker}){optional}").replace(
             re.escape("{text}"), "(?P<text>.*)")
         found = re.fullmatch(pattern, prompt, re.DOTALL)
         return (found.group("voice") or "", found.group("text")) if found else None
