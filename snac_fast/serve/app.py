@@ -154,7 +154,8 @@ async def _health_body(server: SpeechServer, details: bool = True) -> dict:
     body = {"status": status, "device": server.backend.device, "pid": os.getpid(), "open_streams": server.backend.open_streams,
             "slots_in_use": state.slots_in_use, "max_streams": server.backend.max_streams,
             "sampling_rate": server.backend.rate,
-            "lm": {"status": lm, "url": redacted_url(server.settings.lm.lm_url) if server.settings.lm.lm_url else None}}
+            "lm": {"status": lm, "url": redacted_url(server.settings.lm.lm_url) if server.settings.lm.lm_url else None,
+                   "preset": server.lm.preset.name}}
     if why:
         body["lm"]["error"] = why
     if state.memory:

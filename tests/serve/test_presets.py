@@ -97,7 +97,9 @@ def test_each_preset_end_to_end_through_the_openai_sdk(codec, caplog, name, mode
         pcm = client.audio.speech.create(model="tts-1", voice=voice, input=TEXT, response_format="pcm",
                                          extra_body={"seed": 5}).read()
         listed = httpx.get(server.url + "/v1/audio/voices").json()["voices"]
+        health = httpx.get(server.url + "/health").json()
     assert state.lm.preset is preset and f"LM preset {name}" in caplog.text, caplog.text
+    assert health["lm"]["preset"] == name
     assert lm.prompts == [prompt], source
     body = lm.requests[0]
     assert (body["temperature"], body["top_p"], body["repetition_penalty"], body["max_tokens"]) == \
