@@ -37,6 +37,9 @@ import asyncio
 import functools
 import time
 
+from snac_fast.serve.access.limits import MessageRate, TooManyStreams, client_of
+from snac_fast.serve.engine.client import EngineLostError
+from snac_fast.serve.lm.client import LMOutputError
 from snac_fast.serve.routes.elevenlabs_protocol import (
     audio_message,
     close_with_error,
@@ -46,9 +49,6 @@ from snac_fast.serve.routes.elevenlabs_protocol import (
     json_object,
     voice_speed,
 )
-from snac_fast.serve.access.limits import MessageRate, TooManyStreams, client_of
-from snac_fast.serve.engine.client import EngineLostError
-from snac_fast.serve.lm.client import LMOutputError
 from snac_fast.serve.routes.protocol import checked_text
 from snac_fast.serve.services.formats import StreamEncoder
 from snac_fast.serve.services.spoken_text import SpokenText, TextBacklogError
