@@ -205,6 +205,9 @@ class HTTPSettings:
     header_timeout_s: float = option(10.0, "seconds a connection may take to send its request's headers, and again "
                                      "its body (a slow client is dropped; a slow body gets a 408)",
                                      flag="--header-timeout")
+    keep_alive_s: float = option(75.0, "seconds an idle keep-alive connection stays open: longer than clients keep "
+                                 "theirs (httpx 5 s, aiohttp 15 s), so that a request never meets the server closing "
+                                 "its connection (uvicorn's own 5 s raced httpx's)", flag="--keep-alive-timeout")
     max_input_chars: int = option(20000, "longest speech 'input' in characters (~20 minutes of speech; OpenAI's own "
                                   "limit is 4,096)")
 
@@ -212,7 +215,7 @@ class HTTPSettings:
         """Raise ValueError naming the first bad value; returns the settings."""
         _at_least(self, ("workers", "max_input_chars", "max_body_bytes", "max_ws_message_bytes"), 1)
         _at_least(self, ("max_streams_per_key",), 0)
-        _at_least(self, ("max_ws_messages_per_s", "ws_idle_timeout_s", "header_timeout_s"), 0, strict=True)
+        _at_least(self, ("max_ws_messages_per_s", "ws_idle_timeout_s", "header_timeout_s", "keep_alive_s"), 0, strict=True)
         if not 1 <= self.port <= 65535:
             raise ValueError(f"--port must be 1-65535, got {self.port}")
         if self.api_key is not None and not self.api_key.strip():

@@ -293,6 +293,23 @@ def test_a_body_that_never_arrives_gets_a_408(server):
     assert time.monotonic() - started < 5
 
 
+def test_a_connection_kept_past_httpxs_five_seconds_still_takes_requests(server):
+    """A client's pooled connection idle 6 s (past httpx's 5 s keep-alive, which equalled uvicorn's
+    default and so raced it: the soak's rare "connection reset" and "cannot write request body")
+    still takes the next request: the server keeps idle connections --keep-alive-timeout (75 s)."""
+    import http.client
+
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+    try:
+        for wait in (0, 6):
+            time.sleep(wait)
+            connection.request("GET", "/health")
+            answer = connection.getresponse()
+            assert answer.status == 200 and answer.read()
+    finally:
+        connection.close()
+
+
 def test_headers_past_64_kib_get_a_431(server):
     answer = _raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * (1 << 20) + b"\r\n\r\n",
                            wait_s=20)
