@@ -344,7 +344,7 @@ def cmd_encode_dataset(args: argparse.Namespace) -> None:
     try:
         settings = options.from_arguments(EncodeSettings, args).check()
     except ValueError as e:  # said with the flags' names
-        raise UsageError(options.as_flags(EncodeSettings, str(e).replace("format='orpheus'", "--format orpheus"))) from None
+        raise UsageError(options.as_flags(EncodeSettings, str(e)).replace("--format='orpheus'", "--format orpheus")) from None
     summary = encode_dataset(args.src, args.out, settings=settings, model=args.model, device=args.device,
                              dtype=args.dtype, model_options={"local_files_only": args.local_files_only})
     print(f"{args.out}: {summary['files']} files in {summary['shards']} shards ({summary['shards_skipped']} already done), "

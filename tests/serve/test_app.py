@@ -24,7 +24,8 @@ from snac_fast.metrics import snr_db
 from snac_fast.model.synthetic import synthetic_model
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS
 from snac_fast.serve import ServeSettings, create_app
-from snac_fast.serve.lm.client import ORPHEUS_PROMPT, LMClient, LMOutputError
+from snac_fast.serve.lm.client import LMClient, LMOutputError
+from snac_fast.serve.lm.presets import PRESETS
 from snac_fast.serve.lm.fake import FakeLM
 
 RATE = 24000
@@ -79,7 +80,7 @@ def test_speech_streams_exact_audio_to_32_concurrent_clients(codec):
             return await asyncio.gather(*(speak(server.url, text, i, response_format="pcm", sample_format="f32")
                                           for i, text in enumerate(codes)))
         results = asyncio.run(main())
-        assert lm.prompts[0] == ORPHEUS_PROMPT.format(voice="tara", text=lm.prompts[0].split(": ", 1)[1].split("<|eot_id|>")[0])
+        assert lm.prompts[0] == PRESETS["orpheus"].render("tara", lm.prompts[0].split(": ", 1)[1].split("<|eot_id|>")[0])
         assert lm.prompts[0].startswith("<custom_token_3><|begin_of_text|>tara: line ")
         assert slots_freed(state) and state.backend.batcher.batches < sum(5 + i % 2 for i in range(32))
     for i, (text, c) in enumerate(codes.items()):
@@ -582,7 +583,7 @@ def test_fake_lm_paces_its_tokens_and_records_first_frames():
     with LiveServer(lm.app) as server:
         start = time.monotonic()
         with httpx.stream("POST", server.url + "/v1/completions",
-                          json={"prompt": ORPHEUS_PROMPT.format(voice="tara", text="hi"), "stream": True}) as r:
+                          json={"prompt": PRESETS["orpheus"].render("tara", "hi"), "stream": True}) as r:
             text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in r.iter_lines()
                            if line.startswith("data: {"))
         took = time.monotonic() - start

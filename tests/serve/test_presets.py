@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import logging
+from urllib.parse import quote
 
 import httpx
 import numpy as np
@@ -125,7 +126,7 @@ def test_each_preset_through_elevenlabs_text_websocket(codec, name):
         lm.script("Guten Morgen.", codes)
 
         async def talk() -> bytes:
-            url = server.url.replace("http", "ws") + f"/v1/text-to-speech/{voice}/stream-input?output_format=pcm_24000"
+            url = server.url.replace("http", "ws") + f"/v1/text-to-speech/{quote(voice)}/stream-input?output_format=pcm_24000"
             audio = []
             async with connect(url) as ws:
                 await ws.send(json.dumps({"text": " "}))

@@ -293,6 +293,17 @@ def test_a_body_that_never_arrives_gets_a_408(server):
     assert time.monotonic() - started < 5
 
 
+@pytest.mark.parametrize("fmt", ["mp3", "aac"])
+def test_a_sample_rate_the_encoder_cannot_open_is_a_400_and_holds_no_slot(server, fmt):
+    """Schemathesis found it: mp3 at sample_rate 12260 passed the checks, LAME refused it after the
+    stream was opened: a plain-text 500 and a slot held for good. Each encoder's rates are checked
+    now, and the encoder opens before the stream does."""
+    answer = speak(server, "Hi.", fmt, sample_rate=12260)
+    assert answer.status_code == 400 and answer.json()["error"]["param"] == "sample_rate"
+    assert f"{fmt} takes 'sample_rate'" in answer.json()["error"]["message"]
+    assert speak(server, "Hi.", fmt, sample_rate=22050).headers.get("x-sample-rate") == "22050"
+
+
 def test_a_connection_kept_past_httpxs_five_seconds_still_takes_requests(server):
     """A client's pooled connection idle 6 s (past httpx's 5 s keep-alive, which equalled uvicorn's
     default and so raced it: the soak's rare "connection reset" and "cannot write request body")

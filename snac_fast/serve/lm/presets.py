@@ -231,7 +231,11 @@ class Voices:
         if self.names is not None:
             return None if voice in self.names else f"must be one of {list(self.names)}, got {voice!r}"
         problem = self.preset.voice_problem(voice)
-        return None if problem is None else f"must be a voice of {problem}"
+        if problem is None:
+            return None
+        if self.preset.voices and not (self.preset.voice_pattern or self.preset.described):  # names alone
+            return f"must be one of {list(self.preset.voices)} ({self.preset.title}'s voices), got {voice!r}"
+        return f"must be a voice of {problem}"
 
     def listing(self) -> tuple[str, ...]:
         """The voices by name (``GET /v1/audio/voices``): a preset that takes ids or descriptions

@@ -11,11 +11,10 @@ import re
 from snac_fast.serve.engine.client import EngineLostError
 from snac_fast.serve.lm.client import LMOutputError
 from snac_fast.serve.routes.protocol import json_or_none
-from snac_fast.serve.services.formats import FORMATS, AudioFormat, checked_speed
+from snac_fast.serve.services.formats import ENCODER_RATES, FORMATS, AudioFormat, checked_speed
 
 DEFAULT_OUTPUT_FORMAT = "mp3_44100_128"  # ElevenLabs' default
 INACTIVITY_TIMEOUT_S = (20.0, 180.0)  # ElevenLabs' default and largest
-MP3_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # what LAME encodes
 _MP3 = re.compile(r"mp3_(\d{1,6})_(\d{1,4})")  # bounded: int() of 5,000 digits raises
 
 
@@ -24,7 +23,7 @@ def elevenlabs_format(name: str) -> AudioFormat | None:
     if name in ("ulaw_8000", "alaw_8000") or name.startswith("pcm_") and name in FORMATS:
         return FORMATS[name]
     match = _MP3.fullmatch(name)
-    if match and int(match[1]) in MP3_RATES and 8 <= int(match[2]) <= 320:
+    if match and int(match[1]) in ENCODER_RATES["mp3"] and 8 <= int(match[2]) <= 320:
         return dataclasses.replace(FORMATS["mp3"], name=name, rate=int(match[1]), bit_rate=int(match[2]) * 1000)
     return None
 

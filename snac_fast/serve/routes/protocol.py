@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from snac_fast.serve.lm.presets import Voices
 from snac_fast.serve.routes.schema import SpeechBody, first_problem
-from snac_fast.serve.services.formats import FORMATS, OPUS_RATES
+from snac_fast.serve.services.formats import ENCODER_RATES, FORMATS
 
 DEFAULT_FORMAT = "mp3"  # OpenAI's default
 # OpenAI's speech model names, accepted as names of this server's model
@@ -109,8 +109,8 @@ class SpeechRequest:
         if rate is not None:
             if FORMATS[name].rate is not None and rate != FORMATS[name].rate:
                 raise RequestError(f"'{name}' is at {FORMATS[name].rate} Hz; drop 'sample_rate'", param="sample_rate")
-            if name == "opus" and rate not in OPUS_RATES:
-                raise RequestError(f"opus takes 'sample_rate' {list(OPUS_RATES)}", param="sample_rate")
+            if name in ENCODER_RATES and rate not in ENCODER_RATES[name]:
+                raise RequestError(f"{name} takes 'sample_rate' {list(ENCODER_RATES[name])}", param="sample_rate")
             if sample_format == "f32":
                 raise RequestError("'sample_rate' needs sample_format s16", param="sample_rate")
         stream = body.get("stream", True)

@@ -47,6 +47,9 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
     from starlette.responses import Response, StreamingResponse
 
     server = request.app.state.server
+    # the encoder before the stream: an encoder that cannot open then holds no slot
+    encoder = StreamEncoder(fmt, server.backend.rate, speech_request.sample_rate, seekable=not speech_request.stream,
+                            speed=speech_request.speed)
     try:
         sid = await server.open_stream(speech_request.seed, client_of(request.scope))
     except EngineLostError as e:
@@ -58,8 +61,6 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
     if sid is None:
         server.metrics.outcome(endpoint, "busy")
         return error(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
-    encoder = StreamEncoder(fmt, server.backend.rate, speech_request.sample_rate, seekable=not speech_request.stream,
-                            speed=speech_request.speed)
     chunks = _encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
                                              speech_request.model, times))
     try:  # the status is decided by the first audio: an LM that fails before it gets a clear 502

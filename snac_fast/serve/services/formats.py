@@ -50,6 +50,10 @@ OPENAI_FORMATS = ("mp3", "opus", "aac", "flac", "wav", "pcm")
 FLOAT_FORMATS = {"pcm": AudioFormat("pcm", None, "pcm_f32le", "audio/pcm"),
                  "wav": AudioFormat("wav", "wav", "pcm_f32le", "audio/wav")}
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # what libopus takes
+MPEG_RATES = (8000, 11025, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # what LAME and FFmpeg's aac take
+# the sample rates of 8-48 kHz each encoder opens at, where it does not take any (a rate it refuses
+# failed inside the encoder, after the stream was opened: a 500 and a held slot)
+ENCODER_RATES = {"mp3": MPEG_RATES, "aac": MPEG_RATES, "opus": OPUS_RATES}
 
 
 def int16_samples(audio: np.ndarray) -> np.ndarray:
