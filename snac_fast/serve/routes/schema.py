@@ -23,6 +23,15 @@ Speed = Annotated[float, Field(strict=True, ge=SPEEDS[0], le=SPEEDS[1])]
 Text = Annotated[str, Field(strict=True)]
 
 
+# one server-sent event of stream_format "sse", as a schema of the event's fields: its data is JSON,
+# speech.audio.delta ({"type", "audio": base64 of the format}), speech.audio.done, or error
+SSE_EVENT = {"type": "object", "required": ["data"], "properties": {
+    "data": {"type": "string", "contentMediaType": "application/json",
+             "description": '{"type": "speech.audio.delta", "audio": BASE64}, {"type": "speech.audio.done"} or '
+                            '{"type": "error", "error": {"message", "type"}}'},
+    "event": {"type": "string"}, "id": {"type": "string"}, "retry": {"type": "integer"}}}
+
+
 class VoiceId(BaseModel):
     """OpenAI's custom-voice form of ``voice``."""
 
@@ -174,7 +183,7 @@ def openapi_document(server_url: str | None = None) -> dict:
                                                  "events with stream_format sse",
                                   "content": {**{t: {"schema": {"type": "string", "format": "binary"}}
                                                  for t in AUDIO_TYPES},
-                                              "text/event-stream": {"schema": {"type": "string"}}}},
+                                              "text/event-stream": {"schema": SSE_EVENT}}},
                           **openai_errors}}},
     }
     for form, summary in [("", "Speak text (ElevenLabs)"), ("/stream", "Speak text as a stream (ElevenLabs)"),
