@@ -97,7 +97,12 @@ def to_dict(settings: Any, leave_out: tuple[str, ...] = ()) -> dict:
             and f.name not in leave_out}
 
 
+def parts_of(kind: type) -> dict[str, type]:
+    """``kind``'s parts: field name -> the settings type it holds."""
+    return {f.name: f.default_factory for f in dataclasses.fields(kind) if "part" in f.metadata}
+
+
 def from_dict(kind: type, values: dict) -> Any:
     """What :func:`to_dict` made, back as ``kind``."""
-    parts = {f.name: f.default_factory for f in dataclasses.fields(kind) if "part" in f.metadata}
+    parts = parts_of(kind)
     return kind(**{k: from_dict(parts[k], v) if k in parts else v for k, v in values.items()})

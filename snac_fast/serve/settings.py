@@ -239,14 +239,15 @@ class ServeSettings:
     def of(cls, **values: Any) -> "ServeSettings":
         """Settings from options named alone (``ServeSettings.of(max_streams=64, lm_url=URL)``), each
         given to the part that has it; TypeError naming one that none has."""
-        parts = {name: {} for name in ("engine", "lm", "http")}
+        kinds = options.parts_of(cls)
+        parts = {name: {} for name in kinds}
         layout = values.pop("layout", None)
         for name, value in values.items():
-            owner = next((p for p, kind in _PARTS.items() if name in kind.__dataclass_fields__), None)
+            owner = next((p for p, kind in kinds.items() if name in kind.__dataclass_fields__), None)
             if owner is None:
                 raise TypeError(f"ServeSettings has no option {name!r}")
             parts[owner][name] = value
-        made = cls(**{p: _PARTS[p](**v) for p, v in parts.items()})
+        made = cls(**{p: kinds[p](**v) for p, v in parts.items()})
         if layout is not None:
             made.layout = layout
         return made
@@ -282,9 +283,6 @@ class ServeSettings:
         if settings.http.api_key is None:
             settings.http.api_key = os.environ.get(API_KEY_VARIABLE) or None
         return settings.check()
-
-
-_PARTS = {"engine": EngineSettings, "lm": LMSettings, "http": HTTPSettings}
 
 
 def _orpheus() -> "TokenLayout":

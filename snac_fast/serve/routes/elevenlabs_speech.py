@@ -36,8 +36,9 @@ async def text_to_speech(request):
     fmt = elevenlabs_format(name)
     voice = request.path_params["voice_id"]
     problem, text, seed, speed = _checked(body, server.settings.http.max_input_chars)
-    if problem is None and server.voices.problem(voice) is not None:
-        problem = f"voice_id {server.voices.problem(voice)}"
+    voice_problem = server.voices.problem(voice)
+    if problem is None and voice_problem is not None:
+        problem = f"voice_id {voice_problem}"
     if problem is None and fmt is None:
         problem = f"output_format must be pcm_8000 ... pcm_48000, ulaw_8000, alaw_8000 or mp3_<rate>_<kbps>, got {name!r}"
     if problem is not None:
