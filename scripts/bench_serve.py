@@ -166,7 +166,7 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
                 x @ x
             torch.cuda.synchronize()
         del x
-    graphs_before = set(engine._graphs)
+    graphs_before = set(engine.steps.graphs)
     cpu0, wall0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
     with GcProbe() as probe:
         if path == "threads":
@@ -219,7 +219,7 @@ def run_scenario(codec, engine, args, streams: int, pace: float, path: str, pool
     return {**recorder.raw(frames, interval, wall0, cpu0, behind[0]),
             "batches": batcher.batches, "requests": batcher.requests, "gpu_span_s": batcher.gpu_seconds,
             "engine_thread_s": batcher.step_seconds,
-            "graphs_captured": sorted(map(str, set(engine._graphs) - graphs_before)), **probe.summary()}
+            "graphs_captured": sorted(map(str, set(engine.steps.graphs) - graphs_before)), **probe.summary()}
 
 
 async def paced(push, sid: int, seq: list, due: float, interval: float, on_audio) -> float:

@@ -101,7 +101,7 @@ class LoadProbe(GcProbe):
     def __init__(self, engine):
         super().__init__()
         self.engine, self.calls = engine, []
-        self.graphs_before = len(engine._graphs)
+        self.graphs_before = len(engine.steps.graphs)
 
     def __enter__(self):
         for name in ("advance", "step_rows"):
@@ -127,7 +127,7 @@ class LoadProbe(GcProbe):
                 "gc_gen2_collections": gc_summary["gc_full"], "gc_gen2_max_pause_ms": gc_summary["gc_full_max_ms"],
                 "engine_call_max_ms": max(self.calls, default=0.0),
                 "engine_call_p99_ms": statistics.quantiles(self.calls, n=100)[98] if len(self.calls) > 2 else 0.0,
-                "graphs_captured_during_load": len(self.engine._graphs) - self.graphs_before}
+                "graphs_captured_during_load": len(self.engine.steps.graphs) - self.graphs_before}
 
 
 async def simulated_load(engine, config, streams, interval_ms, seconds, gen):
@@ -274,7 +274,7 @@ def main() -> None:
             engine_batched()
         torch.cuda.synchronize()
         pipelined = (time.perf_counter() - t0) * 1e3 / steps
-        graph = engine._graphs.get(("step", engine._bucket(S), group))
+        graph = engine.steps.graphs.get(("step", engine.steps.bucket(S), group))
         replay = statistics.median(timed(graph.graph.replay)[1] for _ in range(args.rounds)) if graph else None
         for s in slots:
             engine.close(s)

@@ -80,7 +80,7 @@ def main() -> None:
             push(g)
         host_async = (time.perf_counter() - t0) / 20 * 1e3  # no sync: host work per call while the GPU keeps up
         torch.cuda.synchronize()
-        graph = engine._graphs[("step", 1 << (S - 1).bit_length(), g)]
+        graph = engine.steps.graphs[("step", 1 << (S - 1).bit_length(), g)]
         replay = gpu_ms(graph.graph.replay)
         window = [torch.randint(0, 4096, (S, 4 * g * strides[0] // s), device="cuda") for s in strides]
         one = [c[:, :c.shape[1] // 4] for c in window]

@@ -132,6 +132,6 @@ def test_the_step_graphs_pool_is_about_the_largest_steps_intermediates():
     engine = codec.stream_engine(256)
     most = engine.intermediates(256)
     engine.warmup(max_batch=256)
-    pool = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(engine._pool.id)]
+    pool = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(engine.steps.pool.id)]
     held = sum(s["total_size"] for s in pool)
     assert most > 0 and held <= 1.25 * most, f"pool {held / GB:.3f} GB in {len(pool)} segments for {most / GB:.3f} GB"

@@ -222,9 +222,9 @@ def test_stream_steps_of_up_to_8_rows_take_the_one_row_steps_tiles():
     tile_fields = ("K", "DILATION", "RUN", "ROWS", "BLOCK_T", "BLOCK_M", "BLOCK_N", "BLOCK_K", "PDL")
 
     def tiles(kind: str, rows: int, frames: int) -> set:
-        inputs = engine._warmup_inputs([(kind, rows, frames)])  # what warm-up launches for that step
+        inputs = engine.steps.warmup_inputs([(kind, rows, frames)])  # what warm-up launches for that step
         return {(l.kernel, l.num_warps, tuple((k, v) for k, v in l.constexprs if k in tile_fields))
-                for l in record_launches(lambda: engine._launch_shapes(inputs), GPUS["h100"])
+                for l in record_launches(lambda: engine.steps.launch_shapes(inputs), GPUS["h100"])
                 if l.kernel in ("_depthwise_conv_snake_kernel", "_pointwise_conv_kernel")}
 
     for kind, frames in ((STEP, engine.frames_per_group), (PREFILL, engine.prefill_frames), (FLUSH, 0)):
@@ -269,12 +269,12 @@ def test_prefills_and_flushes_launch_their_buckets_step_tiles():
     tile_fields = ("K", "DILATION", "RUN", "ROWS", "BLOCK_T", "BLOCK_M", "BLOCK_N", "BLOCK_K", "PDL", "ALIGNED")
 
     def tiles(engine, kind: str, rows: int, frames: int) -> set:
-        inputs = engine._warmup_inputs([(kind, rows, frames)])
+        inputs = engine.steps.warmup_inputs([(kind, rows, frames)])
         return {(l.kernel, l.num_warps, tuple((k, v) for k, v in l.constexprs if k in tile_fields))
-                for l in record_launches(lambda: engine._launch_shapes(inputs), GPUS["h100"])
+                for l in record_launches(lambda: engine.steps.launch_shapes(inputs), GPUS["h100"])
                 if l.kernel in ("_depthwise_conv_snake_kernel", "_pointwise_conv_kernel")}
 
-    order = [shape[0] for shape in engine._warmup_shapes(16, ())]
+    order = [shape[0] for shape in engine.steps.warmup_shapes(16, ())]
     assert order[:3] == [STEP, PREFILL, FLUSH] and len(order) == 15
     for rows in (1, 16):
         step = tiles(engine, STEP, rows, engine.frames_per_group)

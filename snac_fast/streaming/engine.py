@@ -1,9 +1,10 @@
 """The batched stream engine: state rows for many streams, prefill / step / flush runs, CUDA graphs.
 
-:class:`StreamEngine` is the engine's state and scheduling; its other parts live beside it, each a
-mixin of one concern: :mod:`.lookahead` (facts of time, approximate emission), :mod:`.code_checks`
-(its inputs' checks), :mod:`.step_shapes` (step sizes and the warm-up), :mod:`.stage_forward` (the
-step through the stages, what a CUDA graph captures)."""
+:class:`StreamEngine` is the engine's streams and their scheduling; its parts live beside it, each
+owning its state: :mod:`.slots` (state rows and noise keys), :mod:`.lookahead` (facts of time,
+approximate emission), :mod:`.code_checks` (its inputs' checks), :mod:`.step_runner` (one batched
+step through its graph, step sizes, the warm-up), :mod:`.stage_forward` (the step through the
+stages, what a CUDA graph captures)."""
 
 from __future__ import annotations
 
@@ -17,25 +18,16 @@ import torch
 from torch import Tensor, nn
 
 from snac_fast.model.noise import check_seed
-from snac_fast.ops.device import device_scope
-from snac_fast.runtime.graphs import out_of_memory_explained
 from snac_fast.streaming.code_checks import CodeChecker, host_numpy
 from snac_fast.streaming.geometry import Geometry, align_contexts, build_stages
 from snac_fast.streaming.layer_state import LayerStates
-from snac_fast.streaming.lookahead import LookaheadGeometry, preset_lookahead
+from snac_fast.streaming.lookahead import ApproximateEmission, StreamTiming, preset_lookahead
 from snac_fast.streaming.pending import CheckedCodes, PendingCodes
-from snac_fast.streaming.shapes import (
-    CODELESS,
-    FLUSH,
-    PREFILL,
-    STEP,
-    bucket_rows,
-    joined_audio,
-    slots_of,
-)
+from snac_fast.streaming.shapes import TAIL, joined_audio, slots_of
+from snac_fast.streaming.schedule import Schedule
+from snac_fast.streaming.slots import SlotTable
 from snac_fast.streaming.stage_forward import StageForward
-from snac_fast.streaming.step_graph import StepGraph
-from snac_fast.streaming.step_shapes import StepShapes
+from snac_fast.streaming.step_runner import StepRunner
 
 
 @dataclass(eq=False)
@@ -63,14 +55,19 @@ class StreamSlot:
 @dataclass
 class _StepBatch:
     """The streams of one :meth:`StreamEngine.step` call: their state ``slots`` (int64 [n]), the
-    step's key rows (int64 [4, bucket], :meth:`StreamEngine._write_keys`) and whether all have started."""
+    step's key rows (int64 [4, bucket], :meth:`SlotTable.write_keys`) and whether all have started."""
 
     slots: np.ndarray
     keys: np.ndarray
     started: bool
 
 
-class StreamEngine(LookaheadGeometry, StepShapes):
+def _timing(name: str) -> property:
+    """One of :class:`StreamTiming`'s facts, read through the engine."""
+    return property(lambda engine: getattr(engine.timing, name), doc=getattr(StreamTiming, name).__doc__)
+
+
+class StreamEngine:
     """Stateful streaming decode for many streams at once (one state row per stream) of a SNAC
     ``model`` (snac-fast's tree after surgery, or upstream's) with its ``config``, on ``device`` in
     ``dtype`` (the model's). Build it with :meth:`snac_fast.FastSNAC.stream_engine`.
@@ -114,9 +111,9 @@ class StreamEngine(LookaheadGeometry, StepShapes):
         self.approximate_lookahead = lookahead if lookahead is not None and lookahead < exact.lookahead_samples else None
         align_contexts(stages, exact)  # its a and group: neither depends on the contexts
         self.geometry = Geometry.of(stages, self.strides[0], window)
-        self._tail_keep = self._tail_lengths(window) if self.approximate_lookahead is not None else None
+        self.timing = StreamTiming(self.geometry, int(config["sampling_rate"]), exact.lookahead_samples,
+                                   self.approximate_lookahead)
         self.max_streams = max_streams
-        self.max_frames_per_step = max(self.geometry.group, max_frames_per_step // self.geometry.group * self.geometry.group)
         if layered is None:  # a CPU's exact float32 streams: state per layer computes no context twice
             # (in bfloat16 its torch ops round every layer: 18 dB against float32 where the stages' give 26)
             layered = (self.device.type == "cpu" and self.approximate_lookahead is None
@@ -126,40 +123,66 @@ class StreamEngine(LookaheadGeometry, StepShapes):
         if compile and not layered:
             raise ValueError("compile=True compiles the per-layer step of a CPU's exact streams (layered)")
         # row max_streams: scratch for the padding rows of a bucket
-        self._layered = LayerStates(model, max_streams + 1, exact.lookahead_samples, self.strides[0],
-                                    device=self.device, dtype=dtype, compile=compile) if layered else None
-        if self._layered is not None:
-            self.state = self._layered.states
+        self.layered = LayerStates(model, max_streams + 1, exact.lookahead_samples, self.strides[0],
+                                   device=self.device, dtype=dtype, compile=compile) if layered else None
+        if self.layered is not None:
+            self.state = self.layered.states
         else:
             with torch.inference_mode(False):
                 self.state = [torch.zeros((max_streams + 1, s.channels, s.context), device=self.device, dtype=self.dtype)
                               for s in self.geometry.stages]
-        # the step itself (what the step graphs capture), a part that owns its launch choices
-        self.forward = StageForward(model, self.geometry, self.state, self._layered, self._tail_keep)
-        self._free = list(range(max_streams - 1, -1, -1))
-        self._pending = PendingCodes(max_streams, self.ratios)
-        # per slot, the key rows of a step (frames consumed, seed, row): one gather for all three
-        self._slot_keys = np.zeros((3, max_streams + 1), np.int64)
-        self._consumed, self._seeds, self._rows = self._slot_keys
-        # approximate streams, per slot: exact audio produced so far, and audio emitted (samples)
-        self._exact_out = np.zeros(max_streams + 1, np.int64)
-        self._emitted = np.zeros(max_streams + 1, np.int64)
-        self._step_batches: dict[tuple, _StepBatch] = {}  # step's streams -> their slots and keys
+        self.slots = SlotTable(max_streams)
+        self.pending = PendingCodes(max_streams, self.ratios)
         self._lock = lock or threading.RLock()  # a codec's: its decodes patch the same NoiseBlocks
-        if cuda_graphs and self.device.type != "cuda":
-            raise ValueError("cuda_graphs=True needs a CUDA device")
-        self.cuda_graphs = cuda_graphs
-        self.max_graphs = max_graphs
-        self._graphs: dict[tuple, StepGraph] = {}
-        # after a warm-up: the step shapes (STEP, bucket, frames) warmed. A step of more frames than
-        # a warmed one then runs as one-group steps: capturing its graph mid-serving held the first
-        # audio of a server's first streams for 85-250 ms (docs/http_server.md)
-        self._warmed_steps: set[tuple] | None = None
-        # one memory pool for every step graph (they replay one at a time), which the warm-up's eager
-        # passes use too; reserved as one segment before the first (StepShapes._reserve_pool)
-        self._pool = torch.cuda.MemPool() if cuda_graphs else None
-        self._pool_reserved = False
-        self._graph_streams: tuple | None = None  # (capture, side), made at the first capture
+        tail_keep = self.timing.tail_lengths(window) if self.approximate_lookahead is not None else None
+        # the step itself (what the step graphs capture), a part that owns its launch choices
+        self.forward = StageForward(model, self.geometry, self.state, self.layered, tail_keep)
+        self.steps = StepRunner(self.forward, self.state, self.slots, self.checks, self.timing,
+                                max_frames_per_step=max_frames_per_step, cuda_graphs=cuda_graphs,
+                                max_graphs=max_graphs, lock=self._lock)
+        self.schedule = Schedule(model, self.timing, self.slots, self.pending, self.steps, self.checks)
+        self.emission = None if self.approximate_lookahead is None else ApproximateEmission(
+            self.timing, max_streams + 1, self.state, lambda slots: self.schedule.run(TAIL, slots, 0),
+            lambda stream: self.schedule.decode_held(stream, take=False))
+        self._step_batches: dict[tuple, _StepBatch] = {}  # step's streams -> their slots and keys
+
+    frames_per_group = _timing("frames_per_group")
+    prefill_frames = _timing("prefill_frames")
+    samples_per_frame = _timing("samples_per_frame")
+    lookahead_samples = _timing("lookahead_samples")
+    lookahead_frames = _timing("lookahead_frames")
+    lookahead_ms = _timing("lookahead_ms")
+    first_audio_frames = _timing("first_audio_frames")
+    first_audio_ms = _timing("first_audio_ms")
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether steps replay captured CUDA graphs."""
+        return self.steps.cuda_graphs
+
+    @property
+    def max_frames_per_step(self) -> int:
+        return self.steps.max_frames_per_step
+
+    @property
+    def state_bytes_per_stream(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self.state)
+
+    @property
+    def open_streams(self) -> int:
+        return self.slots.in_use
+
+    def warmup(self, max_batch: int | None = None, frames: Sequence[int] = (), compiled: bool = False) -> int:
+        """Capture every step graph a server will run (:meth:`StepRunner.warmup`); returns how many."""
+        return self.steps.warmup(max_batch, frames, compiled)
+
+    def compile_steps(self, max_batch: int | None = None, frames: Sequence[int] = ()) -> None:
+        """Compile the kernels :meth:`warmup` would capture, without capturing (:meth:`StepRunner.compile_steps`)."""
+        self.steps.compile_steps(max_batch, frames)
+
+    def intermediates(self, rows: int) -> int:
+        """Bytes the largest step of ``rows`` rows allocates (:meth:`StepRunner.intermediates`). CUDA only."""
+        return self.steps.intermediates(rows)
 
     # -- streams -------------------------------------------------------------------------------
 
@@ -170,13 +193,10 @@ class StreamEngine(LookaheadGeometry, StepShapes):
         if isinstance(row, bool) or not isinstance(row, int) or not 0 <= row < 1 << 31:
             raise ValueError(f"row must be an int in [0, 2**31), got {row!r}")
         with self._lock:
-            if not self._free:
-                raise RuntimeError(f"all {self.max_streams} stream slots are in use: finish or close streams, or "
-                                   "make an engine with a larger max_streams")
-            slot = self._free.pop()
-            self._pending.clear(slot)
-            self._consumed[slot], self._seeds[slot], self._rows[slot] = 0, seed, row
-            self._exact_out[slot] = self._emitted[slot] = 0
+            slot = self.slots.take(seed, row)
+            self.pending.clear(slot)
+            if self.emission is not None:
+                self.emission.reset(slot)
             return StreamSlot(self, slot, seed, row)
 
     def close(self, stream: StreamSlot) -> None:
@@ -185,8 +205,8 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             if not stream.closed:
                 stream.closed = True
                 self._step_batches.clear()
-                self._pending.clear(stream.slot)
-                self._free.append(stream.slot)
+                self.pending.clear(stream.slot)
+                self.slots.release(stream.slot)
 
     def advance(self, pushes: Mapping[StreamSlot, Sequence[Tensor]] | None = None,
                 finish: Iterable[StreamSlot] = ()) -> dict[StreamSlot, Tensor]:
@@ -199,7 +219,7 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             return self._advance(pushes or {}, finish)
         with self._lock:
             exact = self._advance(pushes or {}, finish)
-            return dict(zip(exact, self._emit(list(exact), list(exact.values()), set(finish))))
+            return dict(zip(exact, self.emission.emit(list(exact), list(exact.values()), set(finish))))
 
     def _advance(self, pushes: Mapping[StreamSlot, Sequence[Tensor]], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
         """:meth:`advance` of exact streams (the exact audio of approximate ones)."""
@@ -215,14 +235,14 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             codes = list(checked.values())
             slots = slots_of(streams)
             if (all_started and not finish and len({c.frames for c in codes}) == 1
-                    and self._in_steady_state(len(streams), slots, codes[0].frames)):
+                    and self.schedule.steady(len(streams), slots, codes[0].frames)):
                 arrays = [level[None] for level in codes[0]] if len(codes) == 1 else [np.stack(c) for c in zip(*codes)]
                 ids_checked = all(c.ids_checked for c in codes)  # check_codes' output: checked once already
-                return dict(zip(streams, self._direct_step(slots, arrays, codes[0].frames, ids_checked).unbind(0)))
+                return dict(zip(streams, self.schedule.direct(slots, arrays, codes[0].frames, ids_checked).unbind(0)))
             self.checks.check_ids([c for c in codes if not c.ids_checked])
             for s, codes in checked.items():
-                self._pending.put(s.slot, codes)
-            return self._decode_pending(streams, finish)
+                self.pending.put(s.slot, codes)
+            return self._decode(streams, finish)
 
     def step(self, streams: Sequence[StreamSlot], codes: Sequence[Tensor]) -> list[Tensor]:
         """The batched form of :meth:`advance` for servers whose model emits the codes of many
@@ -234,7 +254,7 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             raise ValueError("step needs at least one stream")
         if self.approximate_lookahead is not None:
             with self._lock:
-                return self._emit(list(streams), self._step(streams, codes), set())
+                return self.emission.emit(list(streams), self._step(streams, codes), set())
         return self._step(streams, codes)
 
     def _step(self, streams: tuple, codes: Sequence[Tensor]) -> list[Tensor]:
@@ -244,11 +264,11 @@ class StreamEngine(LookaheadGeometry, StepShapes):
         with self._lock:
             batch = self._step_batch(streams)
             slots = batch.slots
-            if batch.started and self._in_steady_state(len(streams), slots, frames):
-                return list(self._direct_step(slots, arrays, frames, keys=batch.keys).unbind(0))
+            if batch.started and self.schedule.steady(len(streams), slots, frames):
+                return list(self.schedule.direct(slots, arrays, frames, keys=batch.keys).unbind(0))
             self.checks.check_ids([arrays])
-            self._pending.put_rows(slots, arrays, frames)
-            audio = self._decode_pending(list(streams), [])
+            self.pending.put_rows(slots, arrays, frames)
+            audio = self._decode(list(streams), [])
         return [audio[s] for s in streams]
 
     def step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int) -> tuple[Tensor, np.ndarray]:
@@ -262,7 +282,7 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             with self._lock:
                 audio, offsets = self._step_rows(streams, rows, frames)
                 exact = [audio[offsets[j]:offsets[j + 1]] for j in range(len(streams))]
-                return joined_audio(self._emit(list(streams), exact, set()))
+                return joined_audio(self.emission.emit(list(streams), exact, set()))
         return self._step_rows(streams, rows, frames)
 
     def _step_rows(self, streams: Sequence[StreamSlot], rows: np.ndarray, frames: int) -> tuple[Tensor, np.ndarray]:
@@ -278,20 +298,20 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             slots = slots_of(streams)
             if len(set(slots.tolist())) != n:
                 raise ValueError("step_rows got the same stream twice")
-            if started and self._in_steady_state(n, slots, frames):
-                audio = self._direct_step(slots, levels, frames, ids_checked=True)
+            if started and self.schedule.steady(n, slots, frames):
+                audio = self.schedule.direct(slots, levels, frames, ids_checked=True)
                 return audio.reshape(-1), np.arange(n + 1, dtype=np.int64) * audio.shape[1]
-            self._pending.put_rows(slots, levels, frames)
-            pieces = self._decode_pending(list(streams), [])
+            self.pending.put_rows(slots, levels, frames)
+            pieces = self._decode(list(streams), [])
         return joined_audio([pieces[s] for s in streams])
 
     def frames_decoded(self, slot: int) -> int:
         """Frames the stream in state row ``slot`` has decoded (prefill and steps)."""
-        return int(self._consumed[slot])
+        return int(self.slots.consumed[slot])
 
     def frames_pending(self, slot: int) -> int:
         """Frames pushed to the stream in ``slot`` and not decoded yet."""
-        return self._pending.held(slot)
+        return self.pending.held(slot)
 
     def check_codes(self, codes: Sequence[Tensor]) -> CheckedCodes:
         """One stream's codes for k >= 1 new frames, checked on the host before any kernel runs
@@ -316,8 +336,7 @@ class StreamEngine(LookaheadGeometry, StepShapes):
         slots = slots_of(streams)
         if len(set(slots.tolist())) != len(streams):
             raise ValueError("step got the same stream twice")
-        keys = np.empty((4, self._bucket(len(slots))), np.int64)
-        self._write_keys(keys, slots)
+        keys = self.slots.keys_of(slots, self.steps.bucket(len(slots)))
         batch = _StepBatch(slots, keys, started)
         if started:
             if len(self._step_batches) >= 64:
@@ -325,45 +344,12 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             self._step_batches[streams] = batch
         return batch
 
-    def _in_steady_state(self, streams: int, slots: np.ndarray, frames: int) -> bool:
-        """A server's steady state, under the lock, for ``streams`` started streams (``slots``):
-        none holding pending frames, and ``frames`` one step's worth for one batch."""
-        return (streams <= self.max_streams and self._step_frames(frames) == frames
-                and self._runnable_frames(streams, frames) == frames
-                and (self._pending.frames_held == 0 or not (self._pending.tail[slots] != self._pending.head[slots]).any()))
-
-    def _direct_step(self, slots: np.ndarray, codes: list[np.ndarray], frames: int,
-                     ids_checked: bool = False, keys: np.ndarray | None = None) -> list[Tensor]:
-        """In the steady state, the codes (per level [len(slots), L_i], any integer dtype) go
-        straight into one batched step, without the pending buffers; returns the audio [n, samples].
-        With a captured graph the codes and keys are written into its pinned inputs and the ids
-        checked there (one reduction), before any state changes. ``keys``: the batch's key rows
-        (:meth:`_write_keys` of ``slots``), all but the frames consumed, which change every step."""
-        n, bucket = len(slots), self._bucket(len(slots))
-        graph = self._graphs.get((STEP, bucket, frames)) if self.cuda_graphs else None
-        if graph is None:
-            if not ids_checked:
-                self.checks.check_ids([codes])
-            codes = [c.astype(np.int64, copy=False) for c in codes]
-            with torch.inference_mode(), device_scope(self.device):
-                return self._run(STEP, slots, frames, codes)
-        graph_keys, *levels = graph.inputs()
-        if keys is None:
-            self._write_keys(graph_keys, slots)
-        else:
-            graph_keys[...] = keys
-            np.take(self._consumed, slots, out=graph_keys[1, :n])
-        for level, c in zip(levels, codes):
-            level[:n] = c
-            if n < bucket:  # padding rows: code 0
-                level[n:] = 0
-        if not ids_checked and graph.unsigned_codes.max() >= self.codebook_size:  # negatives wrap high
-            self.checks.check_ids([codes])  # names the level and the id
-            raise ValueError(f"codes hold ids outside [0, {self.codebook_size})")
-        with device_scope(self.device):
-            audio = graph.launch()[:n, 0].clone()  # the next replay overwrites the graph's output
-        self._consumed[slots] += frames  # after the launch: host work the GPU's step hides
-        return audio
+    def _decode(self, pushed: list[StreamSlot], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
+        """Decode what ``pushed`` streams hold and end ``finish`` (:meth:`Schedule.decode`); under the lock."""
+        out = self.schedule.decode(pushed, finish)
+        for s in finish:
+            self.close(s)
+        return out
 
     def _check_streams(self, streams: list[StreamSlot]) -> bool:
         """ValueError for a stream that is closed or not this engine's; returns whether all have started."""
@@ -375,117 +361,5 @@ class StreamEngine(LookaheadGeometry, StepShapes):
             started = started and s.started
         return started
 
-    def _decode_pending(self, pushed: list[StreamSlot], finish: list[StreamSlot]) -> dict[StreamSlot, Tensor]:
-        """Decode what ``pushed`` streams hold (prefills, steps) and end ``finish``; under the lock."""
-        pieces: dict[StreamSlot, list[Tensor]] = {s: [] for s in pushed + finish}
-        with torch.inference_mode(), device_scope(self.device):
-            self._run_prefills([s for s in pieces if not s.started and s.pending_frames >= self.prefill_frames], pieces)
-            self._run_steps([s for s in pieces if s.started], pieces)
-            self._run_finishes(finish, pieces)
-        empty = None
-        out = {}
-        for s, p in pieces.items():
-            if len(p) == 1:
-                out[s] = p[0]
-            elif p:
-                out[s] = torch.cat(p)
-            else:
-                out[s] = empty = self.empty_audio() if empty is None else empty
-        return out
-
     def empty_audio(self) -> Tensor:
-        return torch.empty(0, device=self.device, dtype=self.dtype)
-
-    # -- scheduling ----------------------------------------------------------------------------
-
-    def _run_prefills(self, streams: list[StreamSlot], pieces) -> None:
-        for chunk in self._chunks(streams):
-            audio = self._run(PREFILL, slots_of(chunk), self.prefill_frames).unbind(0)
-            for s, a in zip(chunk, audio):
-                s.started = True
-                pieces[s].append(a)
-
-    def _run_steps(self, streams: list[StreamSlot], pieces) -> None:
-        while streams:
-            slots = slots_of(streams)
-            frames = self._step_frames_of(self._pending.tail[slots] - self._pending.head[slots])
-            # the distinct step sizes, without np.unique: its first call imports numpy.ma (a stall,
-            # seen as the first prefills' slow pushes under load; docs/measurements.md)
-            for k in sorted(set(frames[frames > 0].tolist())):
-                picked = np.flatnonzero(frames == k)
-                group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
-                for chunk in self._chunks(group):
-                    step = self._runnable_frames(len(chunk), k)
-                    for s, a in zip(chunk, self._run(STEP, slots_of(chunk), step).unbind(0)):
-                        pieces[s].append(a)
-            # streams that pushed more than one step's frames go round again
-            more = (frames > 0) & (self._pending.tail[slots] - self._pending.head[slots] >= self.frames_per_group)
-            streams = [streams[i] for i in np.flatnonzero(more)]
-
-    def _run_finishes(self, streams: list[StreamSlot], pieces) -> None:
-        started = [s for s in streams if s.started]
-        for chunk in self._chunks(started):
-            for s, a in zip(chunk, self._run(FLUSH, slots_of(chunk), 0).unbind(0)):
-                pieces[s].append(a)
-        for s in streams:
-            if not s.started and s.pending_frames:  # shorter than a prefill: decode it whole
-                pieces[s].append(self._decode_whole(s))
-        for s in streams:
-            self.close(s)
-
-    def _chunks(self, streams: list[StreamSlot]) -> Iterable[list[StreamSlot]]:
-        step = self.max_streams
-        return (streams[i:i + step] for i in range(0, len(streams), step))
-
-    def _decode_whole(self, s: StreamSlot, take: bool = True) -> Tensor:
-        """The whole decode of the codes ``s`` holds (taking them, unless not ``take``): [samples]."""
-        from snac_fast.model.noise import keyed_noise
-
-        held = self._pending.take_all(s.slot) if take else self._pending.peek_all(s.slot)
-        codes = [torch.from_numpy(c)[None].to(self.device) for c in held]
-        seeds = torch.tensor([s.seed], dtype=torch.int64, device=self.device)
-        rows = torch.tensor([s.row], dtype=torch.int64, device=self.device)
-        with keyed_noise(self.model, seeds, rows):
-            return self.model.decode(codes)[0, 0]
-
-    # -- one batched call ----------------------------------------------------------------------
-
-    def _bucket(self, n: int) -> int:
-        """Rows of the batch that runs n streams: :func:`bucket_rows` (at most max_streams) under CUDA graphs."""
-        return min(bucket_rows(n), self.max_streams) if self.cuda_graphs else n
-
-    def _write_keys(self, keys: np.ndarray, slots: np.ndarray) -> None:
-        """Fill a step's keys, int64 [4, bucket]: per row the state slot, frames consumed, seed and
-        noise row of ``slots``; the padding rows past len(slots) get the scratch slot and zeros."""
-        n = len(slots)
-        keys[0, :n] = slots
-        keys[1:, :n] = self._slot_keys[:, slots]
-        if n < keys.shape[1]:
-            keys[0, n:], keys[1:, n:] = self.max_streams, 0
-
-    def _run(self, kind: str, slots: np.ndarray, frames: int, codes: list[np.ndarray] | None = None) -> Tensor:
-        """Run one kind of step for the streams of state ``slots``, each taking its next ``frames``
-        pending frames (none for a flush), or ``codes`` (per level int64 [len(slots), L_i]) when
-        given instead; returns the streams' new audio, [len(slots), samples] (row j: slots[j])."""
-        n = len(slots)
-        bucket = self._bucket(n)
-        keys = np.empty((4, bucket), np.int64)
-        self._write_keys(keys, slots)
-        if kind not in CODELESS:
-            codes = self._pending.take(slots, frames) if codes is None else codes  # n rows
-            self._consumed[slots] += frames
-        else:
-            codes = []
-        if self.cuda_graphs:
-            key = (kind, bucket, frames)
-            graph = self._graphs.get(key)
-            if graph is None:
-                if len(self._graphs) >= self.max_graphs:
-                    self._graphs.pop(next(iter(self._graphs)))
-                padded = [np.pad(level, ((0, bucket - n), (0, 0))) for level in codes]  # the graph's shapes
-                with out_of_memory_explained(f"capturing a stream step's CUDA graph ({kind}, {bucket} rows)"):
-                    graph = self._graphs[key] = self._step_graph(kind, keys, padded, frames)
-            # rows past n keep earlier calls' codes: valid codes, decoded into the scratch slot
-            return graph(keys, codes)[:n, 0].clone()  # the next replay overwrites the graph's output
-        return self.forward(kind, torch.from_numpy(keys).to(self.device),
-                             [torch.from_numpy(c).to(self.device) for c in codes], frames)[:n, 0]
+        return self.schedule.empty_audio()

@@ -1,14 +1,19 @@
-"""Lookahead geometry of a stream engine: how far its audio trails its newest frame, when its first
-audio comes, and, for approximate streams (a lookahead below the receptive field), what each call
-emits: the exact audio, then a tail decoded from a copy of the state as if the stream ended there."""
+"""A stream engine's facts of time (:class:`StreamTiming`: how far its audio trails its newest
+frame, when its first audio comes) and, for approximate streams (a lookahead below the receptive
+field), what each call emits (:class:`ApproximateEmission`): the exact audio, then a tail decoded
+from a copy of the state as if the stream ended there."""
 
 from __future__ import annotations
 
+from typing import Callable
+
+import numpy as np
 import torch
 from torch import Tensor
 
 from snac_fast.ops.device import device_scope
-from snac_fast.streaming.shapes import TAIL, slots_of
+from snac_fast.streaming.geometry import Geometry
+from snac_fast.streaming.shapes import slots_of
 
 # lookahead="fp16": per sampling rate, the least lookahead (samples) whose approximate stream is
 # closer to the whole float32 decode than an fp16 decode is (scripts/lookahead_curve.py, docs/streaming.md)
@@ -25,11 +30,17 @@ def preset_lookahead(config: dict, name: str) -> int | None:
     return FP16_LOOKAHEAD.get(int(config["sampling_rate"]))
 
 
-class LookaheadGeometry:
-    """The :class:`~snac_fast.streaming.StreamEngine`'s facts of time and its approximate emission
-    (a part of the engine: it reads the engine's geometry, config and per-slot counters)."""
+class StreamTiming:
+    """A stream engine's facts of time: its stages' ``geometry`` at ``sampling_rate``, the samples of
+    its exact lookahead (``exact_lookahead_samples``, the receptive field) and, for approximate
+    streams, the lookahead asked for (``approximate_lookahead``, samples; None: exact)."""
 
-    def _tail_lengths(self, window: int | None) -> list[int]:
+    def __init__(self, geometry: Geometry, sampling_rate: int, exact_lookahead_samples: int,
+                 approximate_lookahead: int | None) -> None:
+        self.geometry, self.sampling_rate = geometry, sampling_rate
+        self.exact_lookahead_samples, self.approximate_lookahead = exact_lookahead_samples, approximate_lookahead
+
+    def tail_lengths(self, window: int | None) -> list[int]:
         """Per stage, the outputs past its exact point that a tail run keeps: those the emission,
         L samples before the stream's end, needs, traced back through the stages: k outputs past a
         stage's exact point read ceil(k / upsample) inputs past its state (its right context covers
@@ -79,48 +90,59 @@ class LookaheadGeometry:
     @property
     def first_audio_ms(self) -> float:
         """Audio time of :attr:`first_audio_frames` (what an LM generating in real time waits for)."""
-        return self._ms(self.first_audio_frames * self.samples_per_frame)
+        return self.ms(self.first_audio_frames * self.samples_per_frame)
 
     @property
     def lookahead_ms(self) -> float:
-        return self._ms(self.lookahead_samples)
-
-    def _ms(self, samples: int) -> float:
-        return 1000.0 * samples / int(self.config["sampling_rate"])
+        return self.ms(self.lookahead_samples)
 
     @property
     def lookahead_frames(self) -> float:
         return self.lookahead_samples / self.samples_per_frame
 
-    @property
-    def state_bytes_per_stream(self) -> int:
-        return sum(t[0].numel() * t.element_size() for t in self.state)
+    def ms(self, samples: int) -> float:
+        return 1000.0 * samples / self.sampling_rate
 
-    @property
-    def open_streams(self) -> int:
-        return self.max_streams - len(self._free)
 
-    def _emit(self, streams: list, exact: list[Tensor], finishing: set) -> list[Tensor]:
-        """Approximate streams, under the lock, after an exact call: each stream's exact new audio
-        (``exact[j]``, continuing its earlier exact audio) -> the audio it emits now. A stream's
-        output runs to L samples before its newest decoded frame, from the decode of all its codes
-        as if it ended there: its exact audio, then a flush of a copy of its state (restored after);
-        before its prefill, a whole decode of the codes it holds. A flush emits all that is left."""
-        L, per_frame, group = self.approximate_lookahead, self.samples_per_frame, self.frames_per_group
+class ApproximateEmission:
+    """What approximate streams emit (a part of an engine whose ``timing`` has an approximate
+    lookahead L): per state slot, the exact audio produced so far and the audio emitted (samples).
+    ``state``: the engine's state tensors; ``run_tail``: a tail run for some slots (int64 numpy)
+    -> their audio [n, samples], advancing their state (restored after); ``decode_held``: a stream
+    -> the whole decode of the codes it holds, without taking them, [samples]."""
+
+    def __init__(self, timing: StreamTiming, slots: int, state: list[Tensor],
+                 run_tail: Callable[[np.ndarray], Tensor], decode_held: Callable[..., Tensor]) -> None:
+        self.timing, self.state, self.run_tail, self.decode_held = timing, state, run_tail, decode_held
+        self.exact_out = np.zeros(slots, np.int64)
+        self.emitted = np.zeros(slots, np.int64)
+
+    def reset(self, slot: int) -> None:
+        self.exact_out[slot] = self.emitted[slot] = 0
+
+    def emit(self, streams: list, exact: list[Tensor], finishing: set) -> list[Tensor]:
+        """Under the engine's lock, after an exact call: each stream's exact new audio (``exact[j]``,
+        continuing its earlier exact audio) -> the audio it emits now. A stream's output runs to L
+        samples before its newest decoded frame, from the decode of all its codes as if it ended
+        there: its exact audio, then a flush of a copy of its state (restored after); before its
+        prefill, a whole decode of the codes it holds. A flush emits all that is left."""
+        timing = self.timing
+        L, per_frame, group = timing.approximate_lookahead, timing.samples_per_frame, timing.frames_per_group
         running = [s for s in streams if s not in finishing and s.started]
         tails: dict = {}
+        device = self.state[0].device
         if running:
             slots = slots_of(running)
-            with torch.inference_mode(), device_scope(self.device):
-                index = torch.from_numpy(slots).to(self.device)
+            with torch.inference_mode(), device_scope(device):
+                index = torch.from_numpy(slots).to(device)
                 saved = [state.index_select(0, index) for state in self.state]
-                tails = dict(zip(running, self._run(TAIL, slots, 0).unbind(0)))
+                tails = dict(zip(running, self.run_tail(slots).unbind(0)))
                 for state, rows in zip(self.state, saved):
                     state.index_copy_(0, index, rows)
         out = []
         for s, piece in zip(streams, exact):
-            before, emitted = int(self._exact_out[s.slot]), int(self._emitted[s.slot])
-            self._exact_out[s.slot] = before + piece.numel()
+            before, emitted = int(self.exact_out[s.slot]), int(self.emitted[s.slot])
+            self.exact_out[s.slot] = before + piece.numel()
             if s in finishing:
                 out.append(piece[emitted - before:])
                 continue
@@ -133,10 +155,10 @@ class LookaheadGeometry:
             else:  # not started: the whole decode of what it holds, in whole attention windows
                 frames = s.pending_frames
                 if not frames or frames % group:
-                    out.append(self.empty_audio())
+                    out.append(piece.new_empty(0))
                     continue
                 end = max(emitted, frames * per_frame - L)
-                with torch.inference_mode(), device_scope(self.device):
-                    out.append(self._decode_whole(s, take=False)[emitted:end])
-            self._emitted[s.slot] = end
+                with torch.inference_mode(), device_scope(device):
+                    out.append(self.decode_held(s)[emitted:end])
+            self.emitted[s.slot] = end
         return out

@@ -310,7 +310,7 @@ def test_cpu_workers_share_the_cores(monkeypatch):
     try:
         engine, _ = ready_engine(codec, ServeSettings.of(device="cpu", max_streams=3).engine, 1)
         assert torch.get_num_threads() == 1 and engine is codec.shared_stream_engine()
-        assert engine.max_streams == 3 and engine._layered is not None
+        assert engine.max_streams == 3 and engine.layered is not None
     finally:
         torch.set_num_threads(before)
 

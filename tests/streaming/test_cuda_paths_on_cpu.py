@@ -33,7 +33,7 @@ def test_the_fakes_refuse_what_torch_refuses():
 def graphed_engine(streams: int):
     """A float64 engine on the CPU with its CUDA-graph paths switched on (the fakes stand in)."""
     engine = engine64("snac_24khz", streams=streams, layered=False)
-    engine.cuda_graphs, engine._pool = True, torch.cuda.MemPool()
+    engine.steps.cuda_graphs, engine.steps.pool = True, torch.cuda.MemPool()
     return engine
 
 

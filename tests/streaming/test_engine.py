@@ -65,7 +65,7 @@ def test_stream_equals_whole_decode_float64(name, layered):
     rng = random.Random(name)
     narrow = name == "snac_44khz"
     engine = engine64(name, narrow=narrow, layered=layered)
-    assert (engine._layered is not None) == layered
+    assert (engine.layered is not None) == layered
     config = published_config(name)
     g, strides = engine.frames_per_group, config["vq_strides"]
     assert engine.lookahead_samples > 0 and engine.lookahead_ms == pytest.approx(1000 * engine.lookahead_samples / config["sampling_rate"])
@@ -87,7 +87,7 @@ def test_batched_step_equals_whole_decode_rows(name, layered):
     narrow = name == "snac_32khz"
     config = published_config(name)
     engine = engine64(name, streams=5, narrow=narrow, max_frames_per_step=2, layered=layered)
-    engine._pending = type(engine._pending)(5, engine._pending.ratios, capacity=3)  # forces moves and growth
+    engine.pending = engine.schedule.pending = type(engine.pending)(5, engine.pending.ratios, capacity=3)  # moves, growth
     g, strides = engine.frames_per_group, config["vq_strides"]
     frames = engine.prefill_frames + 3 * g
     codes = random_codes(config, frames, batch=3, seed=4)
@@ -120,10 +120,10 @@ def test_after_a_warm_up_only_warmed_step_shapes_run():
     record is set by hand here (the CPU captures no graphs)."""
     config = published_config("snac_24khz")
     engine = engine64("snac_24khz", streams=3)
-    engine._warmed_steps = {("step", b, 1) for b in (1, 2, 3)} | {("step", 2, 2)}
+    engine.steps.warmed = {("step", b, 1) for b in (1, 2, 3)} | {("step", 2, 2)}
     ran = []
-    run = engine._run
-    engine._run = lambda kind, slots, frames, codes=None: ran.append((kind, len(slots), frames)) or run(kind, slots, frames, codes)
+    run = engine.steps.run
+    engine.steps.run = lambda kind, keys, codes, frames, n: ran.append((kind, n, frames)) or run(kind, keys, codes, frames, n)
     strides = config["vq_strides"]
     frames = engine.prefill_frames + 9
     codes = random_codes(config, frames, batch=2, seed=12)
@@ -186,7 +186,7 @@ def test_gpu_step_rechecks_its_streams_after_a_close(cuda, no_tf32):
     engine = fast.stream_engine(4)
     for expected, got in steps_around_a_close(engine, fast.config, lambda codes, seed: fast.decode(codes, seed=seed)):
         assert snr_db(expected, got) >= 100
-    assert ("step", 4, 1) in engine._graphs and ("step", 2, 1) in engine._graphs
+    assert ("step", 4, 1) in engine.steps.graphs and ("step", 2, 1) in engine.steps.graphs
 
 
 def frames_of_rows(codes, strides, start, stop):
@@ -412,9 +412,9 @@ def test_step_sizes_scalar_and_vectorised_agree(name):
     engine = engine64(name, max_frames_per_step=12)
     group = engine.frames_per_group
     held = np.arange(-2, 40)
-    vectorised = engine._step_frames_of(held)
+    vectorised = engine.steps.step_frames_of(held)
     for pending, frames in zip(held.tolist(), vectorised.tolist()):
-        assert engine._step_frames(pending) == frames
+        assert engine.steps.step_frames(pending) == frames
         groups = min(pending, engine.max_frames_per_step) // group
         assert frames == (0 if groups < 1 else group * 2 ** int(np.log2(groups)))
 
@@ -448,7 +448,7 @@ def test_batch_buckets_pad_past_32_rows_by_at_most_a_third_and_are_all_warmed():
     for top in range(1, 600):
         assert {bucket_rows(n) for n in range(1, top + 1)} <= set(warmup_buckets(top)), top
     engine = FastSNAC(synthetic_model("snac_24khz"), device="cpu").stream_engine(512)
-    rows = sorted({b for _, b, _ in engine._warmup_shapes(512, ())})
+    rows = sorted({b for _, b, _ in engine.steps.warmup_shapes(512, ())})
     assert rows == [1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512]
 
 
@@ -483,7 +483,7 @@ def test_gpu_streams_equal_decode(cuda, no_tf32, name, dtype):
         snr = snr_db(expected, torch.cat(got[i]).float())
         print(f"{name} {dtype} stream {i}: {snr:.1f} dB vs decode")
         assert snr >= (100 if dtype == torch.float32 else 50)
-    assert len(engine._graphs) >= 3
+    assert len(engine.steps.graphs) >= 3
 
 
 @pytest.mark.gpu
@@ -503,7 +503,7 @@ def test_gpu_batches_between_powers_of_two_run_their_bucket_graphs_exactly(cuda,
                 got[slot].append(audio)
         for slot, audio in engine.advance(finish=slots).items():
             got[slot].append(audio)
-        assert {key[1] for key in engine._graphs} >= {bucket}
+        assert {key[1] for key in engine.steps.graphs} >= {bucket}
         for i in (0, streams // 2, streams - 1):
             expected = fast.decode(codes[i], seed=i)[0, 0]
             assert snr_db(expected, torch.cat(got[slots[i]])) >= 100, (streams, i)
@@ -521,7 +521,7 @@ def steady_steps_with_bad_ids(engine, config, seed=20):
     pieces = [list(engine.step(streams, frames_of_rows(codes, strides, 0, engine.prefill_frames)))]
     for f in range(engine.prefill_frames, frames):
         step = frames_of_rows(codes, strides, f, f + 1)
-        consumed = engine._consumed.copy()
+        consumed = engine.slots.consumed.copy()
         for level, value in ((2, size), (0, -1)):
             bad = [c.clone() for c in step]
             bad[level][1, 0] = value
@@ -529,7 +529,7 @@ def steady_steps_with_bad_ids(engine, config, seed=20):
                 engine.step(streams, bad)
             with pytest.raises(ValueError, match=f"level {level} holds id {value}"):
                 engine.advance({s: [c[b] for c in bad] for b, s in enumerate(streams)})
-        assert (engine._consumed == consumed).all() and engine._pending.frames_held == 0
+        assert (engine.slots.consumed == consumed).all() and engine.pending.frames_held == 0
         if f % 2:
             pieces.append(engine.step(streams, [c.to(torch.int32) for c in step]))
         else:
@@ -582,7 +582,7 @@ def test_gpu_steady_steps_check_ids_before_any_state_changes(cuda, no_tf32):
     fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
     engine = fast.stream_engine(8)
     codes, audio = steady_steps_with_bad_ids(engine, fast.config)
-    assert ("step", 4, 1) in engine._graphs
+    assert ("step", 4, 1) in engine.steps.graphs
     expected = fast.decode(codes, seed=20)
     for b, got in enumerate(audio):
         assert snr_db(expected[b, 0], got) >= 100
@@ -601,7 +601,7 @@ def test_gpu_warmed_engine_captures_no_graph_while_serving(cuda, no_tf32):
 def serve_three_streams_capturing_nothing(fast, engine, pushes: list[int], seed: int, codes_seed: int) -> None:
     """Three streams of a warmed engine pushed ``pushes`` frames at a time, then finished: no new
     graph is captured and each stream's audio equals the decode's row (float32, >= 100 dB)."""
-    strides, graphs = fast.config["vq_strides"], set(engine._graphs)
+    strides, graphs = fast.config["vq_strides"], set(engine.steps.graphs)
     codes = random_codes(fast.config, sum(pushes), batch=3, seed=codes_seed)
     streams = [engine.open(seed=seed, row=b) for b in range(3)]
     pieces, f = [], 0
@@ -609,7 +609,7 @@ def serve_three_streams_capturing_nothing(fast, engine, pushes: list[int], seed:
         pieces.append(engine.step(streams, frames_of_rows(codes, strides, f, f + k)))
         f += k
     ends = engine.advance(finish=streams)
-    assert set(engine._graphs) == graphs
+    assert set(engine.steps.graphs) == graphs
     expected = fast.decode(codes, seed=seed)
     for b, s in enumerate(streams):
         assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
@@ -635,7 +635,7 @@ def test_gpu_codec_warmup_compiles_in_one_pass_then_captures_every_step(cuda, no
     times = fast.warmup([1], [4], streams=4)
     assert seen == [(before + 1, True)] and set(times) == {"compile_s", "decode_s", "stream_s"}
     engine = fast.shared_stream_engine()
-    assert {(kind, rows) for kind, rows, _ in engine._graphs} == {(kind, rows) for kind in ("prefill", "step", "flush")
+    assert {(kind, rows) for kind, rows, _ in engine.steps.graphs} == {(kind, rows) for kind in ("prefill", "step", "flush")
                                                                   for rows in (1, 2, 4)}
     serve_three_streams_capturing_nothing(fast, engine, [engine.prefill_frames, 1, 1, 1, 1], seed=5, codes_seed=17)
 

@@ -25,7 +25,7 @@ def test_every_push_gives_what_the_stage_engine_gives(name):
     narrow = name != "snac_24khz"
     config = {**published_config(name), **(NARROW if narrow else {})}
     layered, stages = engine64(name, narrow=narrow, layered=True), engine64(name, narrow=narrow, layered=False)
-    assert layered._layered is not None and stages._layered is None
+    assert layered.layered is not None and stages.layered is None
     g, strides = layered.frames_per_group, config["vq_strides"]
     rng = random.Random(name)
     frames = layered.prefill_frames + 5 * g
@@ -95,7 +95,7 @@ def test_the_fused_float32_model_on_a_cpu_streams_per_layer_and_equals_its_decod
     stream is the per-layer one and equals the decode to float32 rounding (>= 100 dB)."""
     codec = FastSNAC(synthetic_model("snac_24khz", **NARROW), device="cpu", dtype=torch.float32)
     stream = codec.stream(seed=4)
-    assert stream.engine._layered is not None
+    assert stream.engine.layered is not None
     strides = codec.config["vq_strides"]
     codes = random_codes(codec.config, 9, seed=1)
     pieces = [stream.push(frames_of(codes, strides, f, f + 1)) for f in range(9)] + [stream.flush()]
@@ -129,11 +129,11 @@ def test_a_compiled_step_equals_the_eager_one():
 
 def test_which_engines_stream_per_layer():
     """A CPU's exact float32/float64 streams do; approximate ones, half dtypes and CUDA graphs do not."""
-    assert engine64("snac_24khz")._layered is not None
-    assert engine64("snac_24khz", lookahead=2048)._layered is None
+    assert engine64("snac_24khz").layered is not None
+    assert engine64("snac_24khz", lookahead=2048).layered is None
     model = upstream64("snac_24khz")
     config = published_config("snac_24khz")
-    assert StreamEngine(model, config, 1, dtype=torch.bfloat16)._layered is None
+    assert StreamEngine(model, config, 1, dtype=torch.bfloat16).layered is None
     with pytest.raises(ValueError, match="exact streams"):
         engine64("snac_24khz", lookahead=2048, layered=True)
     engine = engine64("snac_24khz", streams=2)

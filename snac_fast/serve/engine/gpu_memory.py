@@ -22,7 +22,7 @@ GB = 1e9
 # the CUDA context, cuBLAS and the loaded kernels: what a process holds outside torch's allocator
 # where NVML cannot say (seen on an H200 with torch 2.11: see docs/http_server.md, "GPU memory")
 CONTEXT_BYTES_ESTIMATE = int(0.6 * GB)
-# the pool (the largest step's intermediates and a tenth: StepShapes._reserve_pool), with the
+# the pool (the largest step's intermediates and a tenth: StepRunner._reserve_pool), with the
 # allocator's rounding and the graphs' small outputs on top
 WARMUP_FACTOR = 1.25
 CALIBRATION_ROWS = (16, 64)

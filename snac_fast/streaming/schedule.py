@@ -1,0 +1,134 @@
+"""A stream engine's schedule: the codes its streams hold, decoded as prefills, steps and flushes
+batched per kind and size (the steady state's steps straight from the pushed codes)."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from snac_fast.ops.device import device_scope
+from snac_fast.streaming.shapes import CODELESS, FLUSH, PREFILL, STEP, slots_of
+
+
+class Schedule:
+    """Decodes what a :class:`~snac_fast.streaming.StreamEngine`'s streams hold (a part of the
+    engine, called under its lock): ``pending`` codes (:class:`~.pending.PendingCodes`) of the state
+    rows in ``slots`` (:class:`~.slots.SlotTable`), run through ``steps``
+    (:class:`~.step_runner.StepRunner`) in chunks of at most ``slots.max_streams`` streams;
+    ``model`` decodes a stream that ends before its prefill whole."""
+
+    def __init__(self, model, timing, slots, pending, steps, checks) -> None:
+        self.model, self.timing, self.slots, self.pending, self.steps, self.checks = \
+            model, timing, slots, pending, steps, checks
+        self.device, self.dtype = steps.device, steps.dtype
+
+    def empty_audio(self) -> Tensor:
+        return torch.empty(0, device=self.device, dtype=self.dtype)
+
+    def steady(self, streams: int, slots: np.ndarray, frames: int) -> bool:
+        """A server's steady state for ``streams`` started streams (``slots``): none holding pending
+        frames, and ``frames`` one step's worth for one batch."""
+        pending = self.pending
+        return (streams <= self.slots.max_streams and self.steps.step_frames(frames) == frames
+                and self.steps.runnable_frames(streams, frames) == frames
+                and (pending.frames_held == 0 or not (pending.tail[slots] != pending.head[slots]).any()))
+
+    def direct(self, slots: np.ndarray, codes: list[np.ndarray], frames: int, ids_checked: bool = False,
+               keys: np.ndarray | None = None) -> Tensor:
+        """In the steady state, the codes (per level [len(slots), L_i], any integer dtype) go
+        straight into one batched step, without the pending buffers (:meth:`StepRunner.replay`
+        where its graph is captured); returns the audio [n, samples]. ``keys``: the batch's key rows
+        where known (:meth:`StepRunner.replay`)."""
+        audio = self.steps.replay(slots, codes, frames, ids_checked, keys)
+        if audio is not None:
+            return audio
+        if not ids_checked:
+            self.checks.check_ids([codes])
+        codes = [c.astype(np.int64, copy=False) for c in codes]
+        with torch.inference_mode(), device_scope(self.device):
+            return self.run(STEP, slots, frames, codes)
+
+    def decode(self, pushed: list, finish: list) -> dict:
+        """Decode what the ``pushed`` streams hold (prefills, steps) and all that the ``finish``
+        streams hold (their flushes): stream -> its new audio (1-D; streams may share an empty one).
+        The caller releases the finished streams' slots."""
+        pieces: dict = {s: [] for s in pushed + finish}
+        prefill = self.timing.prefill_frames
+        with torch.inference_mode(), device_scope(self.device):
+            self._prefills([s for s in pieces if not s.started and s.pending_frames >= prefill], pieces)
+            self._steps([s for s in pieces if s.started], pieces)
+            self._finishes(finish, pieces)
+        empty = None
+        out = {}
+        for s, p in pieces.items():
+            if len(p) == 1:
+                out[s] = p[0]
+            elif p:
+                out[s] = torch.cat(p)
+            else:
+                out[s] = empty = self.empty_audio() if empty is None else empty
+        return out
+
+    def _prefills(self, streams: list, pieces) -> None:
+        for chunk in self._chunks(streams):
+            audio = self.run(PREFILL, slots_of(chunk), self.timing.prefill_frames).unbind(0)
+            for s, a in zip(chunk, audio):
+                s.started = True
+                pieces[s].append(a)
+
+    def _steps(self, streams: list, pieces) -> None:
+        pending = self.pending
+        while streams:
+            slots = slots_of(streams)
+            frames = self.steps.step_frames_of(pending.tail[slots] - pending.head[slots])
+            # the distinct step sizes, without np.unique: its first call imports numpy.ma (a stall,
+            # seen as the first prefills' slow pushes under load; docs/measurements.md)
+            for k in sorted(set(frames[frames > 0].tolist())):
+                picked = np.flatnonzero(frames == k)
+                group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
+                for chunk in self._chunks(group):
+                    step = self.steps.runnable_frames(len(chunk), k)
+                    for s, a in zip(chunk, self.run(STEP, slots_of(chunk), step).unbind(0)):
+                        pieces[s].append(a)
+            # streams that pushed more than one step's frames go round again
+            more = (frames > 0) & (pending.tail[slots] - pending.head[slots] >= self.timing.frames_per_group)
+            streams = [streams[i] for i in np.flatnonzero(more)]
+
+    def _finishes(self, streams: list, pieces) -> None:
+        started = [s for s in streams if s.started]
+        for chunk in self._chunks(started):
+            for s, a in zip(chunk, self.run(FLUSH, slots_of(chunk), 0).unbind(0)):
+                pieces[s].append(a)
+        for s in streams:
+            if not s.started and s.pending_frames:  # shorter than a prefill: decode it whole
+                pieces[s].append(self.decode_held(s))
+
+    def _chunks(self, streams: list) -> Iterable[list]:
+        step = self.slots.max_streams
+        return (streams[i:i + step] for i in range(0, len(streams), step))
+
+    def decode_held(self, s, take: bool = True) -> Tensor:
+        """The whole decode of the codes stream ``s`` holds (taking them, unless not ``take``): [samples]."""
+        from snac_fast.model.noise import keyed_noise
+
+        held = self.pending.take_all(s.slot) if take else self.pending.peek_all(s.slot)
+        codes = [torch.from_numpy(c)[None].to(self.device) for c in held]
+        seeds = torch.tensor([s.seed], dtype=torch.int64, device=self.device)
+        rows = torch.tensor([s.row], dtype=torch.int64, device=self.device)
+        with keyed_noise(self.model, seeds, rows):
+            return self.model.decode(codes)[0, 0]
+
+    def run(self, kind: str, slots: np.ndarray, frames: int, codes: list[np.ndarray] | None = None) -> Tensor:
+        """Run one kind of step for the streams of state ``slots``, each taking its next ``frames``
+        pending frames (none for a flush), or ``codes`` (per level int64 [len(slots), L_i]) when
+        given instead; returns the streams' new audio, [len(slots), samples] (row j: slots[j])."""
+        keys = self.slots.keys_of(slots, self.steps.bucket(len(slots)))  # frames consumed before this step
+        if kind not in CODELESS:
+            codes = self.pending.take(slots, frames) if codes is None else codes  # n rows
+            self.slots.consumed[slots] += frames
+        else:
+            codes = []
+        return self.steps.run(kind, keys, codes, frames, len(slots))
