@@ -50,6 +50,17 @@ CASES = [
     ("kartoffel", "SebastianBodza/Kartoffel_Orpheus-3B_german_natural-v0.1", "Martin",
      "<custom_token_3><|begin_of_text|>Martin: Hallo, wie geht es?<|eot_id|><custom_token_4>",
      "SebastianBodza/Orpheus_Distributed_FastAPI streaming_api_server.py format_prompt_for_vllm_sync"),
+    # VyvoTTS sends ids: [start of human] + tokenizer("voice: text") + [end of text, end of human],
+    # written here as each base's tokenizer names them (LFM2 adds its start of text 1, Qwen3 none)
+    ("vyvotts", "Vyvo/VyvoTTS-LFM2-Neuvillette", "EN_B00000_S00010",
+     "<custom_token_3><|startoftext|>EN_B00000_S00010: Hallo, wie geht es?<|im_end|><custom_token_4>",
+     "Vyvo-Labs/VyvoTTS vyvotts/inference/base.py _build_prompt_tokens, configs/inference/lfm2.yaml"),
+    ("vyvotts-qwen3", "someone/VyvoTTS-Qwen3-0.6B-ft", "EN_B00000_S00020",
+     "<custom_token_3>EN_B00000_S00020: Hallo, wie geht es?<|im_end|><custom_token_4>",
+     "Vyvo-Labs/VyvoTTS vyvotts/inference/base.py _build_prompt_tokens, configs/inference/qwen3.yaml"),
+    ("vyvotts-llama3", "someone/vyvotts-llama3.2-1b", "EN_B00000_S00030",
+     "<custom_token_3><|begin_of_text|>EN_B00000_S00030: Hallo, wie geht es?<|eot_id|><custom_token_4>",
+     "Vyvo-Labs/VyvoTTS vyvotts/inference/base.py _build_prompt_tokens, configs/inference/llama3.yaml"),
 ]
 TEXT = "Hallo, wie geht es?"
 
@@ -113,13 +124,13 @@ def test_each_preset_end_to_end_through_the_openai_sdk(codec, caplog, name, mode
     assert listed or not (preset.voices or preset.described or preset.default_voice)  # Kartoffel's: any name
 
 
-@pytest.mark.parametrize("name", ["maya1", "svara-v1", "kartoffel"])
+@pytest.mark.parametrize("name", ["maya1", "svara-v1", "kartoffel", "vyvotts"])
 def test_each_preset_through_elevenlabs_text_websocket(codec, name):
     """ElevenLabs' stream-input with a preset's voice: the prompt is the preset's, the audio exact."""
     from websockets.asyncio.client import connect
 
     model = next(c[1] for c in CASES if c[0] == name)
-    voice = {"maya1": "nova", "svara-v1": "Tamil (Female)", "kartoffel": "Jana"}[name]
+    voice = {"maya1": "nova", "svara-v1": "Tamil (Female)", "kartoffel": "Jana", "vyvotts": "EN_B00000_S00050"}[name]
     preset = PRESETS[name]
     codes = random_codes(codec.config, 7, seed=3)
     with serving(codec, lm_options={"preset": name, "model_name": model}) as (server, lm, state):

@@ -8,10 +8,9 @@ authors run; :func:`choose_preset` picks one from the LM's model name (``GET {lm
 Prompts are sent as text with the special tokens written as the tokenizer names them
 (``<custom_token_3>`` is start of human, 128259; ``<custom_token_4>`` end of human; ``<custom_token_5>``
 start of AI; ``<custom_token_1>`` start of speech, 128257; ``<custom_token_2>`` end of speech), which
-is what the authors' servers send to vLLM as well. Not here: VyvoTTS (its LFM2 and Qwen3 models
-name their audio tokens in their own vocabularies, which a completions answer's text does not
-reveal without their tokenizers), mini-omni (parallel streams, not a completions API), Kani-TTS
-(NeMo NanoCodec, not SNAC).
+is what the authors' servers send to vLLM as well (VyvoTTS' LFM2 and Qwen3 models too: their
+audio tokens were added to those tokenizers under the same names). Not here: mini-omni (parallel
+streams, not a completions API), Kani-TTS (NeMo NanoCodec, not SNAC), VyvoTTS on LFM2.5 (Mimi).
 """
 
 from __future__ import annotations
@@ -177,6 +176,27 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "SebastianBodza/Orpheus_Distributed_FastAPI streaming_api_server.py", voice_pattern=r"[^\s:<>][^:<>]{0,63}",
            starts_speech=True, tags=(), temperature=0.6, top_p=0.95, repetition_penalty=1.1, max_tokens=4000,
            extra={"stop": ["<custom_token_2>"]}),
+    # VyvoTTS (Vyvo-Labs/VyvoTTS at faf621a: inference/base.py _build_prompt_tokens, vllm_inference.py,
+    # configs/inference/{lfm2,qwen3,llama3}.yaml): token ids [start of human] + tokenizer("voice: text")
+    # (the base's start of text where its tokenizer adds one) + [end of text, end of human], sent as
+    # ids (so no start of text added in front: add_special_tokens false); the model writes start of AI
+    # and start of speech; stop at end of speech; 0.6 / 0.8 / 1.3 / 1200; a speaker prefix only where
+    # given. Its audio tokens were added to each base's tokenizer as "<custom_token_N>" after the
+    # base vocabulary (train/finetune/train.py), so their text is Orpheus's on any base: N - 10 is
+    # the code plus its slot's offset; only the ids of the special tokens differ (end of speech: the
+    # base's vocabulary size + 2). LFM2.5's VyvoTTS decodes with Mimi, not SNAC: no preset.
+    *(Preset(name, f"VyvoTTS ({base})", (pattern,), prompt, "{voice}: ", (), "",
+             "Vyvo-Labs/VyvoTTS vyvotts/inference/base.py, vllm_inference.py, configs/inference/" + config,
+             voice_pattern=r"[^\s:<>][^:<>]{0,63}", starts_speech=True, tags=(), temperature=0.6, top_p=0.8,
+             repetition_penalty=1.3, max_tokens=1200,
+             extra={"stop_token_ids": [end_of_speech], "add_special_tokens": False, "skip_special_tokens": False})
+      for name, base, pattern, prompt, config, end_of_speech in (
+          ("vyvotts-qwen3", "Qwen3", r"vyvo.*qwen", "<custom_token_3>{speaker}{text}<|im_end|><custom_token_4>",
+           "qwen3.yaml", 151671),
+          ("vyvotts-llama3", "Llama 3", r"vyvo.*llama",
+           "<custom_token_3><|begin_of_text|>{speaker}{text}<|eot_id|><custom_token_4>", "llama3.yaml", END_OF_SPEECH),
+          ("vyvotts", "LFM2", r"vyvo", "<custom_token_3><|startoftext|>{speaker}{text}<|im_end|><custom_token_4>",
+           "lfm2.yaml", 64402))),
     _orpheus_language("orpheus-fr", "Orpheus 3B French", (r"orpheus.*french", r"3b-fr\b"), ("pierre", "amelie", "marie")),
     _orpheus_language("orpheus-de", "Orpheus 3B German", (r"orpheus.*german", r"3b-de\b"), ("jana", "thomas", "max")),
     _orpheus_language("orpheus-ko", "Orpheus 3B Korean", (r"orpheus.*korean", r"3b-ko\b"), ("유나", "준서")),
