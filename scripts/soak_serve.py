@@ -97,13 +97,16 @@ async def _request(session, server: str, kind: str, tag: str, record: dict) -> N
         ids = (codes + ORPHEUS.offset + np.arange(7) * 4096).reshape(-1).tolist()
         async with connect(server.replace("http", "ws", 1) + "/v1/audio/stream", max_size=None) as ws:
             async def read():
-                async for message in ws:
-                    if isinstance(message, bytes):
-                        record["chunks"].append((time.monotonic(), len(message)))
-                    elif json.loads(message).get("type") == "done":
-                        record["outcome"] = "complete"
-                    else:
-                        record["detail"] = json.loads(message).get("message", "")[:200]
+                try:
+                    async for message in ws:
+                        if isinstance(message, bytes):
+                            record["chunks"].append((time.monotonic(), len(message)))
+                        elif json.loads(message).get("type") == "done":
+                            record["outcome"] = "complete"
+                        else:
+                            record["detail"] = json.loads(message).get("message", "")[:200]
+                except ConnectionClosed:  # this client left (its 1011 on the way out) or the server closed: judged below
+                    pass
             reader = asyncio.create_task(read())
             for frame in range(36):
                 await ws.send(json.dumps({"ids": ids[frame * 7:(frame + 1) * 7]}))
@@ -320,12 +323,22 @@ def summarize(records: list[dict], samples: list[dict], final: dict, lm_stats: d
     growth = (lambda key: float(max(s[key] for s in after) / after[0][key] - 1) * 100
               if after and after[0][key] and np.isfinite(after[0][key]) else float("nan"))
     pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
+    # the level beside the peaks: RSS rises and falls with what is live (each prefill holds ~80 MB on
+    # a CPU), so a leak shows as the median's drift from the first five minutes after the first to the last five
+    median = (lambda lo, hi: float(np.median([s["rss_mb"] for s in samples if lo <= s["t_s"] < hi]))
+              if any(lo <= s["t_s"] < hi for s in samples) else float("nan"))
+    end = samples[-1]["t_s"] if samples else 0.0
+    rss_first, rss_last = median(60, 360), median(end - 300, end + 1)
     lost = [r for r in records if r["outcome"] == "lost"]
     return {"requests": len(records), "by_kind": by_kind,
             "outcomes": {o: sum(k[o] for k in by_kind.values()) for o in ("complete", "error", "disconnected", "lost")},
             "pcm_checked": checked, "pcm_short": short, "leaked_slots": final.get("slots_in_use"),
             "open_streams_after": final.get("open_streams"), "status_after": final.get("status"),
             "rss_growth_after_1min_pct": growth("rss_mb"), "gpu_growth_after_1min_pct": growth("gpu_mb"),
+            "rss_band_after_1min_mb": [float(min(s["rss_mb"] for s in after)), float(max(s["rss_mb"] for s in after))]
+            if after else None,
+            "rss_median_minutes_1_6_mb": rss_first, "rss_median_last_5_minutes_mb": rss_last,
+            "rss_median_drift_pct": (rss_last / rss_first - 1) * 100 if rss_first else float("nan"),
             "gap_p50_ms": pct(gaps, 50), "gap_p99_ms": pct(gaps, 99), "gap_max_ms": float(gaps.max()) if len(gaps) else float("nan"),
             "lm_gap_p99_ms": pct(lm_gaps, 99), "lm_gap_max_ms": float(lm_gaps.max()) if len(lm_gaps) else float("nan"),
             "lost_examples": [(r["kind"], r["detail"]) for r in lost[:10]],
@@ -346,7 +359,9 @@ def markdown(results: dict) -> str:
             f"- After the load: slots in use {results['leaked_slots']}, open streams {results['open_streams_after']}, "
             f"status {results['status_after']}.\n"
             f"- Memory after the first minute: RSS {results['rss_growth_after_1min_pct']:+.1f}%, GPU "
-            f"{results['gpu_growth_after_1min_pct']:+.1f}% at most.\n"
+            f"{results['gpu_growth_after_1min_pct']:+.1f}% at most (the highest sample over the first after it); RSS "
+            f"median {results['rss_median_minutes_1_6_mb']:.0f} MB in minutes 1-6, "
+            f"{results['rss_median_last_5_minutes_mb']:.0f} MB in the last 5 ({results['rss_median_drift_pct']:+.1f}%).\n"
             f"- Healthy streams' chunk gaps p50 / p99 / max: {results['gap_p50_ms']:.1f} / {results['gap_p99_ms']:.1f} / "
             f"{results['gap_max_ms']:.1f} ms; the LM's own p99 / max {results['lm_gap_p99_ms']:.1f} / "
             f"{results['lm_gap_max_ms']:.1f} ms. Server CPU {results['server_cpu_cores']:.2f} cores.\n")

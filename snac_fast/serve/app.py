@@ -23,6 +23,7 @@ import time
 import numpy as np
 
 from snac_fast.batching.batchers import freeze_startup_objects
+from snac_fast.runtime.host_memory import trim_periodically
 from snac_fast.serve.access.auth import DOCS_PREFIX, BearerKey, OriginCheck
 from snac_fast.serve.access.limits import BodyLimit, StreamOwners
 from snac_fast.serve.engine.backend import Backend, EngineProcessBackend, InProcessBackend
@@ -248,6 +249,7 @@ def create_app(codec=None, settings: ServeSettings | None = None, engine: tuple[
     async def lifespan(app):
         await server.warm_up()
         freeze_startup_objects()
+        trim_periodically(settings.engine.memory_trim_s)
         yield
         await server.close()
 

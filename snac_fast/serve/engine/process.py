@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from snac_fast.batching.batchers import freeze_startup_objects
+from snac_fast.runtime.host_memory import trim_periodically
 from snac_fast.serve.engine.batcher import EngineBatcher, Front
 from snac_fast.serve.engine.wire import LONG_SIZE, SIZE, audio_message
 from snac_fast.serve.settings import EngineSettings, ServeSettings
@@ -119,6 +120,7 @@ def _serve_engine(address: str, settings: EngineSettings, output: str, model_opt
         report.send(("failed", f"{type(error).__name__}: {error}"))
         raise SystemExit(1) from None
     freeze_startup_objects()  # a full collection would stall every stream's round
+    trim_periodically(settings.memory_trim_s)
     ready = ("ready", {"sampling_rate": codec.sampling_rate, "output": output, "config": dict(codec.config),
                        "samples_per_frame": engine.samples_per_frame, "max_streams": engine.max_streams,
                        "device": str(codec.device)})
