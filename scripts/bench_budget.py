@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import markdown_table, write_results  # noqa: E402
+from bench_common import gpu_tag, markdown_table, write_results  # noqa: E402
 
 GB = 1e9
 
@@ -76,7 +76,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # budget,max_streams: run in this process
     parser.add_argument("--out", default=None)
-    parser.add_argument("--stem", default="budget_24khz_h200")
+    parser.add_argument("--stem", default=None, help="default: budget_24khz_<gpu>")
     args = parser.parse_args()
     if args.one:
         budget, slots = args.one.split(",")
@@ -111,7 +111,7 @@ def main() -> None:
                 "(one frame per stream, with sync), run as several steps where the call size is smaller.\n\n" + table + "\n")
     print(markdown)
     if args.out:
-        write_results(Path(args.out), args.stem, {"command": "python scripts/bench_budget.py " + " ".join(sys.argv[1:]),
+        write_results(Path(args.out), args.stem or f"budget_24khz_{gpu_tag(device)}", {"command": "python scripts/bench_budget.py " + " ".join(sys.argv[1:]),
                                                   "device": device, "rows": rows}, markdown)
 
 

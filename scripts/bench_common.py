@@ -62,6 +62,11 @@ def environment() -> dict:
     }
 
 
+def gpu_tag(name: str) -> str:
+    """The report-name suffix of a device name: ``h100``, ``h200``, else the name in lower case."""
+    return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
+
+
 def write_results(out_dir: Path, stem: str, payload: dict, markdown: str) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / f"{stem}.json").write_text(json.dumps(payload, indent=2) + "\n")

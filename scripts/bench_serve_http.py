@@ -38,7 +38,7 @@ from snac_fast.serve.lm.fake import read_stats_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import colocated_lm  # noqa: E402
-from bench_common import markdown_table, write_results
+from bench_common import gpu_tag, markdown_table, write_results
 
 FRAME_S = 2048 / 24000
 
@@ -620,9 +620,7 @@ def main() -> None:
         results["device"] = "unknown"
     results["date"] = time.strftime("%Y-%m-%d")
     if args.out:
-        name = results["device"]
-        tag = "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
-        stem = args.stem or f"serve_http_24khz_{tag}"
+        stem = args.stem or f"serve_http_24khz_{gpu_tag(results['device'])}"
         earlier = Path(args.out) / f"{stem}.json"
         if args.append and earlier.exists():
             before = json.loads(earlier.read_text())

@@ -23,6 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench_common import gpu_tag  # noqa: E402
+
 from snac_fast import FastSNAC  # noqa: E402
 
 GB = 1e9
@@ -61,7 +63,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--empty-cache", action="store_true", help="torch.cuda.empty_cache() after the warm-up")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--stem", default="memory_24khz_h200")
+    parser.add_argument("--stem", default=None, help="default: memory_24khz_<gpu>")
     args = parser.parse_args()
     device = torch.device("cuda")
     started = time.perf_counter()
@@ -97,7 +99,8 @@ def main() -> None:
               "command": "python scripts/profile_memory.py " + " ".join(sys.argv[1:]), "rows": rows}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / f"{args.stem}.json").write_text(json.dumps(result, indent=1))
+        stem = args.stem or f"memory_24khz_{gpu_tag(result['device'])}"
+        (Path(args.out) / f"{stem}.json").write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":

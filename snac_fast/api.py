@@ -225,19 +225,14 @@ class FastSNAC:
 
     def _layer_decoder(self):
         """On a CPU in float32/float64, the decoder as layers with their own state
-        (:class:`~snac_fast.streaming.layer_state.LayerStates`): a decode of 8 frames or more runs
-        through them as a stream would, 1.2x-4.2x the module tree's torch references at 8 frames to
-        60 s (docs/streaming.md, "On a CPU"); None elsewhere."""
+        (:meth:`~snac_fast.streaming.layer_state.LayerStates.whole_decoder`), built at the first
+        decode; None elsewhere."""
         if self.device.type != "cpu" or self.dtype not in (torch.float32, torch.float64):
             return None
         if self._layers is None:
-            from snac_fast.streaming import Geometry, build_stages
             from snac_fast.streaming.layer_state import LayerStates
 
-            latent_per_frame = self.config["vq_strides"][0]
-            lookahead = Geometry.of(build_stages(self.model, latent_per_frame), latent_per_frame,
-                                    self.config.get("attn_window_size")).lookahead_samples
-            self._layers = LayerStates(self.model, 0, lookahead, latent_per_frame, device=self.device, dtype=self.dtype)
+            self._layers = LayerStates.whole_decoder(self.model, self.config, self.device, self.dtype)
         return self._layers
 
     def warmup(self, batch_sizes: Sequence[int] = (1,), frames: Sequence[int] = (4,), streams: int = 0,
@@ -336,7 +331,7 @@ class FastSNAC:
             padded_lengths = None
             if row_lengths is not None:
                 # each row as upstream pads it alone: zeros from its own length to a multiple of the unit
-                ends = self._on_device(torch.tensor(row_lengths))
+                ends = _on_device(torch.tensor(row_lengths), self.device)
                 audio = audio * (torch.arange(audio.shape[-1], device=self.device) < ends[:, None])[:, None, :]
                 # rows that fill the batch (padded to the unit) need no clearing
                 if min(n + -n % unit for n in row_lengths) < audio.shape[-1]:
@@ -345,13 +340,6 @@ class FastSNAC:
                 cuda_graphs = audio.shape[0] * min(audio.shape[-1], chunk or audio.shape[-1]) <= self.encode_graph_samples
             graphs = (self.encode_graphs if graphs is None else graphs) if cuda_graphs else None
             return encode_padded(self.model, audio, unit, chunk, self.encoder_reach, graphs, padded_lengths)
-
-    def _on_device(self, host: Tensor) -> Tensor:
-        """A small host tensor on the codec's device, pinned and not waited for on a GPU (threads that
-        launch encodes queue them ahead of the device)."""
-        if self.device.type != "cuda":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
 
 
 # the options of FastSNAC.from_pretrained that say where a checkpoint is (a Checkpoint found already has them)
@@ -367,6 +355,14 @@ def load_codec(model: str | os.PathLike | Checkpoint | None = None, *, device: t
     if isinstance(model, Checkpoint):
         options = {k: v for k, v in options.items() if k not in HUB_OPTIONS}
     return FastSNAC.from_pretrained(model or DEFAULT_MODEL, device=device, dtype=dtype, **options)
+
+
+def _on_device(host: Tensor, device: torch.device) -> Tensor:
+    """A small host tensor on ``device``, pinned and not waited for on a GPU (threads that launch
+    encodes queue them ahead of the device)."""
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def _config_of(model: nn.Module) -> dict:

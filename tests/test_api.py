@@ -285,7 +285,7 @@ def test_half_precision_attention_runs_in_half():
     assert attention.to_qkv.weight.dtype == torch.bfloat16
     # block 1's input snake moved into the attention's output projection, which writes [B, T, C]
     conv = next(m for m in block.block if isinstance(m, FusedConvTranspose1d))
-    assert conv._snake_in is None and attention.alpha_out is block.block[0].alpha and attention.channels_last_out
+    assert conv.snake_in is None and attention.alpha_out is block.block[0].alpha and attention.channels_last_out
     assert block.block[0].absorbed_by == "decoder.model.2"
     out = fast.decode(codes, seed=0)
     assert out.dtype == torch.bfloat16

@@ -133,12 +133,12 @@ def test_fused_decoder_blocks_match_upstream(stride, cudnn, monkeypatch):
     assert done["absorbed"] == ["decoder.model.0.block.0", "decoder.model.1.block.0"] + units
     first, second = blocks[0].block, blocks[1].block
     for producer, unit in [(first[2], first[3]), (first[3], first[4]), (first[4], first[5])]:
-        assert producer._snake_pair is unit.block[0] and isinstance(unit.block[0], AbsorbedSnake1d)
-    assert first[5]._snake_pair is None
+        assert producer.snake_pair is unit.block[0] and isinstance(unit.block[0], AbsorbedSnake1d)
+    assert first[5].snake_pair is None
     # the unit before the second transposed conv writes [B, T, C]; the other layers [B, C, T]
     assert [m.channels_last_out for m in first[3:]] + [m.channels_last_out for m in second[3:]] == [False, False, True] + [False] * 3
     assert isinstance(first[0], AbsorbedSnake1d) and first[0].absorbed_by == "decoder.model.0.block.1"
-    assert first[1]._snake_in is first[0] and first[2]._upsampler is first[1]
+    assert first[1].snake_in is first[0] and first[2].upsampler is first[1]
     assert first[2].input_bias(torch.empty(2, 64, T1)) is (first[1].bias if cudnn else None)
     assert second[0].absorbed_by == "decoder.model.0.block.5" and first[5].alpha_out is second[0].alpha
     assert {k.replace("parametrizations.weight.original1", "weight") for k in keys if "original0" not in k} \

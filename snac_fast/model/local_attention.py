@@ -73,7 +73,7 @@ class HalfLocalMHA(SnakeOut, upstream_attention()):
     def take_snake_of(self, conv: "FusedConvTranspose1d", name: str) -> None:
         """Apply the snake that ``conv`` (the next layer) would run on its input, and write that
         input [B, T, C] in memory as ``conv`` reads it fastest. name: this module's qualified name."""
-        snake_module, conv._snake_in = conv._snake_in, None
+        snake_module, conv.snake_in = conv.snake_in, None
         snake_module.absorbed_by = name
         self.absorb_next_snake(snake_module)
         self.write_channels_last()

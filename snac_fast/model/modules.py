@@ -97,7 +97,7 @@ class SnakeOut:
     laid out [B, T, C] in memory (a transposed view), for a transposed conv after it."""
 
     _snake_out: nn.Module | None = None
-    _snake_pair: nn.Module | None = None
+    snake_pair: nn.Module | None = None
     channels_last_out = False
 
     def write_channels_last(self) -> None:
@@ -107,7 +107,7 @@ class SnakeOut:
         object.__setattr__(self, "_snake_out", snake_module)  # not a child: it stays where it is
 
     def pair_next_snake(self, snake_module: nn.Module) -> None:
-        object.__setattr__(self, "_snake_pair", snake_module)
+        object.__setattr__(self, "snake_pair", snake_module)
 
     @property
     def alpha_out(self) -> Tensor | None:
@@ -187,14 +187,14 @@ class FusedResidualUnit(SnakeOut, _upstream_layers()[1]):
                 and x.is_contiguous() and s.is_contiguous()):
             # one kernel; its output may go over x but never over s (other tiles read s's halo)
             unit = (x, s, dw.weight, dw.bias, dw.dilation[0], snake2.alpha, pw.weight, pw.bias)
-            if self._snake_pair is not None:
-                return residual_unit(*unit, pair_alpha=self._snake_pair.alpha, out=out)
+            if self.snake_pair is not None:
+                return residual_unit(*unit, pair_alpha=self.snake_pair.alpha, out=out)
             if self.channels_last_out:
                 return residual_unit(*unit, alpha_out=self.alpha_out, channels_last=True)
             return residual_unit(*unit, alpha_out=self.alpha_out, out=out)
         h = depthwise_conv_snake(s, dw.weight, dw.bias, dw.dilation[0], snake2.alpha)
-        if self._snake_pair is not None:
-            return pointwise_conv_pair(h, pw.weight, pw.bias, residual=x, alpha=self._snake_pair.alpha,
+        if self.snake_pair is not None:
+            return pointwise_conv_pair(h, pw.weight, pw.bias, residual=x, alpha=self.snake_pair.alpha,
                                        out=out, snake_out=snake_out)
         if self.channels_last_out:  # into the spent snake's memory (not over x: the layouts differ)
             into = None
@@ -324,7 +324,7 @@ class FusedDenseConv1d(_FromConv, PackedWeights, SnakeOut, nn.Conv1d):
     def forward(self, x: Tensor) -> Tensor | tuple[Tensor, Tensor]:
         from snac_fast.ops.dense_conv import dense_conv1d
 
-        pair = None if self._snake_pair is None else self._snake_pair.alpha
+        pair = None if self.snake_pair is None else self.snake_pair.alpha
         return dense_conv1d(x, self.weight, self.bias, self.stride[0], self.padding[0], pair_alpha=pair,
                             packed=self.kernel_weights(x.dtype))
 
@@ -348,8 +348,8 @@ class FusedConvTranspose1d(_FromConv, PackedWeights, nn.ConvTranspose1d):
 
     kernel_max_elements = 1 << 19
     requirement = "a plain ConvTranspose1d with kernel 2 * stride and SNAC's padding"
-    _snake_in: nn.Module | None = None
-    _bias_taken = False  # set when a FusedNoiseBlock after it adds the bias for the cuDNN path
+    snake_in: nn.Module | None = None
+    bias_taken = False  # set when a FusedNoiseBlock after it adds the bias for the cuDNN path
 
     @classmethod
     def fusable(cls, conv: nn.Module) -> bool:
@@ -362,14 +362,14 @@ class FusedConvTranspose1d(_FromConv, PackedWeights, nn.ConvTranspose1d):
                 and conv.groups == 1 and conv.dilation[0] == 1)
 
     def absorb_previous_snake(self, snake_module: nn.Module) -> None:
-        object.__setattr__(self, "_snake_in", snake_module)
+        object.__setattr__(self, "snake_in", snake_module)
 
     def runs_cudnn(self, output_elements: int) -> bool:
         return output_elements > self.kernel_max_elements
 
     def defers_bias(self, output_elements: int) -> bool:
         """True when an output of this many elements comes from cuDNN without the bias."""
-        return self.runs_cudnn(output_elements) and self.bias is not None and self._bias_taken
+        return self.runs_cudnn(output_elements) and self.bias is not None and self.bias_taken
 
     def _layouts(self, weight: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         from snac_fast.ops.conv_transpose import pack_phase_weight
@@ -381,9 +381,9 @@ class FusedConvTranspose1d(_FromConv, PackedWeights, nn.ConvTranspose1d):
         from snac_fast.ops.conv_transpose import conv_transpose
 
         packed, cudnn_weight = self.kernel_weights(x.dtype)
-        if self._snake_in is not None:
+        if self.snake_in is not None:
             # its own kernel before either path (cuDNN takes no snake; conv_transpose would run it so too)
-            x = snake(x, self._snake_in.alpha)
+            x = snake(x, self.snake_in.alpha)
         out_elements = x.shape[0] * self.out_channels * x.shape[2] * self.stride[0]
         if not self.runs_cudnn(out_elements):
             return conv_transpose(x, self.weight, self.bias, self.stride[0], packed=packed)
@@ -429,15 +429,15 @@ class FusedNoiseBlock(SnakeOut, _upstream_layers()[0]):
     def __init__(self, linear: nn.Conv1d) -> None:
         nn.Module.__init__(self)
         self.linear = linear
-        object.__setattr__(self, "_upsampler", None)  # not a child: the conv stays where it is
+        object.__setattr__(self, "upsampler", None)  # not a child: the conv stays where it is
 
     def follow(self, conv: "FusedConvTranspose1d") -> None:
         """Add ``conv``'s bias whenever it runs on cuDNN without it (it runs right before this block)."""
-        object.__setattr__(self, "_upsampler", conv)
-        object.__setattr__(conv, "_bias_taken", True)
+        object.__setattr__(self, "upsampler", conv)
+        object.__setattr__(conv, "bias_taken", True)
 
     def input_bias(self, x: Tensor) -> Tensor | None:
-        conv = self._upsampler
+        conv = self.upsampler
         return conv.bias if conv is not None and conv.defers_bias(x.numel()) else None
 
     def folded_bias(self, input_bias: Tensor) -> Tensor:
@@ -459,7 +459,7 @@ class FusedNoiseBlock(SnakeOut, _upstream_layers()[0]):
     def pack(self) -> None:
         """Fill the folded-bias cache now (surgery, on the final device and dtype), outside any
         compiled graph or capture."""
-        conv = self._upsampler
+        conv = self.upsampler
         if conv is not None and conv.bias is not None:
             self.folded_bias(conv.bias)
 
@@ -480,8 +480,8 @@ class FusedNoiseBlock(SnakeOut, _upstream_layers()[0]):
         input_bias = self.input_bias(x)
         bias = self.linear.bias if input_bias is None else self.folded_bias(input_bias)
         args = (x, self.linear.weight, bias, x, self.draw_noise(x))
-        if self._snake_pair is not None:
-            return pointwise_conv_pair(*args, alpha=self._snake_pair.alpha, residual_bias=input_bias)
+        if self.snake_pair is not None:
+            return pointwise_conv_pair(*args, alpha=self.snake_pair.alpha, residual_bias=input_bias)
         return pointwise_conv(*args, residual_bias=input_bias)
 
 

@@ -235,7 +235,7 @@ def _fuse_layers(order: list[tuple[str, nn.Sequential, int]], done: dict[str, li
     reads_channels_last = (FusedConvTranspose1d, FusedDenseConv1d, upstream_attention())
     for layer, after in zip(computing, computing[1:]):
         if (isinstance(after, reads_channels_last) and isinstance(layer, (FusedResidualUnit, DepthwisePointwiseConv1d))
-                and layer._snake_pair is None):
+                and layer.snake_pair is None):
             layer.write_channels_last()
 
 
@@ -248,7 +248,7 @@ def _attention_applies_next_snake(seq: nn.Sequential, prefix: str) -> None:
     for i, (layer, after) in enumerate(zip(seq, seq[1:])):
         if type(layer) is HalfLocalMHA and isinstance(after, DecoderBlock) and layer.alpha_out is None:
             conv = next((m for m in after.block if isinstance(m, FusedConvTranspose1d)), None)
-            if conv is not None and conv._snake_in is not None:
+            if conv is not None and conv.snake_in is not None:
                 layer.take_snake_of(conv, f"{prefix}.{i}")
 
 

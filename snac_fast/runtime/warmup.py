@@ -150,7 +150,7 @@ def _launch_decode(codec, codes: list[torch.Tensor]) -> None:
     if codec.graphs is not None:
         codec.graphs.compile_kernels(codes, KEYED)
     else:
-        codec._decode(codes, 0, None, False)
+        codec.decode(codes, seed=0)
 
 
 def _zero_codes(codec, batch: int, frames: int) -> list[torch.Tensor]:

@@ -149,7 +149,7 @@ def test_gpu_fused_unit_module_takes_the_kernel(cuda, dilation, monkeypatch):
             y, sy = fused((x.half().clone(), s.clone()))
             close(y, ref, torch.float16)
             close(sy, snake_reference(ref, nxt.alpha.double()), torch.float16)
-        object.__setattr__(fused, "_snake_pair", None)
+        object.__setattr__(fused, "snake_pair", None)
         fused.absorb_next_snake(nxt)
         fused.write_channels_last()
         monkeypatch.setenv("SNAC_FAST_GLUON", "1")
