@@ -146,12 +146,14 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
                  "<scream>", "<sigh>", "<sing>", "<snort>", "<whisper>"),
            temperature=0.4, top_p=0.9, repetition_penalty=1.1, max_tokens=2048,
            extra={"stop_token_ids": [END_OF_SPEECH], "min_tokens": 28}),
-    # Veena (maya-research/Veena): its model card: start of human, "<spk_NAME> text" with no start of
-    # text and no end of text, end of human, start of AI, start of speech; stop at end of speech or end of AI
+    # Veena (maya-research/Veena): the table, and a public Gradio app of Veena's generate_speech
+    # (the card itself not read): [start of human] + encode("<spk_NAME> text", add_special_tokens=False)
+    # + [end of human, start of AI, start of speech], so no start of text; stop at end of speech or
+    # end of AI; 0.4 / 0.9 / 1.05, max 700
     Preset("veena", "Veena", (r"veena",), "<custom_token_3>{speaker}{text}<custom_token_4><custom_token_5><custom_token_1>",
            "<spk_{voice}> ", ("kavya", "agastya", "maitri", "vinaya"), "kavya", "maya-research/Veena model card",
            tags=(), temperature=0.4, top_p=0.9, repetition_penalty=1.05, max_tokens=700,
-           extra={"stop_token_ids": [END_OF_SPEECH, 128262]}),
+           extra={"stop_token_ids": [END_OF_SPEECH, 128262], "add_special_tokens": False}),
     # svara-tts (Kenpath/svara-tts-inference at 822a9ac): tts_engine/encoder.py svara_text_to_tokens:
     # start of text, start of human, <|audio|> (156939), "speaker: text", end of human, <|eot_id|>,
     # start of AI, start of speech; tts_engine/transports.py: 0.75 / 0.9 / top_k 40 / 1.1 / 2048,
