@@ -15,7 +15,8 @@
 #   soak_start  a 10-minute soak at 256 streams (10% disconnects, LM faults) in a process of its own
 #               session that outlives the call: run other sections, then soak_collect within 30 minutes
 #   soak_collect  waits for the soak and copies its report
-#   corpora     encode-dataset --format orpheus against Unsloth's notebook pipeline (carry datasets' wheels)
+#   corpora     encode-dataset --format orpheus against Unsloth's notebook pipeline (WHEELS=.whl-corpora:
+#               scripts/device_wheels.sh corpora)
 #   cpu16       CPU streams and serve --device cpu on the host's 16 cores (WHEELS=.whl-cpu)
 set -u
 cd "$(dirname "$0")/.."
