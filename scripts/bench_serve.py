@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_common import GcProbe, environment, markdown_table, write_results  # noqa: E402
+from bench_common import GcProbe, environment, gpu_tag, markdown_table, write_results  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
 from snac_fast.configs import published_config  # noqa: E402
@@ -553,8 +553,7 @@ def main() -> None:
 def _device_tag() -> str:
     if not torch.cuda.is_available():
         return "cpu"
-    name = torch.cuda.get_device_name(0)
-    return "h200" if "H200" in name else "h100" if "H100" in name else name.lower().replace(" ", "_")
+    return gpu_tag(torch.cuda.get_device_name(0))
 
 
 def _markdown(r: dict) -> str:

@@ -325,8 +325,9 @@ def summarize(records: list[dict], samples: list[dict], final: dict, lm_stats: d
     pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
     # the level beside the peaks: RSS rises and falls with what is live (each prefill holds ~80 MB on
     # a CPU), so a leak shows as the median's drift from the first five minutes after the first to the last five
-    median = (lambda lo, hi: float(np.median([s["rss_mb"] for s in samples if lo <= s["t_s"] < hi]))
-              if any(lo <= s["t_s"] < hi for s in samples) else float("nan"))
+    def median(lo: float, hi: float) -> float:
+        values = [s["rss_mb"] for s in samples if lo <= s["t_s"] < hi]
+        return float(np.median(values)) if values else float("nan")
     end = samples[-1]["t_s"] if samples else 0.0
     rss_first, rss_last = median(60, 360), median(end - 300, end + 1)
     lost = [r for r in records if r["outcome"] == "lost"]

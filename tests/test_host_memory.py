@@ -42,6 +42,7 @@ def test_a_trim_hands_back_heap_pages_a_live_block_pins():
 def test_trims_run_on_a_thread_every_interval_and_never_at_zero(monkeypatch):
     calls = []
     monkeypatch.setattr(host_memory, "malloc_trim", lambda: lambda: calls.append(time.monotonic()) or True)
+    monkeypatch.setattr(host_memory, "_trimmer", None)  # not the process's own, if a server started one
     assert host_memory.trim_periodically(0) is None
     thread = host_memory.trim_periodically(0.05)
     assert thread is not None and thread.daemon and thread.name == "snac-fast-memory-trim"
@@ -50,3 +51,4 @@ def test_trims_run_on_a_thread_every_interval_and_never_at_zero(monkeypatch):
         time.sleep(0.02)
     assert len(calls) >= 3
     assert thread in threading.enumerate()
+    assert host_memory.trim_periodically(0.05) is thread  # one per process: a second server gets the same

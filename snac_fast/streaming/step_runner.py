@@ -11,8 +11,8 @@ import numpy as np
 import torch
 
 from snac_fast.ops.device import cuda_index, device_scope
-from snac_fast.runtime.graphs import out_of_memory_explained
 from snac_fast.runtime.compiling import compiling_concurrently
+from snac_fast.runtime.graphs import out_of_memory_explained
 from snac_fast.streaming.shapes import (
     CODELESS,
     FLUSH,
@@ -154,7 +154,7 @@ class StepRunner:
                 graph = self.graphs[shape] = self._step_graph(shape[0], keys, codes, shape[2], compiled=True)
                 graph(keys, codes)  # a first replay uploads the graph: the first stream's step does not wait for it
             # the first launches of what a batch of mixed prefills and steps adds (lazily loaded kernels)
-            joined_audio([torch.empty(0, device=self.device, dtype=self.dtype), torch.zeros(3, device=self.device, dtype=self.dtype)])
+            joined_audio([torch.zeros(n, device=self.device, dtype=self.dtype) for n in (0, 3)])
         torch.cuda.synchronize(self.device)
         self.warmed = (self.warmed or set()) | {shape for shape in shapes if shape[0] == STEP}
         return len(inputs)

@@ -25,6 +25,8 @@ ORPHEUS_TAGS = ("<laugh>", "<chuckle>", "<sigh>", "<cough>", "<sniffle>", "<groa
 # text, "voice: text", end of text (<|eot_id|>), end of human, start of AI, start of speech
 ORPHEUS_WRAP = "<custom_token_3><|begin_of_text|>{speaker}{text}<|eot_id|><custom_token_4><custom_token_5><custom_token_1>"
 DESCRIPTION_LIMIT = 500  # characters of a described voice (Maya1)
+# a speaker named in "speaker: text" where any name goes (Kartoffel's, VyvoTTS'): no colon, no tag
+SPEAKER_NAME = r"[^\s:<>][^:<>]{0,63}"
 
 
 @dataclass(frozen=True)
@@ -175,7 +177,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     # / 1.1 / 4000; a voice is optional there ("in_prompt": the text alone)
     Preset("kartoffel", "Kartoffel-Orpheus (German)", (r"kartoffel",),
            "<custom_token_3><|begin_of_text|>{speaker}{text}<|eot_id|><custom_token_4>", "{voice}: ", (), "",
-           "SebastianBodza/Orpheus_Distributed_FastAPI streaming_api_server.py", voice_pattern=r"[^\s:<>][^:<>]{0,63}",
+           "SebastianBodza/Orpheus_Distributed_FastAPI streaming_api_server.py", voice_pattern=SPEAKER_NAME,
            starts_speech=True, tags=(), temperature=0.6, top_p=0.95, repetition_penalty=1.1, max_tokens=4000,
            extra={"stop": ["<custom_token_2>"]}),
     # VyvoTTS (Vyvo-Labs/VyvoTTS at faf621a: inference/base.py _build_prompt_tokens, vllm_inference.py,
@@ -189,7 +191,7 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
     # base's vocabulary size + 2). LFM2.5's VyvoTTS decodes with Mimi, not SNAC: no preset.
     *(Preset(name, f"VyvoTTS ({base})", (pattern,), prompt, "{voice}: ", (), "",
              "Vyvo-Labs/VyvoTTS vyvotts/inference/base.py, vllm_inference.py, configs/inference/" + config,
-             voice_pattern=r"[^\s:<>][^:<>]{0,63}", starts_speech=True, tags=(), temperature=0.6, top_p=0.8,
+             voice_pattern=SPEAKER_NAME, starts_speech=True, tags=(), temperature=0.6, top_p=0.8,
              repetition_penalty=1.3, max_tokens=1200,
              extra={"stop_token_ids": [end_of_speech], "add_special_tokens": False, "skip_special_tokens": False})
       for name, base, pattern, prompt, config, end_of_speech in (
