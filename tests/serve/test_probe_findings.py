@@ -248,7 +248,9 @@ def test_text_without_sentence_ends_is_bounded_per_stream(server, route):
 
     url = server.url.replace("http", "ws") + f"/v1/text-to-speech/tara/{route}?output_format=pcm_24000"
     replies, started = [], time.monotonic()
-    with connect(url, max_size=None) as ws:
+    # max_queue None: replies left unread would otherwise stop this client reading, so that it missed
+    # the server's close reply and waited its 10 s close timeout
+    with connect(url, max_size=None, max_queue=None) as ws:
         with contextlib.suppress(ConnectionClosed):
             for _ in range(10):
                 ws.send(json.dumps({"text": "word " * 20000, "context_id": "c"}))

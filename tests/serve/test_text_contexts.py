@@ -7,6 +7,7 @@ import asyncio
 import base64
 import json
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -139,6 +140,42 @@ def test_contexts_are_limited_closed_when_silent_and_checked(codec):
     assert "needs 'text'" in replies[2]["message"] and "voice_settings.speed" in replies[3]["message"]
     assert code == 1008  # then a flush of no context: nothing, and the connection closed for silence
     assert prompts_of(lm) == ["Quiet now."] and state.backend.open_streams == 0
+
+
+def test_a_message_the_server_fails_on_ends_the_connection_and_frees_its_slots(codec, monkeypatch, caplog):
+    """A bug of ours while a message is handled (here a context's text refused with an error nobody
+    expected): the connection closes 1011 ``internal_error`` and its contexts' slots come back; the
+    error is in the server's log. (Before, the receiving task died, nothing ended the connection, and
+    its slots and the server's shutdown waited for good.)"""
+    from websockets.asyncio.client import connect
+    from websockets.exceptions import ConnectionClosedError
+
+    from snac_fast.serve.services.spoken_text import SpokenText
+
+    def broken_add(self, text, flush=False):
+        if "boom" in text:
+            raise ZeroDivisionError("a bug")
+    monkeypatch.setattr(SpokenText, "add", broken_add)
+    with serving(codec) as (server, lm, state):
+        async def run():
+            async with connect(ws_url(server)) as ws:
+                await ws.send(json.dumps({"text": " ", "context_id": "a"}))
+                await ws.send(json.dumps({"text": "boom. ", "context_id": "b"}))
+                replies = []
+                with pytest.raises(ConnectionClosedError):
+                    while True:
+                        replies.append(json.loads(await asyncio.wait_for(ws.recv(), 30)))
+                return replies, ws.close_code
+        with caplog.at_level(logging.ERROR, logger="snac_fast.serve"):
+            replies, code = asyncio.run(run())
+        for _ in range(100):
+            if state.backend.open_streams == 0:
+                break
+            time.sleep(0.01)
+        assert state.backend.open_streams == 0
+    assert code == 1011 and replies[-1]["error"] == "internal_error"
+    assert any("ZeroDivisionError" in (r.exc_text or "") or r.exc_info and r.exc_info[0] is ZeroDivisionError
+               for r in caplog.records)
 
 
 def test_pipecat_speaks_through_the_server(codec):

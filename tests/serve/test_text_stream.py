@@ -106,11 +106,18 @@ def test_text_stream_refuses_what_it_cannot_serve_and_times_out(codec):
     assert state.backend.open_streams == 0
 
 
-def test_the_elevenlabs_sdk_speaks_through_the_server(codec, tmp_path):
+def test_the_elevenlabs_sdk_speaks_through_the_server(codec, tmp_path, monkeypatch):
     """ElevenLabs' own Python SDK (`convert_realtime`, base URL pointed here; it always speaks wss,
-    so the server runs TLS with a certificate the test makes and the client trusts)."""
+    so the server runs TLS with a certificate the test makes and the client trusts). Its WebSocket
+    opens with websockets' default 10 s handshake timeout, which a loaded 2-core CI host once
+    exceeded: the test gives the handshake 60 s, the SDK otherwise as published."""
     elevenlabs = pytest.importorskip("elevenlabs")
+    import functools
     import os
+
+    import elevenlabs.realtime_tts as realtime
+
+    monkeypatch.setattr(realtime, "connect", functools.partial(realtime.connect, open_timeout=60))
 
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1",

@@ -26,7 +26,8 @@ Audio replies are ``{"audio", "isFinal": null, "normalizedAlignment": null, "ali
 its ended sentences spoken, the rest dropped, then its isFinal; a connection with no context and no
 message for as long closes 1008. A sixth open context closes the connection 1008
 (``max_active_conversations``), as theirs does; an LM or engine failure closes it 1011 after an
-error naming the context. The query's ``output_format``
+error naming the context; a failure of the server's own on a message closes it 1011
+(``internal_error``, logged). The query's ``output_format``
 and ``inactivity_timeout`` are honoured; ``model_id``, ``auto_mode``, ``sync_alignment``,
 ``language_code`` and the rest are accepted and unused (docs/http_server.md).
 """
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import logging
 import time
 
 from snac_fast.serve.access.limits import MessageRate, TooManyStreams, client_of
@@ -57,6 +59,8 @@ MAX_CONTEXTS = 5  # open contexts per connection: ElevenLabs' limit
 MAX_CONTEXT_ID_CHARS = 256
 DONE = ("done", None, None, None)  # a connection's outcome: (metric, error name, message, close code)
 CLOSED = ("closed", None, None, None)
+FAILED = ("internal_error", "internal_error", "the server failed on a message (its log says why)", 1011)
+log = logging.getLogger("snac_fast.serve")
 
 
 async def multi_stream_input(websocket) -> None:
@@ -134,6 +138,9 @@ class _Connection:
                 await self._handle(message)
         except (WebSocketDisconnect, RuntimeError, OSError):
             self._end(CLOSED)
+        except Exception:  # noqa: BLE001 - a bug of ours: the connection ends (its contexts' slots freed), not hangs
+            log.exception("multi-stream-input: a message failed")
+            self._end(FAILED)
 
     async def _handle(self, message: dict) -> None:
         if message.get("close_socket"):
@@ -168,10 +175,10 @@ class _Connection:
         self.last_message[cid] = time.monotonic()
         try:
             text.add(message.get("text") or "", flush=bool(message.get("flush")))
-        except TextBacklogError as e:  # the context stops speaking; the connection's others go on
+        except TextBacklogError as e:  # the context stops speaking (its slot freed first); the connection's others go on
+            del self.last_message[cid], self.open[cid]
+            text.interrupt()
             await self._send(error_message(str(e), "text_backlog_exceeded", 1008, contextId=cid))
-            del self.last_message[cid]
-            self.open.pop(cid).interrupt()
 
     def _close(self, cid: str | None, by_client: bool = True) -> None:
         """No more text for the context, then its isFinal. Closed by its client: if a flush came
