@@ -218,6 +218,7 @@ def main() -> None:
     parser.add_argument("--max-streams", type=int, default=1024)
     parser.add_argument("--max-batch", type=int, default=256)
     parser.add_argument("--device", default=None)
+    parser.add_argument("--memory-trim", type=float, default=None, help="serve --memory-trim (seconds; its default if unset)")
     parser.add_argument("--model", default="synthetic:snac_24khz")
     parser.add_argument("--lm-workers", type=int, default=1)
     parser.add_argument("--client-procs", type=int, default=1)
@@ -234,7 +235,8 @@ def main() -> None:
                        "--stall-seconds", f"{2 * args.lm_timeout:g}")
     options = ["--workers", str(args.workers), "--max-streams", str(args.max_streams), "--max-batch", str(args.max_batch),
                "--lm-timeout", f"{args.lm_timeout:g}", *(["--shared-engine"] if args.shared_engine else []),
-               *(["--device", args.device] if args.device else [])]
+               *(["--device", args.device] if args.device else []),
+               *(["--memory-trim", f"{args.memory_trim:g}"] if args.memory_trim is not None else [])]
     server = start([sys.executable, "-m", "snac_fast.cli", "serve", "--model", args.model, "--port", str(port),
                     "--lm-url", f"http://127.0.0.1:{lm_port}/v1", *options], f"http://127.0.0.1:{port}/health",
                    logs / "server.log")

@@ -75,7 +75,7 @@ class EngineSettings:
     gpu_memory_gb: float = option(0.0, "GPU memory the engine's process may hold, its CUDA context included, as "
                                   "vLLM's share beside it: the step graphs are sized to fit (fewer streams per engine "
                                   "call), or the start fails saying what does not (0: no budget)")
-    memory_trim_s: float = option(30.0, "seconds between hand-backs of the host memory the process freed to the OS "
+    memory_trim_s: float = option(5.0, "seconds between hand-backs of the host memory the process freed to the OS "
                                   "(glibc's malloc_trim; 0: never): RSS stays at what is live", flag="--memory-trim")
     idle_timeout_s: float = option(60.0, "seconds before an idle stream is released", flag="--idle-timeout")
     lookahead: int | str | None = option(None, "streams' lookahead: 'exact' (the receptive field), 'fp16' (the least "
