@@ -330,6 +330,10 @@ def summarize(records: list[dict], samples: list[dict], final: dict, lm_stats: d
     def median(lo: float, hi: float) -> float:
         values = [s["rss_mb"] for s in samples if lo <= s["t_s"] < hi]
         return float(np.median(values)) if values else float("nan")
+    def within_5pct(values: list[float]) -> list[int]:
+        """[samples within 5% of their median, samples]: how many a flat target's band holds."""
+        middle = float(np.median(values)) if values else float("nan")
+        return [sum(abs(v / middle - 1) <= 0.05 for v in values), len(values)]
     end = samples[-1]["t_s"] if samples else 0.0
     rss_first, rss_last = median(60, 360), median(end - 300, end + 1)
     lost = [r for r in records if r["outcome"] == "lost"]
@@ -342,6 +346,7 @@ def summarize(records: list[dict], samples: list[dict], final: dict, lm_stats: d
             if after else None,
             "rss_median_minutes_1_6_mb": rss_first, "rss_median_last_5_minutes_mb": rss_last,
             "rss_median_drift_pct": (rss_last / rss_first - 1) * 100 if rss_first else float("nan"),
+            "rss_within_5pct_of_median_after_1min": within_5pct([s["rss_mb"] for s in after]),
             "gap_p50_ms": pct(gaps, 50), "gap_p99_ms": pct(gaps, 99), "gap_max_ms": float(gaps.max()) if len(gaps) else float("nan"),
             "lm_gap_p99_ms": pct(lm_gaps, 99), "lm_gap_max_ms": float(lm_gaps.max()) if len(lm_gaps) else float("nan"),
             "lost_examples": [(r["kind"], r["detail"]) for r in lost[:10]],
@@ -364,7 +369,9 @@ def markdown(results: dict) -> str:
             f"- Memory after the first minute: RSS {results['rss_growth_after_1min_pct']:+.1f}%, GPU "
             f"{results['gpu_growth_after_1min_pct']:+.1f}% at most (the highest sample over the first after it); RSS "
             f"median {results['rss_median_minutes_1_6_mb']:.0f} MB in minutes 1-6, "
-            f"{results['rss_median_last_5_minutes_mb']:.0f} MB in the last 5 ({results['rss_median_drift_pct']:+.1f}%).\n"
+            f"{results['rss_median_last_5_minutes_mb']:.0f} MB in the last 5 ({results['rss_median_drift_pct']:+.1f}%); "
+            f"{results['rss_within_5pct_of_median_after_1min'][0]} of {results['rss_within_5pct_of_median_after_1min'][1]} "
+            "samples within 5% of their median.\n"
             f"- Healthy streams' chunk gaps p50 / p99 / max: {results['gap_p50_ms']:.1f} / {results['gap_p99_ms']:.1f} / "
             f"{results['gap_max_ms']:.1f} ms; the LM's own p99 / max {results['lm_gap_p99_ms']:.1f} / "
             f"{results['lm_gap_max_ms']:.1f} ms. Server CPU {results['server_cpu_cores']:.2f} cores.\n")

@@ -14,7 +14,6 @@ blocks of pushes without a Python step per push.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -28,29 +27,11 @@ from snac_fast.batching.futures import resolve
 from snac_fast.batching.pcm import PCMBlock, int16_pcm
 from snac_fast.ops.device import make_current
 from snac_fast.orpheus import TokenLayout
-from snac_fast.streaming import CheckedCodes, StreamEngine, StreamSlot
+from snac_fast.batching.streams import Stream, StreamTable
+from snac_fast.streaming import CheckedCodes, StreamEngine
 from snac_fast.streaming.shapes import joined_audio
 
 OUTPUTS = ("tensor", "float32", "int16")
-ENDED_KEPT = 4096  # the reasons of this many recent ends are kept, for the errors of late pushes
-
-
-class Stream:
-    """A batcher's stream: its engine slot, token framer and activity."""
-
-    __slots__ = ("id", "slot", "framer", "last_active", "ended", "dropped", "queued", "done")
-
-    def __init__(self, stream_id: int, slot: StreamSlot, framer) -> None:
-        self.id, self.slot, self.framer = stream_id, slot, framer
-        self.last_active = time.monotonic()
-        # requests queued (by callers) and run (by the engine calls): a stream with one in flight is not idle
-        self.queued = self.done = 0
-        self.ended: str | None = None  # why it takes no more pushes (flushed, released, ...)
-        self.dropped = False  # released without its audio: its queued work is skipped
-
-    def released_error(self) -> ValueError:
-        """What a push queued before the stream was released gets."""
-        return ValueError(f"stream {self.id} was released ({self.ended})")
 
 
 class Request:
@@ -112,10 +93,7 @@ class BatchRounds:
         self.engine, self.max_batch, self.max_wait = engine, max_batch, max_wait_ms / 1000.0
         self.layout, self.output, self.idle_timeout = layout, output, idle_timeout_s
         self.driver: Driver | None = None
-        self.streams: dict[int, Stream] = {}
-        self._ended: dict[int, str] = {}  # stream id -> why it ended (the most recent ones)
-        self._next_id = 0
-        self._lock = threading.Lock()  # the streams
+        self.table = StreamTable(layout)
         # pushes append to a deque (atomic: no lock on the hot path); the driver takes them
         self.pending: deque = deque()
         # when the oldest pending push of a stream yet to start was queued (inf: none): a client
@@ -123,7 +101,6 @@ class BatchRounds:
         self.urgent_since = math.inf
         self.last_round_at = -math.inf  # when the last round took what was pending (time.monotonic)
         self.stopping = False
-        self.closed = False
         # host PCM of the engine calls in flight lands here; a call's buffer is free again once its
         # results are copied out (two calls are undelivered at most, more only while a refused push's
         # call is retried push by push)
@@ -153,43 +130,33 @@ class BatchRounds:
     def open(self, seed: int | None = None) -> int:
         """A new stream's id (its noise seed: see :meth:`StreamEngine.open`)."""
         slot = self.engine.open(seed)
-        with self._lock:
-            if self.closed:
-                self.engine.close(slot)
-                raise RuntimeError("the batcher is closed")
-            stream_id, self._next_id = self._next_id, self._next_id + 1
-            self.streams[stream_id] = Stream(stream_id, slot, self.layout.framer() if self.layout else None)
-        return stream_id
+        stream = self.table.add(slot)
+        if stream is None:
+            self.engine.close(slot)
+            raise RuntimeError("the batcher is closed")
+        return stream.id
 
     @property
     def open_streams(self) -> int:
-        return len(self.streams)
+        return len(self.table)
 
     def is_open(self, stream_id: int) -> bool:
         """Whether the stream takes pushes (not flushed, released, idled out or failed)."""
-        return stream_id in self.streams
+        return stream_id in self.table
+
+    @property
+    def closed(self) -> bool:
+        return self.table.closed
 
     @property
     def queued(self) -> int:
         """Requests waiting for an engine call."""
         return len(self.pending)
 
-    def stream(self, stream_id: int) -> Stream:
-        """An open stream, or the error that says why there is none."""
-        stream = self.streams.get(stream_id)
-        if stream is None or stream.ended:
-            if self.closed:
-                raise RuntimeError("the batcher is closed")
-            why = self._ended.get(stream_id)
-            if why is None:
-                raise ValueError(f"no open stream {stream_id!r}")
-            raise ValueError(f"stream {stream_id} has ended ({why}); open a new one")
-        return stream
-
     def submit_codes(self, stream_id: int, codes: Sequence[Tensor] | None, finish: bool,
                      drop_incomplete_frame: bool = False, future=None):
         """Queue new codes (checked now) and/or the stream's end; the request's future."""
-        stream = self.stream(stream_id)
+        stream = self.table.get(stream_id)
         frames, row, checked = 0, None, None
         if codes is not None:
             checked = self.engine.check_codes(codes)
@@ -197,13 +164,13 @@ class BatchRounds:
         if finish:
             if stream.framer is not None:
                 stream.framer.drop_incomplete() if drop_incomplete_frame else stream.framer.finish()
-            self.end(stream, "flushed")
+            self.table.end(stream, "flushed")
         future = self.new_future() if future is None else future
         return self.queue(Request(stream, frames, row, finish, future, checked=checked))
 
     def submit_ids(self, stream_id: int, ids):
         """Queue raw LM token ids (checked now; an incomplete frame waits for the next push)."""
-        stream = self.stream(stream_id)
+        stream = self.table.get(stream_id)
         if stream.framer is None:
             raise ValueError("this batcher has no token layout: make it with layout=... (snac_fast.orpheus)")
         frames, row = stream.framer.push_row(ids)
@@ -228,28 +195,15 @@ class BatchRounds:
     def release(self, stream_id: int) -> None:
         """Drop a stream without decoding the rest (a client gone): its slot is freed once any push
         of it in flight has run; later pushes to it raise. Safe to call from any thread, twice."""
-        stream = self.streams.get(stream_id)
+        stream = self.table.open.get(stream_id)
         if stream is not None and not stream.ended:
-            self.end(stream, "released", drop=True)
+            self.table.end(stream, "released", drop=True)
             self.queue(Request(stream, 0, None, False, None, release=True))
-
-    def end(self, stream: Stream, why: str, drop: bool = False) -> None:
-        """The stream takes no more pushes (``drop``: nor runs what it has queued)."""
-        with self._lock:
-            stream.ended = stream.ended or why
-            stream.dropped = stream.dropped or drop
-            if self.streams.pop(stream.id, None) is not None:
-                self._ended[stream.id] = stream.ended
-                if len(self._ended) > ENDED_KEPT:
-                    del self._ended[next(iter(self._ended))]
 
     def release_idle(self) -> None:
         """Release the streams no push touched for ``idle_timeout_s`` and none has in flight."""
-        limit = time.monotonic() - self.idle_timeout
-        with self._lock:
-            idle = [s for s in self.streams.values() if s.last_active < limit and s.queued == s.done]
-        for stream in idle:
-            self.end(stream, f"idle for over {self.idle_timeout:g} s", drop=True)
+        for stream in self.table.idle(time.monotonic() - self.idle_timeout):
+            self.table.end(stream, f"idle for over {self.idle_timeout:g} s", drop=True)
             self.engine.close(stream.slot)
             self.idle_released += 1
 
@@ -347,7 +301,7 @@ class BatchRounds:
             self.failed_in_a_row += 1
             self.last_failure = f"{type(error).__name__}: {error}"[:300]
             for r in chunk:
-                self.end(r.stream, f"its engine call failed: {type(error).__name__}", drop=True)
+                self.table.end(r.stream, f"its engine call failed: {type(error).__name__}", drop=True)
                 self.engine.close(r.stream.slot)
             return chunk, lambda e=error: [e] * len(chunk), landed
 
@@ -435,12 +389,9 @@ class BatchRounds:
 
     def close(self) -> None:
         """Finish the queued requests, then stop the driver (open streams are released)."""
-        with self._lock:
-            if self.closed:
-                return
-            self.closed = True
-            streams = list(self.streams.values())
-            self.streams.clear()
+        streams = self.table.close()
+        if streams is None:
+            return
         self.stopping = True
         self.driver.stop()
         while self.pending:  # queued while the driver was stopping: nobody will run them

@@ -285,7 +285,7 @@ def test_failed_engine_call_fails_its_streams_and_the_engine_serves_on(monkeypat
         outs = {0: [], 1: []}
         for f in range(6):
             if f == 3:
-                failing["slot"] = batcher.streams[sids[0]].slot
+                failing["slot"] = batcher.table.open[sids[0]].slot
                 futures = [batcher.submit(s, frames_of(codes[i], STRIDES, f, f + 1)) for i, s in enumerate(sids)]
                 with pytest.raises(torch.OutOfMemoryError):
                     futures[0].result()
@@ -397,7 +397,7 @@ def test_batcher_on_the_event_loop_idles_out_fails_and_closes_from_another_threa
         calls = batcher.batches
         first = await asyncio.gather(*(batcher.push_ids(s, ids[i][:7]) for i, s in enumerate(sids)))
         assert batcher.batches == calls + 1  # the three pushes waited for each other: one call
-        failing["slot"] = batcher.streams[sids[0]].slot
+        failing["slot"] = batcher.table.open[sids[0]].slot
         second = await asyncio.gather(*(batcher.push_ids(s, ids[i][7:14]) for i, s in enumerate(sids)), return_exceptions=True)
         assert isinstance(second[0], torch.OutOfMemoryError) and batcher.failed_calls == 1
         assert not batcher.is_open(sids[0]) and not batcher.is_open(sids[1])  # the call's streams, released

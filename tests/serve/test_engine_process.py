@@ -212,7 +212,7 @@ def test_engine_batcher_max_wait_counts_pushes_not_messages():
     _wait_for_replies(front, 1, "a stream's first audio waited out max_wait_ms")
     batcher.take(front, push_message([1, 2, 3], sids[1:], first_frames, np.stack(head[1:])))
     _wait_for_replies(front, 4, "a first audio waited out max_wait_ms")
-    assert all(s.slot.started for s in batcher.streams.values())
+    assert all(s.slot.started for s in batcher.table.open.values())
     calls = batcher.batches
     tail = [frames_of_row(row, first_frames, first_frames + 1) for row in rows]
     batcher.take(front, push_message([4, 5], sids[:2], 1, np.stack(tail[:2])))

@@ -249,14 +249,14 @@ class EngineBatcher(BatchRounds):
 
     def _take_pushes(self, front: Front, message: bytes) -> None:
         reqs, sids, frames, rows = read_pushes(message)
-        streams = list(map(self.streams.get, sids))
+        streams = list(map(self.table.open.get, sids))
         if self.stopping or None in streams or any(map(_ENDED, streams)):
             kept = []
             for j, sid in enumerate(sids):
                 try:
                     if self.stopping:
                         raise RuntimeError("the batcher is closed")
-                    self.stream(sid)
+                    self.table.get(sid)
                     kept.append(j)
                 except (ValueError, RuntimeError) as error:  # that stream ended: only this push fails
                     front.error(int(reqs[j]), error)
