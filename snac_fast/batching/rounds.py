@@ -1,5 +1,6 @@
-"""The batcher's round logic: streams, requests checked on the caller's thread, and a round's
-engine calls (group, launch, copy to the host, deliver), whatever runs them.
+"""The batcher's round logic: requests checked on the caller's thread (their streams in a
+:class:`~snac_fast.batching.streams.StreamTable`), and a round's engine calls (group, launch, copy
+to the host, deliver), whatever runs them.
 
 :class:`BatchRounds` holds no scheduler: a driver (:mod:`snac_fast.batching.drivers`: an engine thread,
 or an event loop's pump) takes what is pending and runs it through :meth:`BatchRounds.split_round`,
@@ -25,9 +26,9 @@ from torch import Tensor
 
 from snac_fast.batching.futures import resolve
 from snac_fast.batching.pcm import PCMBlock, int16_pcm
+from snac_fast.batching.streams import Stream, StreamTable
 from snac_fast.ops.device import make_current
 from snac_fast.orpheus import TokenLayout
-from snac_fast.batching.streams import Stream, StreamTable
 from snac_fast.streaming import CheckedCodes, StreamEngine
 from snac_fast.streaming.shapes import joined_audio
 
@@ -146,6 +147,7 @@ class BatchRounds:
 
     @property
     def closed(self) -> bool:
+        """Whether :meth:`close` ran (no stream opens after it)."""
         return self.table.closed
 
     @property
