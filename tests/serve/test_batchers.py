@@ -564,3 +564,37 @@ def test_a_first_audio_never_waits_for_fuller_calls(engine_thread):
     audio = asyncio.run(main())
     want = expected_audio(codes, 3).numpy()[:len(audio)]
     assert len(audio) > 0 and np.abs(audio - want).max() < 1e-6
+
+
+def test_the_stream_table_says_why_a_stream_is_gone_and_opens_none_once_closed(monkeypatch):
+    """A batcher's table of streams: ids in order, each with a framer of the layout; a stream that
+    ended is refused by name (flushed, released, ...) while its reason is among the most recent
+    ENDED_KEPT, by id after; ending twice keeps the first reason; idle streams are those without a
+    push in flight; once closed it hands back the open streams and opens none."""
+    from snac_fast.batching import streams as table_module
+    from snac_fast.batching.streams import StreamTable
+
+    monkeypatch.setattr(table_module, "ENDED_KEPT", 2)
+    table = StreamTable(ORPHEUS)
+    a, b, c, d = (table.add(object()) for _ in range(4))
+    assert [s.id for s in (a, b, c, d)] == [0, 1, 2, 3] and a.framer is not None and len(table) == 4
+    table.end(a, "flushed")
+    table.end(a, "released", drop=True)
+    assert a.ended == "flushed" and a.dropped and 0 not in table and len(table) == 3
+    with pytest.raises(ValueError, match=r"stream 0 has ended \(flushed\)"):
+        table.get(0)
+    table.end(b, "released")
+    table.end(c, "idle")
+    with pytest.raises(ValueError, match="no open stream 0"):  # its reason made way for newer ones
+        table.get(0)
+    with pytest.raises(ValueError, match=r"stream 2 has ended \(idle\)"):
+        table.get(2)
+    d.queued, d.done = 1, 0  # a push in flight: not idle however old
+    assert table.idle(time.monotonic() + 1) == []
+    d.done = 1
+    assert table.idle(time.monotonic() + 1) == [d] and table.idle(d.last_active) == []
+    assert table.close() == [d] and table.close() is None and len(table) == 0
+    assert table.add(object()) is None
+    with pytest.raises(RuntimeError, match="closed"):
+        table.get(3)
+    assert StreamTable(None).add(object()).framer is None
