@@ -325,8 +325,9 @@ def summarize(records: list[dict], samples: list[dict], final: dict, lm_stats: d
     growth = (lambda key: float(max(s[key] for s in after) / after[0][key] - 1) * 100
               if after and after[0][key] and np.isfinite(after[0][key]) else float("nan"))
     pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
-    # the level beside the peaks: RSS rises and falls with what is live (each prefill holds ~80 MB on
-    # a CPU), so a leak shows as the median's drift from the first five minutes after the first to the last five
+    # the level beside the peaks: RSS rises and falls with what is live (a CPU prefill's activations
+    # peak at ~42 MB a stream), so a leak shows as the median's drift from the first five minutes
+    # after the first to the last five
     def median(lo: float, hi: float) -> float:
         values = [s["rss_mb"] for s in samples if lo <= s["t_s"] < hi]
         return float(np.median(values)) if values else float("nan")
