@@ -404,7 +404,9 @@ class LayerStates:
             count = len(layer.spans)
             x, kept = layer(x, states[at:at + count], run)
             at += count
-            new_states += kept
+            # copies: a kept span is a view of the layer's whole input buffer, which it would hold
+            # to the call's end (~80% of a CPU call's live memory)
+            new_states += [k.clone() for k in kept]
             if layer.masks and kind in (PREFILL, FLUSH) and layer.delay:
                 if kind == PREFILL:
                     x[:, :layer.delay] = 0  # before position 0: the next layer's left zero padding

@@ -17,12 +17,14 @@ class Schedule:
     """Decodes what a :class:`~snac_fast.streaming.StreamEngine`'s streams hold (a part of the
     engine, called under its lock): ``pending`` codes (:class:`~.pending.PendingCodes`) of the state
     rows in ``slots`` (:class:`~.slots.SlotTable`), run through ``steps``
-    (:class:`~.step_runner.StepRunner`) in chunks of at most ``slots.max_streams`` streams;
-    ``model`` decodes a stream that ends before its prefill whole."""
+    (:class:`~.step_runner.StepRunner`) in chunks of at most ``slots.max_streams`` streams and,
+    where ``call_frames`` is set, at most that many stream-frames a call (a bound on a call's
+    memory); ``model`` decodes a stream that ends before its prefill whole."""
 
-    def __init__(self, model, timing, slots, pending, steps, checks) -> None:
+    def __init__(self, model, timing, slots, pending, steps, checks, call_frames: int | None = None) -> None:
         self.model, self.timing, self.slots, self.pending, self.steps, self.checks = \
             model, timing, slots, pending, steps, checks
+        self.call_frames = call_frames
         self.device, self.dtype = steps.device, steps.dtype
 
     def empty_audio(self) -> Tensor:
@@ -33,6 +35,7 @@ class Schedule:
         frames, and ``frames`` one step's worth for one batch."""
         pending = self.pending
         return (streams <= self.slots.max_streams and self.steps.step_frames(frames) == frames
+                and (self.call_frames is None or streams * frames <= self.call_frames)
                 and self.steps.runnable_frames(streams, frames) == frames
                 and (pending.frames_held == 0 or not (pending.tail[slots] != pending.head[slots]).any()))
 
@@ -73,7 +76,7 @@ class Schedule:
         return out
 
     def _prefills(self, streams: list, pieces) -> None:
-        for chunk in self._chunks(streams):
+        for chunk in self._chunks(streams, self.timing.prefill_frames):
             audio = self.run(PREFILL, slots_of(chunk), self.timing.prefill_frames).unbind(0)
             for s, a in zip(chunk, audio):
                 s.started = True
@@ -89,7 +92,7 @@ class Schedule:
             for k in sorted(set(frames[frames > 0].tolist())):
                 picked = np.flatnonzero(frames == k)
                 group = streams if len(picked) == len(streams) else [streams[i] for i in picked]
-                for chunk in self._chunks(group):
+                for chunk in self._chunks(group, k):
                     step = self.steps.runnable_frames(len(chunk), k)
                     for s, a in zip(chunk, self.run(STEP, slots_of(chunk), step).unbind(0)):
                         pieces[s].append(a)
@@ -99,15 +102,20 @@ class Schedule:
 
     def _finishes(self, streams: list, pieces) -> None:
         started = [s for s in streams if s.started]
-        for chunk in self._chunks(started):
+        # a flush pushes at most a prefill's frames of zeros (the lookahead's reach)
+        for chunk in self._chunks(started, self.timing.prefill_frames):
             for s, a in zip(chunk, self.run(FLUSH, slots_of(chunk), 0).unbind(0)):
                 pieces[s].append(a)
         for s in streams:
             if not s.started and s.pending_frames:  # shorter than a prefill: decode it whole
                 pieces[s].append(self.decode_held(s))
 
-    def _chunks(self, streams: list) -> Iterable[list]:
+    def _chunks(self, streams: list, frames: int) -> Iterable[list]:
+        """``streams`` in calls of at most ``slots.max_streams`` streams and ``call_frames``
+        stream-frames (each stream taking ``frames``)."""
         step = self.slots.max_streams
+        if self.call_frames is not None:
+            step = max(1, min(step, self.call_frames // frames))
         return (streams[i:i + step] for i in range(0, len(streams), step))
 
     def decode_held(self, s, take: bool = True) -> Tensor:

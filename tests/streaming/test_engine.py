@@ -114,6 +114,53 @@ def test_batched_step_equals_whole_decode_rows(name, layered):
         assert (got - expected[b, 0]).abs().max().item() < 1e-12
 
 
+@pytest.mark.parametrize("name, layered", [("snac_24khz", True), ("snac_24khz", False), ("snac_32khz", True)],
+                         ids=["24khz state per layer", "24khz stages", "32khz state per layer"])
+def test_a_cpu_engines_calls_hold_at_most_max_call_frames(name, layered):
+    """A round of prefills, multi-frame steps and flushes of 3 streams runs in calls of at most
+    max_call_frames stream-frames (a CPU's default: CPU_CALL_FRAMES, a prefill at least), every
+    stream still its whole decode; an unbounded engine runs the same round in bigger calls."""
+    from snac_fast.streaming.engine import CPU_CALL_FRAMES
+    from snac_fast.streaming.shapes import FLUSH
+
+    narrow = True  # the bookkeeping is what is checked
+    config = {**published_config(name), **NARROW}
+    strides = config["vq_strides"]
+    bounded = engine64(name, streams=3, narrow=narrow, layered=layered)
+    unbounded = engine64(name, streams=3, narrow=narrow, layered=layered, max_call_frames=10**6)
+    cap = bounded.max_call_frames
+    assert cap == max(CPU_CALL_FRAMES, bounded.prefill_frames)
+    g = bounded.frames_per_group
+    frames = bounded.prefill_frames + 2 * g
+    codes = random_codes(config, frames, batch=3, seed=5)
+    expected = decode_with_keyed_noise(upstream64(name, narrow), codes, 3)
+    largest = {}
+    for engine in (bounded, unbounded):
+        calls = []
+        run = engine.steps.run
+
+        def counted(kind, keys, c, n_frames, n, run=run, calls=calls):
+            calls.append(n * (engine.prefill_frames if kind == FLUSH else n_frames))
+            return run(kind, keys, c, n_frames, n)
+
+        engine.steps.run = counted
+        streams = [engine.open(3, row=b) for b in range(3)]
+        pieces = [[] for _ in streams]
+        f = 0
+        for k in [engine.prefill_frames, 2 * g]:  # the prefills, then a 2-group step of every stream
+            for piece, audio in zip(pieces, engine.step(streams, frames_of_rows(codes, strides, f, f + k))):
+                piece.append(audio)
+            f += k
+        ends = engine.advance(finish=streams)
+        for b, s in enumerate(streams):
+            got = torch.cat(pieces[b] + [ends[s]])
+            assert (got - expected[b, 0]).abs().max().item() < 1e-12
+        largest[engine is bounded] = max(calls)
+    assert largest[True] <= cap < largest[False]
+    with pytest.raises(ValueError, match="max_call_frames"):
+        engine64(name, narrow=narrow, max_call_frames=bounded.prefill_frames - 1)
+
+
 def test_after_a_warm_up_only_warmed_step_shapes_run():
     """A warm-up fixes the step shapes: pushes of more frames than a warmed step then run as
     one-group steps (no graph captured while streams wait), with the same audio. The warm-up's

@@ -141,6 +141,19 @@ def test_which_engines_stream_per_layer():
     assert engine.state_bytes_per_stream == per_layer * 8 and per_layer > 0
 
 
+def test_a_calls_new_states_hold_no_layers_whole_input():
+    """What a call keeps of each layer is a copy of its span: a view would hold the layer's whole
+    input buffer (the span and the push) until the call's end, most of a CPU call's live memory."""
+    engine = engine64("snac_24khz", streams=2)
+    layers = engine.layered
+    keys = torch.tensor([[0], [0], [1], [0]], dtype=torch.int64)
+    latent = torch.randn(1, layers.channels, 4 * layers.latent_per_frame, dtype=torch.float64)
+    _, states = layers._run(latent.transpose(1, 2).contiguous(), layers._fresh_states(1), keys, "prefill")
+    assert len(states) == len(layers.states)
+    for state in states:
+        assert state.untyped_storage().nbytes() == state.numel() * state.element_size()
+
+
 def test_noise_of_several_blocks_in_one_pass_is_each_blocks_noise():
     seeds, rows = torch.tensor([3, -2**62], dtype=torch.int64), torch.tensor([0, 7])
     frames = torch.tensor([5, 0])
