@@ -24,16 +24,10 @@ from snac_fast.streaming.layer_state import LayerStates
 from snac_fast.streaming.lookahead import ApproximateEmission, StreamTiming, preset_lookahead
 from snac_fast.streaming.pending import CheckedCodes, PendingCodes
 from snac_fast.streaming.shapes import TAIL, joined_audio, slots_of
-from snac_fast.streaming.schedule import Schedule
+from snac_fast.streaming.schedule import Schedule, call_frames
 from snac_fast.streaming.slots import SlotTable
 from snac_fast.streaming.stage_forward import StageForward
 from snac_fast.streaming.step_runner import StepRunner
-
-
-# A CPU call's default bound in stream-frames: past 8 a call gains under 2% a stream-frame on one
-# or two threads (24 kHz: 17.8 -> 17.9 ms one thread, 9.8 -> 9.8 ms two, at 8 -> 16), while its
-# live memory grows with every one (docs/streaming.md)
-CPU_CALL_FRAMES = 8
 
 
 @dataclass(eq=False)
@@ -94,10 +88,7 @@ class StreamEngine:
     torch.compile (a C++ compiler needed; each new step shape compiles first).
 
     ``max_call_frames``: the most stream-frames (streams x frames) one call through the model
-    decodes; a round that holds more runs as several calls, each stream's audio the same: a bound
-    on a CPU call's live memory (~3.6 MB a stream-frame at 24 kHz in float32). None:
-    :data:`CPU_CALL_FRAMES` on a CPU (or a prefill's frames where more), no bound on a GPU (a call
-    there is a captured graph of one batch bucket).
+    decodes, a bound on a CPU call's live memory (:func:`.schedule.call_frames`; None: the device's default).
     """
 
     def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
@@ -126,9 +117,7 @@ class StreamEngine:
         self.timing = StreamTiming(self.geometry, int(config["sampling_rate"]), exact.lookahead_samples,
                                    self.approximate_lookahead)
         self.max_streams = max_streams
-        self.max_call_frames = self._call_frames(max_call_frames)
-        if self.max_call_frames is not None:
-            max_frames_per_step = min(max_frames_per_step, self.max_call_frames)
+        self.max_call_frames = call_frames(max_call_frames, self.device, self.timing)
         if layered is None:  # a CPU's exact float32 streams: state per layer computes no context twice
             # (in bfloat16 its torch ops round every layer: 18 dB against float32 where the stages' give 26)
             layered = (self.device.type == "cpu" and self.approximate_lookahead is None
@@ -153,10 +142,9 @@ class StreamEngine:
         # the step itself (what the step graphs capture), a part that owns its launch choices
         self.forward = StageForward(model, self.geometry, self.state, self.layered, tail_keep)
         self.steps = StepRunner(self.forward, self.state, self.slots, self.checks, self.timing,
-                                max_frames_per_step=max_frames_per_step, cuda_graphs=cuda_graphs,
-                                max_graphs=max_graphs, lock=self._lock)
-        self.schedule = Schedule(model, self.timing, self.slots, self.pending, self.steps, self.checks,
-                                 self.max_call_frames)
+                                max_frames_per_step=min(max_frames_per_step, self.max_call_frames or max_frames_per_step),
+                                cuda_graphs=cuda_graphs, max_graphs=max_graphs, lock=self._lock)
+        self.schedule = Schedule(model, self.timing, self.slots, self.pending, self.steps, self.checks, self.max_call_frames)
         self.emission = None if self.approximate_lookahead is None else ApproximateEmission(
             self.timing, max_streams + 1, self.state, lambda slots: self.schedule.run(TAIL, slots, 0),
             lambda stream: self.schedule.decode_held(stream, take=False))
@@ -170,15 +158,6 @@ class StreamEngine:
     lookahead_ms = _timing("lookahead_ms")
     first_audio_frames = _timing("first_audio_frames")
     first_audio_ms = _timing("first_audio_ms")
-
-    def _call_frames(self, frames: int | None) -> int | None:
-        """``max_call_frames`` checked (None resolved by the device): whole groups, a prefill at least."""
-        least = self.timing.prefill_frames
-        if frames is None:
-            return max(CPU_CALL_FRAMES, least) if self.device.type == "cpu" else None
-        if isinstance(frames, bool) or not isinstance(frames, int) or frames < least:
-            raise ValueError(f"max_call_frames must be an int of at least {least} (a stream's prefill), got {frames!r}")
-        return frames // self.timing.frames_per_group * self.timing.frames_per_group
 
     @property
     def cuda_graphs(self) -> bool:

@@ -13,6 +13,27 @@ from snac_fast.ops.device import device_scope
 from snac_fast.streaming.shapes import CODELESS, FLUSH, PREFILL, STEP, slots_of
 
 
+# A CPU call's default bound in stream-frames: past 8 a call gains under 2% a stream-frame on one
+# or two threads (24 kHz: 17.8 -> 17.9 ms one thread, 9.8 -> 9.8 ms two, at 8 -> 16), while its
+# live memory grows with every one (docs/streaming.md)
+CPU_CALL_FRAMES = 8
+
+
+def call_frames(frames: int | None, device: torch.device, timing) -> int | None:
+    """An engine's ``max_call_frames`` checked: the most stream-frames (streams x frames) one call
+    decodes, in whole groups (``timing``: its :class:`~.lookahead.StreamTiming`), a prefill at least.
+    A round that holds more runs as several calls, each stream's audio the same: a bound on a CPU
+    call's live memory (~3.6 MB a stream-frame at 24 kHz in float32). None: :data:`CPU_CALL_FRAMES`
+    on a CPU (or a prefill's frames where more), no bound on a GPU (a call there replays a captured
+    graph of one batch bucket)."""
+    least = timing.prefill_frames
+    if frames is None:
+        return max(CPU_CALL_FRAMES, least) if device.type == "cpu" else None
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < least:
+        raise ValueError(f"max_call_frames must be an int of at least {least} (a stream's prefill), got {frames!r}")
+    return frames // timing.frames_per_group * timing.frames_per_group
+
+
 class Schedule:
     """Decodes what a :class:`~snac_fast.streaming.StreamEngine`'s streams hold (a part of the
     engine, called under its lock): ``pending`` codes (:class:`~.pending.PendingCodes`) of the state

@@ -120,7 +120,7 @@ def test_a_cpu_engines_calls_hold_at_most_max_call_frames(name, layered):
     """A round of prefills, multi-frame steps and flushes of 3 streams runs in calls of at most
     max_call_frames stream-frames (a CPU's default: CPU_CALL_FRAMES, a prefill at least), every
     stream still its whole decode; an unbounded engine runs the same round in bigger calls."""
-    from snac_fast.streaming.engine import CPU_CALL_FRAMES
+    from snac_fast.streaming.schedule import CPU_CALL_FRAMES
     from snac_fast.streaming.shapes import FLUSH
 
     narrow = True  # the bookkeeping is what is checked
