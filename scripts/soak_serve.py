@@ -289,6 +289,8 @@ def main() -> None:
     except ImportError:
         results["device"] = "unknown"
     results["date"] = time.strftime("%Y-%m-%d")
+    results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                       cwd=Path(__file__).resolve().parent).stdout.strip() or None
     print({k: v for k, v in results.items() if k not in ("samples", "by_kind", "lost_examples", "error_examples")},
           flush=True)
     print(results["by_kind"], results["lost_examples"], results["error_examples"], flush=True)

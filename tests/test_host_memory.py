@@ -44,7 +44,7 @@ def test_trims_run_on_a_thread_every_interval_and_never_at_zero(monkeypatch):
     monkeypatch.setattr(host_memory, "malloc_trim", lambda: lambda: calls.append(time.monotonic()) or True)
     monkeypatch.setattr(host_memory, "_trimmer", None)  # not the process's own, if a server started one
     assert host_memory.trim_periodically(0) is None
-    thread = host_memory.trim_periodically(0.05)
+    thread = host_memory.trim_periodically(0.05, due=lambda: True)
     assert thread is not None and thread.daemon and thread.name == "snac-fast-memory-trim"
     deadline = time.monotonic() + 10
     while len(calls) < 3 and time.monotonic() < deadline:
@@ -52,3 +52,22 @@ def test_trims_run_on_a_thread_every_interval_and_never_at_zero(monkeypatch):
     assert len(calls) >= 3
     assert thread in threading.enumerate()
     assert host_memory.trim_periodically(0.05) is thread  # one per process: a second server gets the same
+
+
+def test_a_trim_is_due_only_well_above_the_working_level():
+    """The lowest of the last readings is the level: its churn is left alone (a trim would only
+    fault it in again), a burst over the slack is handed back, a level that moved is the new level."""
+    MB = 1 << 20
+    readings = iter([700, 705, 760, 700, 800, 706, 900, 900, 900, 900, 900])
+    due = host_memory.TrimWhenAbove(slack_bytes=64 * MB, window=3, read=lambda: next(readings) * MB)
+    assert [due() for _ in range(11)] == [False, False, False, False, True, False, True, True, False, False, False]
+    assert host_memory.TrimWhenAbove(read=lambda: None)()  # cannot tell: trim, as before
+
+
+@pytest.mark.skipif(host_memory.anonymous_bytes() is None, reason="no /proc/self/status RssAnon")
+def test_anonymous_memory_counts_the_heap():
+    before = host_memory.anonymous_bytes()
+    block = bytearray(64 << 20)  # zero pages: written so they are resident
+    block[::4096] = b"\x01" * len(block[::4096])
+    assert host_memory.anonymous_bytes() - before > 48 << 20
+    del block

@@ -4,14 +4,15 @@ glibc's malloc keeps what a process frees for its own reuse: in its arenas, and,
 has been freed, below an mmap threshold it raises to that block's size, so later blocks of that size
 come from the heap, where a live block above them pins the pages. A serving process's RSS then climbs
 to the high-water mark of its busiest moments and stays there, which reads as a leak to the people
-watching it (a CPU server: a prefill's activations peak at ~42 MB a stream at 24 kHz, a frame's
-step at ~12 MB, and RSS rose to the most of them that ever met; docs/http_server.md, the soak).
-``malloc_trim(0)`` returns every free page of every arena (madvise, not only the heap's top), so a
-trim now and then keeps RSS at what is live. Not glibc (musl, macOS): nothing to call, nothing done.
+watching it (a CPU server before its calls' memory was bounded: RSS rose to the most prefills that
+ever met; docs/http_server.md, the soak). ``malloc_trim(0)`` returns every free page of every arena
+(madvise, not only the heap's top), so a trim when the heap lies well above its working level hands
+a burst back. Not glibc (musl, macOS): nothing to call, nothing done.
 """
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import ctypes.util
 import functools
@@ -21,6 +22,8 @@ from typing import Callable
 
 
 _trimmer: threading.Thread | None = None  # this process's, once started
+# how far above its working level a process's heap may lie untrimmed (TrimWhenAbove)
+TRIM_SLACK_BYTES = 64 << 20
 
 
 @functools.cache
@@ -37,22 +40,57 @@ def malloc_trim() -> Callable[[], bool] | None:
     return lambda: bool(trim(0))
 
 
-def trim_periodically(every_s: float) -> threading.Thread | None:
-    """A daemon thread calling :func:`malloc_trim` every ``every_s`` seconds (a trim walks the
-    arenas: a few ms that no event loop waits for), for as long as the process lives: one per
-    process (a trim covers every thread's arena), so a second call returns the first's thread; None
-    where there is nothing to call or ``every_s`` is 0."""
+def anonymous_bytes() -> int | None:
+    """This process's resident anonymous memory (``RssAnon``: its heap, not its mapped files), or
+    None where /proc cannot say."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class TrimWhenAbove:
+    """Whether a trim is due, from one reading of ``RssAnon`` a check: when it lies more than
+    ``slack_bytes`` above the lowest of the last ``window`` readings (the process's working level)
+    or cannot be read. A working process reuses what it frees, so its level is flat and a trim of
+    that churn would only make its next calls fault the pages in again (a CPU server's chunk gaps:
+    max 309 ms untrimmed, 1.7 s trimmed every 5 s); a burst above the level is handed back."""
+
+    def __init__(self, slack_bytes: int = TRIM_SLACK_BYTES, window: int = 12,
+                 read: Callable[[], int | None] = anonymous_bytes) -> None:
+        self.slack, self.read = slack_bytes, read
+        self.readings: collections.deque[int] = collections.deque(maxlen=window)
+
+    def __call__(self) -> bool:
+        now = self.read()
+        if now is None:
+            return True
+        self.readings.append(now)
+        return now > min(self.readings) + self.slack
+
+
+def trim_periodically(every_s: float, due: Callable[[], bool] | None = None) -> threading.Thread | None:
+    """A daemon thread that every ``every_s`` seconds calls :func:`malloc_trim` where ``due`` says
+    so (default :class:`TrimWhenAbove`), for as long as the process lives (a trim walks the arenas: a
+    few ms that no event loop waits for): one per process (a trim covers every thread's arena), so a
+    second call returns the first's thread; None where there is nothing to call or ``every_s`` is 0."""
     global _trimmer
     trim = malloc_trim()
     if trim is None or every_s <= 0:
         return None
     if _trimmer is not None and _trimmer.is_alive():
         return _trimmer
+    due = due or TrimWhenAbove()
 
     def loop() -> None:
         while True:
             time.sleep(every_s)
-            trim()
+            if due():
+                trim()
 
     _trimmer = threading.Thread(target=loop, name="snac-fast-memory-trim", daemon=True)
     _trimmer.start()
