@@ -55,12 +55,15 @@ def test_trims_run_on_a_thread_every_interval_and_never_at_zero(monkeypatch):
 
 
 def test_a_trim_is_due_only_well_above_the_working_level():
-    """The lowest of the last readings is the level: its churn is left alone (a trim would only
-    fault it in again), a burst over the slack is handed back, a level that moved is the new level."""
+    """The level: the first reading, the reading after each trim (its churn faulted back in), or
+    any lower one. Churn under the slack is left alone (a trim would only fault it in again), a
+    climb past it is handed back, however slowly it came."""
     MB = 1 << 20
-    readings = iter([700, 705, 760, 700, 800, 706, 900, 900, 900, 900, 900])
-    due = host_memory.TrimWhenAbove(slack_bytes=64 * MB, window=3, read=lambda: next(readings) * MB)
-    assert [due() for _ in range(11)] == [False, False, False, False, True, False, True, True, False, False, False]
+    readings = iter([700, 720, 740, 690, 695, 760, 700, 650, 700, 660, 670, 680, 690])
+    due = host_memory.TrimWhenAbove(slack_bytes=32 * MB, read=lambda: next(readings) * MB)
+    assert [due() for _ in range(13)] == [False, False, True, False, False, True, False, False, True,
+                                          False, False, False, False]
+    assert due.level == 660 * MB
     assert host_memory.TrimWhenAbove(read=lambda: None)()  # cannot tell: trim, as before
 
 
