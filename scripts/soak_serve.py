@@ -205,6 +205,9 @@ def tree_memory(pid: int) -> tuple[float, float]:
 def main() -> None:
     import httpx
 
+    # the tree the server runs: read now, not after a half-hour run in which the checkout may move
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=Path(__file__).resolve().parent).stdout.strip() or None
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--clients", type=int, default=256)
     parser.add_argument("--minutes", type=float, default=30.0)
@@ -289,8 +292,7 @@ def main() -> None:
     except ImportError:
         results["device"] = "unknown"
     results["date"] = time.strftime("%Y-%m-%d")
-    results["commit"] = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                       cwd=Path(__file__).resolve().parent).stdout.strip() or None
+    results["commit"] = commit
     print({k: v for k, v in results.items() if k not in ("samples", "by_kind", "lost_examples", "error_examples")},
           flush=True)
     print(results["by_kind"], results["lost_examples"], results["error_examples"], flush=True)
@@ -327,9 +329,9 @@ def summarize(records: list[dict], samples: list[dict], final: dict, lm_stats: d
     growth = (lambda key: float(max(s[key] for s in after) / after[0][key] - 1) * 100
               if after and after[0][key] and np.isfinite(after[0][key]) else float("nan"))
     pct = (lambda a, q: float(np.percentile(a, q)) if len(a) else float("nan"))
-    # the level beside the peaks: RSS rises and falls with what is live (a CPU prefill's activations
-    # peak at ~42 MB a stream), so a leak shows as the median's drift from the first five minutes
-    # after the first to the last five
+    # the level beside the peaks: RSS rises and falls with what is live (a CPU call's activations,
+    # up to ~30 MB), so a leak shows as the median's drift from the first five minutes after the
+    # first to the last five
     def median(lo: float, hi: float) -> float:
         values = [s["rss_mb"] for s in samples if lo <= s["t_s"] < hi]
         return float(np.median(values)) if values else float("nan")
