@@ -405,7 +405,7 @@ class LayerStates:
             x, kept = layer(x, states[at:at + count], run)
             at += count
             # copies: a kept span is a view of the layer's whole input buffer, which it would hold
-            # to the call's end (~80% of a CPU call's live memory)
+            # to the call's end (two thirds of a CPU call's live memory: 10.5 -> 3.6 MB a stream-frame)
             new_states += [k.clone() for k in kept]
             if layer.masks and kind in (PREFILL, FLUSH) and layer.delay:
                 if kind == PREFILL:
