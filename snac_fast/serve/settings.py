@@ -21,6 +21,7 @@ from snac_fast import options
 from snac_fast.batching.defaults import SERVER_MAX_BATCH, SERVER_MAX_WAIT_MS
 from snac_fast.configs import DEFAULT_MODEL
 from snac_fast.options import option, part
+from snac_fast.runtime.host_memory import TRIM_SLACK_BYTES
 from snac_fast.serve.lm.presets import PRESETS, Preset, Voices
 
 if TYPE_CHECKING:
@@ -76,8 +77,8 @@ class EngineSettings:
                                   "vLLM's share beside it: the step graphs are sized to fit (fewer streams per engine "
                                   "call), or the start fails saying what does not (0: no budget)")
     memory_trim_s: float = option(5.0, "seconds between checks of the process's heap: freed memory goes back to the OS "
-                                  "(glibc's malloc_trim) when the heap lies over 32 MB above its working level, the "
-                                  "reading after the last hand-back (0: never)", flag="--memory-trim")
+                                  f"(glibc's malloc_trim) when the heap lies over {TRIM_SLACK_BYTES >> 20} MB above its "
+                                  "working level, the reading after the last hand-back (0: never)", flag="--memory-trim")
     idle_timeout_s: float = option(60.0, "seconds before an idle stream is released", flag="--idle-timeout")
     lookahead: int | str | None = option(None, "streams' lookahead: 'exact' (the receptive field), 'fp16' (the least "
                                          "closer to float32 than an fp16 decode), or samples below the exact: "

@@ -24,7 +24,7 @@ from snac_fast.streaming.layer_state import LayerStates
 from snac_fast.streaming.lookahead import ApproximateEmission, StreamTiming, preset_lookahead
 from snac_fast.streaming.pending import CheckedCodes, PendingCodes
 from snac_fast.streaming.shapes import TAIL, joined_audio, slots_of
-from snac_fast.streaming.schedule import Schedule, call_frames
+from snac_fast.streaming.schedule import Schedule, checked_call_frames
 from snac_fast.streaming.slots import SlotTable
 from snac_fast.streaming.stage_forward import StageForward
 from snac_fast.streaming.step_runner import StepRunner
@@ -88,7 +88,7 @@ class StreamEngine:
     torch.compile (a C++ compiler needed; each new step shape compiles first).
 
     ``max_call_frames``: the most stream-frames (streams x frames) one call through the model
-    decodes, a bound on a CPU call's live memory (:func:`.schedule.call_frames`; None: the device's default).
+    decodes, a bound on a CPU call's live memory (:func:`.schedule.checked_call_frames`; None: the device's default).
     """
 
     def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
@@ -117,7 +117,7 @@ class StreamEngine:
         self.timing = StreamTiming(self.geometry, int(config["sampling_rate"]), exact.lookahead_samples,
                                    self.approximate_lookahead)
         self.max_streams = max_streams
-        self.max_call_frames = call_frames(max_call_frames, self.device, self.timing)
+        self.max_call_frames = checked_call_frames(max_call_frames, self.device, self.timing)
         if layered is None:  # a CPU's exact float32 streams: state per layer computes no context twice
             # (in bfloat16 its torch ops round every layer: 18 dB against float32 where the stages' give 26)
             layered = (self.device.type == "cpu" and self.approximate_lookahead is None

@@ -19,7 +19,7 @@ from snac_fast.streaming.shapes import CODELESS, FLUSH, PREFILL, STEP, slots_of
 CPU_CALL_FRAMES = 8
 
 
-def call_frames(frames: int | None, device: torch.device, timing) -> int | None:
+def checked_call_frames(frames: int | None, device: torch.device, timing) -> int | None:
     """An engine's ``max_call_frames`` checked: the most stream-frames (streams x frames) one call
     decodes, in whole groups (``timing``: its :class:`~.lookahead.StreamTiming`), a prefill at least.
     A round that holds more runs as several calls, each stream's audio the same: a bound on a CPU
