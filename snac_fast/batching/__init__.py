@@ -1,6 +1,7 @@
 """Batching concurrent streams on one :class:`~snac_fast.streaming.StreamEngine`, for Python
 servers of their own (``snac-fast serve`` uses it too): ``rounds`` (a round's engine calls) +
-``streams`` (a batcher's streams) + ``drivers`` (an engine thread, or the event loop) -> ``batchers`` (:class:`AsyncStreamBatcher`,
+``streams`` (a batcher's streams) + ``intake`` (what waits for a round, and when it launches) +
+``drivers`` (an engine thread, or the event loop) -> ``batchers`` (:class:`AsyncStreamBatcher`,
 :class:`StreamBatcher`); ``pcm`` (host audio of a call); ``futures`` (results to either kind of
 future); ``defaults`` (a library's and a server's call size and wait). Names are imported on first
 access: ``defaults`` is read without importing torch.

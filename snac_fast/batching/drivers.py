@@ -11,7 +11,7 @@ the engine calls, and when.
 
 Both keep their state (requests carried to the next round, calls formed and in flight) as their
 own attributes, and both honour ``max_wait_ms`` (an unfilled round starts that long after the last,
-at once for a stream's first audio: :meth:`BatchRounds.launch_deadline`) and ``idle_timeout_s`` (a
+at once for a stream's first audio: :mod:`snac_fast.batching.intake`) and ``idle_timeout_s`` (a
 sweep every quarter of it).
 """
 
@@ -43,7 +43,7 @@ class ThreadDriver:
         self._thread.start()
 
     def notify(self) -> None:
-        if self._sleeping or (self._waiting_for_more and self.rounds.urgent_since != math.inf):
+        if self._sleeping or (self._waiting_for_more and self.rounds.intake.urgent_since != math.inf):
             self._wake.set()
 
     def stop(self) -> None:
@@ -51,29 +51,29 @@ class ThreadDriver:
         self._thread.join()
 
     def _serve(self) -> None:
-        rounds = self.rounds
+        rounds, intake = self.rounds, self.rounds.intake
         rounds.bind_thread()  # the engine's device_scope is then a no-op per call
         idle = rounds.idle_timeout
         next_sweep = time.monotonic() + (idle or 0) / 4
         while True:
             taken: list = []
             try:
-                if self.in_flight is not None and not rounds.pending and not self.carried:
+                if self.in_flight is not None and not intake.pending and not self.carried:
                     self._land()  # nothing to launch meanwhile: deliver it now
-                while not rounds.pending and not self.carried and not rounds.stopping:
+                while not intake.pending and not self.carried and not intake.stopping:
                     self._sleep(idle / 4 if idle else None)
                     if idle and time.monotonic() >= next_sweep:
                         break
-                if rounds.max_wait and rounds.pending and rounds.batch_unfilled(self.carried):
+                if intake.wants_more(self.carried):
                     if self.in_flight is not None:
                         self._land()
-                    while not rounds.stopping and rounds.batch_unfilled(self.carried):
-                        left = rounds.launch_deadline() - time.monotonic()  # a first audio's push: at once
+                    while intake.wants_more(self.carried):
+                        left = intake.deadline() - time.monotonic()  # a first audio's push: at once
                         if left <= 0:
                             break
                         self._wait_for_more(left)
-                taken = rounds.take_pending()
-                if rounds.stopping and not taken and not self.carried:
+                taken = intake.take()
+                if intake.stopping and not taken and not self.carried:
                     if self.in_flight is not None:
                         self._land()
                     return
@@ -116,7 +116,7 @@ class ThreadDriver:
         """Wait up to ``timeout`` seconds for fuller calls: woken by a push a first audio waits on;
         looks at how full the call is every few milliseconds (a wake-up per push cost the GIL)."""
         self._waiting_for_more = True
-        if self.rounds.urgent_since == math.inf:  # one queued between the caller's look and the flag
+        if self.rounds.intake.urgent_since == math.inf:  # one queued between the caller's look and the flag
             self._wake.wait(min(timeout, FULLNESS_POLL_S))
         self._wake.clear()
         self._waiting_for_more = False
@@ -124,7 +124,8 @@ class ThreadDriver:
     def _sleep(self, timeout: float | None) -> None:
         """Wait until a push sets the event, or ``timeout`` seconds."""
         self._sleeping = True
-        if not self.rounds.pending and not self.rounds.stopping:  # a push between the caller's look and the flag
+        intake = self.rounds.intake
+        if not intake.pending and not intake.stopping:  # a push between the caller's look and the flag
             self._wake.wait(timeout)
         self._wake.clear()
         self._sleeping = False
@@ -148,7 +149,7 @@ class LoopDriver:
     @property
     def busy(self) -> bool:
         """Work queued or in flight on the bound loop."""
-        return bool(self.rounds.pending or self.carried or self.queued_calls or self.in_flight)
+        return bool(self.rounds.intake.pending or self.carried or self.queued_calls or self.in_flight)
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
         """Run the engine calls on ``loop`` (called on its thread)."""
@@ -222,15 +223,15 @@ class LoopDriver:
         """Form the next round's engine calls from what is pending (a stream once a round); with
         ``max_wait_ms``, only once enough is pending or the first pending push has waited that long.
         Returns whether calls were formed."""
-        rounds = self.rounds
-        while rounds.pending or self.carried:
-            if rounds.max_wait and rounds.pending and not rounds.stopping and rounds.batch_unfilled(self.carried):
-                left = rounds.launch_deadline() - time.monotonic()
+        rounds, intake = self.rounds, self.rounds.intake
+        while intake.pending or self.carried:
+            if intake.wants_more(self.carried):
+                left = intake.deadline() - time.monotonic()
                 if left > 0:
                     if self._wait_timer is None:
                         self._wait_timer = self.loop.call_later(left, self._wait_over)
                     return False
-            taken = rounds.take_pending()
+            taken = intake.take()
             now, self.carried = rounds.split_round(self.carried + taken if self.carried else taken)
             calls = rounds.calls(now)
             if not calls:  # releases and dropped pushes only: done now

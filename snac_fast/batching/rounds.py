@@ -2,21 +2,19 @@
 :class:`~snac_fast.batching.streams.StreamTable`), and a round's engine calls (group, launch, copy
 to the host, deliver), whatever runs them.
 
-:class:`BatchRounds` holds no scheduler: a driver (:mod:`snac_fast.batching.drivers`: an engine thread,
-or an event loop's pump) takes what is pending and runs it through :meth:`BatchRounds.split_round`,
-:meth:`~BatchRounds.calls`, :meth:`~BatchRounds.launch` and :meth:`~BatchRounds.land`. The
-batchers of :mod:`snac_fast.batching.batchers` and the engine process's
-(:mod:`snac_fast.serve.engine.batcher`) are rounds plus a driver; the latter overrides the public
-hooks (:meth:`~BatchRounds.count_pushes`, :meth:`~BatchRounds.split_round`,
-:meth:`~BatchRounds.calls`, :meth:`~BatchRounds.mark_done`, :meth:`~BatchRounds.deliver`) to run
-blocks of pushes without a Python step per push.
+:class:`BatchRounds` holds no scheduler: a driver (:mod:`snac_fast.batching.drivers`: an engine
+thread, or an event loop's pump) takes what is pending (its :class:`~snac_fast.batching.intake.Intake`)
+and runs it through :meth:`BatchRounds.split_round`, :meth:`~BatchRounds.calls`,
+:meth:`~BatchRounds.launch` and :meth:`~BatchRounds.land`. The batchers of
+:mod:`snac_fast.batching.batchers` and the engine process's (:mod:`snac_fast.serve.engine.batcher`)
+are rounds plus a driver; the latter overrides the public hooks (:meth:`~BatchRounds.count_pushes`,
+:meth:`~BatchRounds.split_round`, :meth:`~BatchRounds.calls`, :meth:`~BatchRounds.mark_done`,
+:meth:`~BatchRounds.deliver`) to run blocks of pushes without a Python step per push.
 """
 
 from __future__ import annotations
 
-import math
 import time
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -25,6 +23,7 @@ import torch
 from torch import Tensor
 
 from snac_fast.batching.futures import resolve
+from snac_fast.batching.intake import Intake
 from snac_fast.batching.pcm import PCMBlock, int16_pcm
 from snac_fast.batching.streams import Stream, StreamTable
 from snac_fast.ops.device import make_current
@@ -76,10 +75,10 @@ class BatchRounds:
     """Streams on one engine and the engine calls of their pushes, in rounds (a stream once a round).
 
     max_batch: most streams per engine call; max_wait_ms: how long after the last round a driver
-    waits for max_batch pushes (:meth:`launch_deadline`); layout: the token layout of id pushes; output: ``"tensor"``
-    (GPU tensors), ``"float32"`` or ``"int16"`` (host numpy PCM, copied once per call through pinned
-    memory); idle_timeout_s: release a stream no push touched for that long. :attr:`driver` must be
-    set before the first request (the batchers do)."""
+    waits for max_batch pushes (:mod:`~snac_fast.batching.intake`); layout: the token layout of id
+    pushes; output: ``"tensor"`` (GPU tensors), ``"float32"`` or ``"int16"`` (host numpy PCM, copied
+    once per call through pinned memory); idle_timeout_s: release a stream no push touched for that
+    long. :attr:`driver` must be     set before the first request (the batchers do)."""
 
     def __init__(self, engine: StreamEngine, max_batch: int, max_wait_ms: float, layout: TokenLayout | None,
                  output: str, idle_timeout_s: float | None) -> None:
@@ -91,17 +90,11 @@ class BatchRounds:
             raise ValueError(f"idle_timeout_s must be positive (or None), got {idle_timeout_s}")
         if layout is not None:
             layout.check_model(engine.config)
-        self.engine, self.max_batch, self.max_wait = engine, max_batch, max_wait_ms / 1000.0
+        self.engine, self.max_batch = engine, max_batch
         self.layout, self.output, self.idle_timeout = layout, output, idle_timeout_s
         self.driver: Driver | None = None
         self.table = StreamTable(layout)
-        # pushes append to a deque (atomic: no lock on the hot path); the driver takes them
-        self.pending: deque = deque()
-        # when the oldest pending push of a stream yet to start was queued (inf: none): a client
-        # waits on it for its first audio, so max_wait_ms does not hold it
-        self.urgent_since = math.inf
-        self.last_round_at = -math.inf  # when the last round took what was pending (time.monotonic)
-        self.stopping = False
+        self.intake = Intake(max_batch, max_wait_ms, self.count_pushes)  # what waits for a round
         # host PCM of the engine calls in flight lands here; a call's buffer is free again once its
         # results are copied out (two calls are undelivered at most, more only while a refused push's
         # call is retried push by push)
@@ -153,7 +146,7 @@ class BatchRounds:
     @property
     def queued(self) -> int:
         """Requests waiting for an engine call."""
-        return len(self.pending)
+        return len(self.intake)
 
     def submit_codes(self, stream_id: int, codes: Sequence[Tensor] | None, finish: bool,
                      drop_incomplete_frame: bool = False, future=None):
@@ -184,13 +177,11 @@ class BatchRounds:
         return self.queue(Request(stream, frames, row, False, future))
 
     def queue(self, request: Request):
-        if self.stopping:
+        if self.intake.stopping:
             raise RuntimeError("the batcher is closed")
         request.queued_at = request.stream.last_active = time.monotonic()
         request.stream.queued += 1
-        if not request.release and not request.stream.slot.started:
-            self.urgent_since = min(self.urgent_since, request.queued_at)
-        self.pending.append(request)
+        self.intake.put(request, request.queued_at, first_audio=not request.release and not request.stream.slot.started)
         self.driver.notify()
         return request.future
 
@@ -211,28 +202,10 @@ class BatchRounds:
 
     # -- a round (the driver's thread) ----------------------------------------------------------
 
-    def take_pending(self) -> list:
-        """Everything pending now, oldest first."""
-        self.urgent_since = math.inf  # before the pops: a push queued meanwhile at worst launches early
-        self.last_round_at = time.monotonic()
-        return [self.pending.popleft() for _ in range(len(self.pending))]
-
-    def launch_deadline(self) -> float:
-        """When (time.monotonic) the pending requests' engine call launches if no fuller call forms:
-        ``max_wait_ms`` after the last round, so rounds come at most that often while pushes keep
-        coming, but a push after a quieter spell, or one a stream's first audio waits on, at once.
-        (Held ``max_wait_ms`` from its own arrival instead, a lone stream's pushes, each awaited
-        before the next, waited the whole time each: its playback stalled on a CPU.)"""
-        return min(self.last_round_at + self.max_wait, self.urgent_since)
-
     @staticmethod
     def count_pushes(queued) -> int:
         """Pushes in ``queued`` (a hook: the engine process's items are blocks of pushes)."""
         return len(queued)
-
-    def batch_unfilled(self, carried: list) -> bool:
-        """Fewer pushes pending and carried than one call takes (``max_wait_ms`` waits for more)."""
-        return self.count_pushes(self.pending) + self.count_pushes(carried) < self.max_batch
 
     def split_round(self, batch: list) -> tuple[list, list]:
         """(what runs this round, what waits for the next): a stream's later requests wait for its
@@ -296,7 +269,7 @@ class BatchRounds:
         except ValueError as error:  # refused before any work: a closed stream, an end mid-window
             if len(chunk) == 1:
                 return chunk, lambda e=error: [e], landed
-            results = [self.launch([r], lambda r=r: self._single(r)) for r in chunk]
+            results = [self.launch([r], lambda r=r: (self._finish if r.finish else self._step)([r])) for r in chunk]
             return chunk, lambda: [p()[0] for _, p, _ in results], lambda: all(ready() for _, _, ready in results)
         except Exception as error:  # noqa: BLE001 - an out-of-memory, a driver error: only this call fails
             self.failed_calls += 1
@@ -328,7 +301,7 @@ class BatchRounds:
     def fail(self, requests: list, error: Exception) -> None:
         """Fail ``requests`` and everything pending after an unexpected error of a driver (a bug of
         ours: what waits fails rather than hangs)."""
-        requests = list(requests) + self.take_pending()
+        requests = list(requests) + self.intake.take()
         failure = RuntimeError(f"the batcher failed: {type(error).__name__}: {error}")
         self.deliver(requests, [failure] * len(requests))
 
@@ -339,11 +312,6 @@ class BatchRounds:
         pushes = {r.stream.slot: r.checked for r in ends if r.checked is not None}
         audio = self.engine.advance(pushes, [r.stream.slot for r in ends])
         return joined_audio([audio[r.stream.slot] for r in ends])
-
-    def _single(self, request: Request) -> tuple[Tensor, np.ndarray]:
-        if request.finish:
-            return self._finish([request])
-        return self.engine.step_rows([request.stream.slot], request.row[None], request.frames)
 
     def _to_host(self, audio: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
         """Convert on the device and start one copy into a free pinned buffer (returned to
@@ -394,10 +362,10 @@ class BatchRounds:
         streams = self.table.close()
         if streams is None:
             return
-        self.stopping = True
+        self.intake.stopping = True
         self.driver.stop()
-        while self.pending:  # queued while the driver was stopping: nobody will run them
-            self.deliver([self.pending.popleft()], [RuntimeError("the batcher is closed")])
+        for request in self.intake.take():  # queued while the driver was stopping: nobody will run them
+            self.deliver([request], [RuntimeError("the batcher is closed")])
         for s in streams:
             s.ended = "the batcher closed"
             self.engine.close(s.slot)

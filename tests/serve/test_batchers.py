@@ -4,6 +4,7 @@ fails. The engine is upstream's float64 model on the CPU (torch ops), so a strea
 decode to float64 rounding and a mistake shows as a large error."""
 
 import asyncio
+import math
 import threading
 import time
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 
+from snac_fast.batching.intake import Intake
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
 from snac_fast.model.noise import decode_with_keyed_noise
@@ -564,6 +566,32 @@ def test_a_first_audio_never_waits_for_fuller_calls(engine_thread):
     audio = asyncio.run(main())
     want = expected_audio(codes, 3).numpy()[:len(audio)]
     assert len(audio) > 0 and np.abs(audio - want).max() < 1e-6
+
+
+def test_the_intake_launches_an_unfilled_round_max_wait_after_the_last_or_at_once_for_a_first_audio(monkeypatch):
+    """The launch rule of :class:`Intake`, on a clock of our own: a round waits for fuller calls
+    only while max_wait_ms is set, items are pending, the batcher is not stopping and fewer pushes
+    (blocks count each of theirs, carried ones too) are queued than a call takes; its deadline is
+    max_wait_ms after the last round, or the oldest first-audio push's queueing if sooner."""
+    clock = [100.0]
+    monkeypatch.setattr("snac_fast.batching.intake.time.monotonic", lambda: clock[0])
+    intake = Intake(max_batch=4, max_wait_ms=50, count_pushes=lambda items: sum(map(len, items)))
+    assert not intake.wants_more([]) and len(intake) == 0  # nothing pending
+    assert intake.deadline() == -math.inf  # no round yet: the first launches at once
+    intake.put([1], 100.0, first_audio=False)
+    assert intake.wants_more([]) and intake.wants_more([[2, 3]]) and not intake.wants_more([[2, 3, 4]])
+    assert intake.take() == [[1]] and len(intake) == 0
+    clock[0] = 100.01
+    intake.put([1, 2], 100.01, first_audio=False)
+    assert intake.deadline() == pytest.approx(100.05)  # max_wait_ms after the last round, not after the push
+    intake.put([3], 100.02, first_audio=True)
+    intake.put([4], 100.03, first_audio=True)
+    assert intake.deadline() == 100.02 and not intake.wants_more([])  # the oldest first audio; 4 pushes fill a call
+    assert intake.take() == [[1, 2], [3], [4]] and intake.deadline() == pytest.approx(100.06)  # first audio's claim spent
+    intake.put([5], 100.02, first_audio=False)
+    intake.stopping = True
+    assert not intake.wants_more([])  # closing: whatever is queued runs now
+    assert not Intake(max_batch=4, max_wait_ms=0, count_pushes=len).wants_more([])  # no wait set
 
 
 def test_the_stream_table_says_why_a_stream_is_gone_and_opens_none_once_closed(monkeypatch):

@@ -221,7 +221,7 @@ def test_engine_batcher_max_wait_counts_pushes_not_messages():
     batcher.take(front, push_message([6, 7], sids[2:], 1, np.stack(tail[2:])))
     _wait_for_replies(front, 8, "the batcher waited out max_wait_ms with a full batch queued")
     assert batcher.batches == calls + 1
-    batcher.stopping = True  # nothing queued: stop without the 30 s wait
+    batcher.intake.stopping = True  # nothing queued: stop without the 30 s wait
     batcher.close()
 
 

@@ -250,11 +250,11 @@ class EngineBatcher(BatchRounds):
     def _take_pushes(self, front: Front, message: bytes) -> None:
         reqs, sids, frames, rows = read_pushes(message)
         streams = list(map(self.table.open.get, sids))
-        if self.stopping or None in streams or any(map(_ENDED, streams)):
+        if self.intake.stopping or None in streams or any(map(_ENDED, streams)):
             kept = []
             for j, sid in enumerate(sids):
                 try:
-                    if self.stopping:
+                    if self.intake.stopping:
                         raise RuntimeError("the batcher is closed")
                     self.table.get(sid)
                     kept.append(j)
@@ -265,7 +265,5 @@ class EngineBatcher(BatchRounds):
             for stream in streams:
                 stream.queued += 1
             block = PushBlock(front, reqs, streams, frames, rows)
-            if not all(map(_STARTED, streams)):  # a first audio waits on it
-                self.urgent_since = min(self.urgent_since, block.queued_at)
-            self.pending.append(block)
+            self.intake.put(block, block.queued_at, first_audio=not all(map(_STARTED, streams)))
             self.driver.notify()
