@@ -193,7 +193,7 @@ def test_websocket_ids_in_pcm_out(codec, engine_thread, max_wait_ms):
     c = random_codes(codec.config, 9, seed=900)
     ids = ORPHEUS.codes_to_ids(c).tolist()
     with serving(codec, engine_calls="thread" if engine_thread else "loop", max_wait_ms=max_wait_ms) as (server, lm, state):
-        assert state.backend.batcher.engine_thread == engine_thread and state.backend.batcher.max_wait == max_wait_ms / 1e3
+        assert state.backend.batcher.engine_thread == engine_thread and state.backend.batcher.intake.max_wait == max_wait_ms / 1e3
         async def main():
             ws_url = server.url.replace("http", "ws") + "/v1/audio/stream?seed=4&sample_format=f32"
             pieces, errors = [], []
