@@ -24,7 +24,7 @@ from torch import Tensor
 
 from snac_fast.batching.futures import resolve
 from snac_fast.batching.intake import Intake
-from snac_fast.batching.pcm import PCMBlock, int16_pcm
+from snac_fast.batching.pcm import HostCopies, PCMBlock, pcm_of
 from snac_fast.batching.streams import Stream, StreamTable
 from snac_fast.ops.device import make_current
 from snac_fast.orpheus import TokenLayout
@@ -95,29 +95,20 @@ class BatchRounds:
         self.driver: Driver | None = None
         self.table = StreamTable(layout)
         self.intake = Intake(max_batch, max_wait_ms, self.count_pushes)  # what waits for a round
-        # host PCM of the engine calls in flight lands here; a call's buffer is free again once its
-        # results are copied out (two calls are undelivered at most, more only while a refused push's
-        # call is retried push by push)
-        self._free_pinned: list[Tensor] = []
-        self._cuda_stream_of_driver: torch.cuda.Stream | None = None
-        if output != "tensor" and engine.device.type == "cuda":  # allocated now, not under load (cudaHostAlloc)
-            size = max_batch * engine.samples_per_frame * engine.frames_per_group
-            self._free_pinned = [torch.empty(size, dtype=torch.int16 if output == "int16" else torch.float32,
-                                             pin_memory=True) for _ in range(3)]
-            # the conversion kernels' first launches (lazy module loads) now, not in the first pushes
-            host, copied = self._to_host(torch.zeros(size, device=engine.device, dtype=engine.dtype))
-            copied.synchronize()
-            self._free_pinned.append(host)
-            self._cuda_stream_of_driver = None  # the driver thread's own stream, later
+        # host PCM of a CUDA engine's calls (None: tensors kept, or a CPU engine's PCM is the host's)
+        self.copies = (HostCopies(engine.device, output, max_batch * engine.samples_per_frame * engine.frames_per_group,
+                                  engine.dtype) if output != "tensor" and engine.device.type == "cuda" else None)
         # for monitoring: engine calls, requests run, streams released for idling, failed engine calls
         self.batches = self.requests = self.idle_released = self.failed_calls = 0
         # engine calls failed since the last that ran, and the last failure: a device that fails every
         # call (a sticky CUDA error) shows here, for a server's health check
         self.failed_in_a_row, self.last_failure = 0, None
         self.step_seconds = 0.0  # host time in engine calls, copies included
-        # CUDA-event time from each engine call's start to its copy's end (PCM outputs on CUDA): an
-        # upper bound of the GPU's busy time (it includes the gaps while the host launches)
-        self.gpu_seconds = 0.0
+
+    @property
+    def gpu_seconds(self) -> float:
+        """CUDA-event time of the engine calls with their copies (:class:`HostCopies`; 0 without)."""
+        return 0.0 if self.copies is None else self.copies.gpu_seconds
 
     # -- streams (any thread) ------------------------------------------------------------------
 
@@ -254,10 +245,7 @@ class BatchRounds:
 
     def launch(self, chunk: list, call: Callable[[], tuple[Tensor, np.ndarray]]) -> Launched:
         """Run one engine call and start its copy to the host (see :data:`Launched`)."""
-        begun = None
-        if self.output != "tensor" and self.engine.device.type == "cuda":
-            begun = torch.cuda.Event(enable_timing=True)
-            begun.record(self._cuda_stream())
+        begun = None if self.copies is None else self.copies.begin()
         try:
             audio, offsets = call()
             self.batches += 1
@@ -265,7 +253,8 @@ class BatchRounds:
             if self.output == "tensor":
                 pieces = list(torch.split(audio, np.diff(offsets).tolist()))
                 return chunk, lambda: pieces, landed  # GPU tensors: ordered on the stream already
-            host, copied = self._to_host(audio)
+            pcm = pcm_of(audio, self.output)
+            host, copied = (pcm, None) if self.copies is None else self.copies.start(pcm)
         except ValueError as error:  # refused before any work: a closed stream, an end mid-window
             if len(chunk) == 1:
                 return chunk, lambda e=error: [e], landed
@@ -281,13 +270,9 @@ class BatchRounds:
             return chunk, lambda e=error: [e] * len(chunk), landed
 
         def wait() -> PCMBlock:
-            if copied is not None:
-                copied.synchronize()  # releases the GIL: an event loop runs meanwhile
-                self.gpu_seconds += begun.elapsed_time(copied) / 1e3
-            block = PCMBlock(host.numpy()[:offsets[-1]].copy(), offsets)
-            if copied is not None:
-                self._free_pinned.append(host)  # copied out: the pinned buffer can take another call's PCM
-            return block
+            if copied is None:
+                return PCMBlock(host.numpy()[:offsets[-1]].copy(), offsets)
+            return self.copies.block(host, copied, begun, offsets)
         return chunk, wait, landed if copied is None else copied.query
 
     def land(self, launched: tuple) -> None:
@@ -313,29 +298,6 @@ class BatchRounds:
         audio = self.engine.advance(pushes, [r.stream.slot for r in ends])
         return joined_audio([audio[r.stream.slot] for r in ends])
 
-    def _to_host(self, audio: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
-        """Convert on the device and start one copy into a free pinned buffer (returned to
-        ``_free_pinned`` once the PCM is copied out)."""
-        if self.output == "int16":
-            audio = int16_pcm(audio)
-        elif audio.dtype != torch.float32:
-            audio = audio.float()
-        if audio.device.type != "cuda":
-            return audio, None
-        host = self._free_pinned.pop() if self._free_pinned else None
-        if host is None or host.numel() < audio.numel() or host.dtype != audio.dtype:
-            host = torch.empty(max(audio.numel(), 2 * (0 if host is None else host.numel())), dtype=audio.dtype,
-                               pin_memory=True)
-        host[:audio.numel()].copy_(audio, non_blocking=True)
-        copied = torch.cuda.Event(enable_timing=True)
-        copied.record(self._cuda_stream())
-        return host, copied
-
-    def _cuda_stream(self) -> torch.cuda.Stream:
-        """The driver thread's CUDA stream, looked up once (each lookup queries the driver)."""
-        if self._cuda_stream_of_driver is None:
-            self._cuda_stream_of_driver = torch.cuda.current_stream(self.engine.device)
-        return self._cuda_stream_of_driver
 
     def bind_thread(self) -> None:
         """The calling thread runs the engine calls: the engine's device made current on it once."""

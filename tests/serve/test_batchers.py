@@ -626,3 +626,29 @@ def test_the_stream_table_says_why_a_stream_is_gone_and_opens_none_once_closed(m
     with pytest.raises(RuntimeError, match="closed"):
         table.get(3)
     assert StreamTable(None).add(object()).framer is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("output", ["int16", "float32"])
+def test_host_copies_bring_each_calls_pcm_and_reuse_their_buffers(cuda, output):
+    """A CUDA engine call's audio converted on the device and copied through pinned buffers: each
+    call's PCM exact (int16 as int16_pcm rounds it), a buffer taken again once its PCM is copied
+    out, a call larger than a buffer given a larger one, the GPU time counted."""
+    from snac_fast.batching.pcm import HostCopies, int16_pcm, pcm_of
+
+    copies = HostCopies(cuda, output, 4096, torch.float16)
+    rng = torch.Generator(device=cuda).manual_seed(3)
+    last = None  # the buffer the previous call's PCM came through: free again, so taken next
+    for size in (4096, 1000, 9000, 4096):
+        audio = (torch.rand(size, device=cuda, generator=rng, dtype=torch.float32) * 2 - 1).half()
+        begun = copies.begin()
+        host, copied = copies.start(pcm_of(audio, output))
+        assert host.is_pinned() and host.numel() >= size
+        if last is not None and size <= last.numel():
+            assert host.data_ptr() == last.data_ptr()
+        offsets = np.array([0, size // 3, size], dtype=np.int64)
+        block = copies.block(host, copied, begun, offsets)
+        want = (int16_pcm(audio) if output == "int16" else audio.float()).cpu().numpy()
+        assert block.pcm.dtype == want.dtype and np.array_equal(block.pcm, want)
+        last = host
+    assert copies.gpu_seconds > 0
