@@ -5,7 +5,9 @@
 #   bash scripts/gpu_record.sh gputests memory        # sections in the order given
 #
 # Carry .whl (scripts/device_wheels.sh fills it; cpu16 wants .whl-cpu, benchmarks/README.md) and
-# copy what comes back under $OUT/r into benchmarks/. Sections, in the order the record wants them:
+# copy what comes back under $OUT/r into benchmarks/ (corpora's report goes in as encode_corpus_24khz_h100's
+# orpheus_rows_vs_notebook, cpu16's serve report as serve_cpu_24khz's sixteen_cores: benchmarks/README.md).
+# Sections, in the order the record wants them:
 #   gputests    every gpu test (the CPU suite is CI's)
 #   memory      the README recipe by phase; the budget's cost at 1 / 1.5 / 2 GB
 #   coloc       an LM stand-in holding 90% of the card beside serve: default, then MPS
