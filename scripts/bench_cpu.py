@@ -7,8 +7,10 @@ orpheus-cpp's path).
 Per thread count: one stream's time a frame (a push of one frame, the LM's pace; windows: one
 window decode a frame), and real-time streams per core: snac-fast with ``--streams`` streams a step
 (one engine batching them), the windows one session per stream. ``--procs P``: P processes run each
-measurement at once (a many-core host: e.g. 16 processes of 1 thread). Rounds interleave the
-contenders (order reversed every other round); each figure is the median of the rounds' medians.
+measurement at once (a many-core host: e.g. 16 processes of 1 thread); the first process warms up
+(compiles) alone and the others then find its compiled code in Inductor's cache, instead of 16
+compiles of the same graphs at once. Rounds interleave the contenders (order reversed every other
+round); each figure is the median of the rounds' medians.
 
     python scripts/bench_cpu.py --threads 1,2 --streams 1,16 --out benchmarks --stem cpu_stream_24khz_2core
 """
@@ -149,13 +151,16 @@ class Bench:
             return snr_db(self.codec.decode(codes, seed=3)[0, 0], audio)
 
 
+WINDOW_RUNTIMES = {"upstream": "upstream windows", "compiled": "compiled upstream windows",
+                   "onnxruntime": "onnxruntime windows"}
+
+
 def contenders(cli) -> list[tuple[str, int]]:
     """(name, streams a step) measured at every thread count."""
     out = []
     for form in cli.forms.split(","):
         out += [(form, b) for b in cli.streams]
-    out += [("upstream windows", 1), ("compiled upstream windows", 1)]
-    return out + ([("onnxruntime windows", 1)] if cli.onnx else [])
+    return out + [(WINDOW_RUNTIMES[runtime], 1) for runtime in cli.windows]
 
 
 def measure(bench: Bench, name: str, streams: int) -> list[float]:
@@ -164,16 +169,24 @@ def measure(bench: Bench, name: str, streams: int) -> list[float]:
     return bench.stream(name, streams)
 
 
-def worker(cli, onnx_path, barrier, queue, index: int) -> None:
+def worker(cli, onnx_path, barrier, first_warm, queue, index: int) -> None:
+    """One process: every contender once untimed (compiles, ONNX sessions, first touch; process 0
+    first and alone, ``first_warm`` set after it), then the timed rounds in step with the others."""
     torch.manual_seed(index)
     bench = Bench(cli, onnx_path)
     results = {}
+    if first_warm is not None and index > 0:
+        first_warm.wait()
+    started = time.perf_counter()
     for threads in cli.threads:
         torch.set_num_threads(threads)
-        for name, streams in contenders(cli):  # untimed: compiles, ONNX sessions, first-touch
-            if barrier is not None:
-                barrier.wait()
+        for name, streams in contenders(cli):
             measure(bench, name, streams)
+    print(f"process {index} warmed up in {time.perf_counter() - started:.1f} s", flush=True)
+    if index == 0 and first_warm is not None:
+        first_warm.set()
+    for threads in cli.threads:
+        torch.set_num_threads(threads)
         for r in range(cli.rounds):
             order = contenders(cli)
             for name, streams in order if r % 2 == 0 else order[::-1]:
@@ -182,6 +195,12 @@ def worker(cli, onnx_path, barrier, queue, index: int) -> None:
                 times = measure(bench, name, streams)
                 results.setdefault((threads, name, streams), []).append(statistics.median(times[1:]))
     queue.put((index, results, bench.frame_ms, bench.exactness_db() if index == 0 else None))
+
+
+def _onnxruntime_version() -> str:
+    import onnxruntime
+
+    return onnxruntime.__version__
 
 
 def main() -> None:
@@ -194,10 +213,14 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=1, help="processes running each measurement at once")
     parser.add_argument("--frames", type=int, default=24, help="timed frames a measurement")
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--no-onnx", dest="onnx", action="store_false")
+    parser.add_argument("--windows", type=lambda s: s.split(","), default=list(WINDOW_RUNTIMES),
+                        help=f"window-glue peers to measure, of {','.join(WINDOW_RUNTIMES)}")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--stem", default="cpu_stream_24khz")
     cli = parser.parse_args()
+    if not set(cli.windows) <= set(WINDOW_RUNTIMES):
+        parser.error(f"--windows takes {','.join(WINDOW_RUNTIMES)}, got {','.join(cli.windows)}")
+    cli.onnx = "onnxruntime" in cli.windows
 
     with tempfile.TemporaryDirectory() as tmp:
         onnx_path = None
@@ -211,11 +234,12 @@ def main() -> None:
             print(f"exported the upstream decoder to ONNX in {time.perf_counter() - t0:.1f} s", flush=True)
         queue = mp.get_context("spawn").SimpleQueue() if cli.procs > 1 else SimpleQueue()
         if cli.procs == 1:
-            worker(cli, onnx_path, None, queue, 0)
+            worker(cli, onnx_path, None, None, queue, 0)
         else:
             context = mp.get_context("spawn")
-            barrier = context.Barrier(cli.procs)
-            procs = [context.Process(target=worker, args=(cli, onnx_path, barrier, queue, i)) for i in range(cli.procs)]
+            barrier, first_warm = context.Barrier(cli.procs), context.Event()
+            procs = [context.Process(target=worker, args=(cli, onnx_path, barrier, first_warm, queue, i))
+                     for i in range(cli.procs)]
             for p in procs:
                 p.start()
             for p in procs:
@@ -246,10 +270,8 @@ def main() -> None:
     for rec in records:
         rows.append([rec["threads"], rec["contender"], rec["streams_a_step"], rec["ms_a_frame_per_step"],
                      rec["real_time_x"], rec["real_time_streams_per_core"], rec.get("per_core_vs_onnxruntime", "")])
-    import onnxruntime
-
     env = {"cpu": cpu_name(), "cores": os.cpu_count(), "procs": cli.procs, "date": datetime.date.today().isoformat(),
-           "torch": torch.__version__, "onnxruntime": onnxruntime.__version__ if cli.onnx else None,
+           "torch": torch.__version__, "onnxruntime": _onnxruntime_version() if cli.onnx else None,
            "python": platform.python_version(), "model": f"synthetic:{cli.model}", "dtype": "float32",
            "frame_ms": round(frame_ms, 2), "frames_a_measurement": cli.frames, "rounds": cli.rounds,
            "stream_vs_decode_db": round(exact_db, 1)}
@@ -260,7 +282,8 @@ def main() -> None:
                 f"{env['onnxruntime']}. A frame is {frame_ms:.1f} ms of audio. The per-layer stream against the "
                 f"whole decode: {env['stream_vs_decode_db']} dB.\n\n{table}\n"
                 f"`python scripts/bench_cpu.py --threads {','.join(map(str, cli.threads))} --streams "
-                f"{','.join(map(str, cli.streams))} --procs {cli.procs} --rounds {cli.rounds}`\n")
+                f"{','.join(map(str, cli.streams))} --forms {cli.forms} --windows {','.join(cli.windows)} "
+                f"--procs {cli.procs} --rounds {cli.rounds}`\n")
     print(markdown)
     if cli.out:
         write_results(cli.out, cli.stem, {"environment": env, "results": records}, markdown)

@@ -73,8 +73,8 @@ for section in "$@"; do
     corpora) step corpora 560 python scripts/bench_dataset_notebook.py --files 3000 --out "$OUT/r" \
                --stem dataset_orpheus_24khz ;;
     cpu16)
-      step cpu16 300 python scripts/bench_cpu.py --threads 1 --streams 1,16 --procs 16 --rounds 2 --out "$OUT/r" \
-        --stem cpu_stream_24khz_16core
+      step cpu16 300 python scripts/bench_cpu.py --threads 1 --streams 1,16 --procs 16 --rounds 2 --forms layered,compiled \
+        --out "$OUT/r" --stem cpu_stream_24khz_16core
       step serve_cpu16 250 python scripts/bench_serve_http.py --device cpu --workers 16 --clients 32,64,96,128 \
         --seconds 20 --max-batch 64 --max-streams 64 --client-procs 2 --out "$OUT/r" --stem serve_cpu_24khz_16core ;;
     *) echo "unknown section $section (see the head of this script)"; exit 2 ;;
