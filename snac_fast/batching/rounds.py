@@ -78,7 +78,7 @@ class BatchRounds:
     waits for max_batch pushes (:mod:`~snac_fast.batching.intake`); layout: the token layout of id
     pushes; output: ``"tensor"`` (GPU tensors), ``"float32"`` or ``"int16"`` (host numpy PCM, copied
     once per call through pinned memory); idle_timeout_s: release a stream no push touched for that
-    long. :attr:`driver` must be     set before the first request (the batchers do)."""
+    long. :attr:`driver` must be set before the first request (the batchers do)."""
 
     def __init__(self, engine: StreamEngine, max_batch: int, max_wait_ms: float, layout: TokenLayout | None,
                  output: str, idle_timeout_s: float | None) -> None:
