@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import markdown_table, write_results
 from bench_serve_http import free_port, lm_texts, start, start_fake_lm, tree_cpu_seconds
 
+from snac_fast.runtime.host_memory import status_bytes
 from snac_fast.serve.lm.fake import FakeLM, read_stats_dir
 
 FRAME_S = 2048 / 24000
@@ -184,14 +185,7 @@ def tree_memory(pid: int) -> tuple[float, float]:
         more = {p for p, parent in parents.items() if parent in tree} - tree
         tree |= more
         grew = bool(more)
-    rss = 0.0
-    for p in tree:
-        try:
-            for line in open(f"/proc/{p}/status"):
-                if line.startswith("VmRSS:"):
-                    rss += int(line.split()[1]) / 1024
-        except OSError:
-            pass
+    rss = sum(status_bytes("VmRSS", p) or 0 for p in tree) / (1 << 20)
     gpu = float("nan")
     try:
         out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],

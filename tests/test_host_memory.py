@@ -15,12 +15,12 @@ from snac_fast.runtime import host_memory
 # heap's top and free() alone can hand nothing back. RSS (MB) after the frees, then after a trim.
 PROBE = """
 import ctypes, ctypes.util, sys
-from snac_fast.runtime.host_memory import malloc_trim
+from snac_fast.runtime.host_memory import malloc_trim, status_bytes
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
 def rss():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmRSS")).split()[1]) / 1024
+    return status_bytes("VmRSS") / (1 << 20)
 blocks = [libc.malloc(100 << 10) for _ in range(400)]
 for b in blocks:
     ctypes.memset(b, 1, 100 << 10)

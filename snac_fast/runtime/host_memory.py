@@ -39,17 +39,23 @@ def malloc_trim() -> Callable[[], bool] | None:
     return lambda: bool(trim(0))
 
 
-def anonymous_bytes() -> int | None:
-    """This process's resident anonymous memory (``RssAnon``: its heap, not its mapped files), or
-    None where /proc cannot say."""
+def status_bytes(field: str, pid: int | str = "self") -> int | None:
+    """A memory figure of a process's ``/proc/<pid>/status`` (``VmRSS``, ``RssAnon``, ...) in bytes,
+    or None where /proc cannot say (no such process, field or /proc)."""
     try:
-        with open("/proc/self/status") as status:
+        with open(f"/proc/{pid}/status") as status:
             for line in status:
-                if line.startswith("RssAnon:"):
+                if line.startswith(field + ":"):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError):
         return None
     return None
+
+
+def anonymous_bytes() -> int | None:
+    """This process's resident anonymous memory (``RssAnon``: its heap, not its mapped files), or
+    None where /proc cannot say."""
+    return status_bytes("RssAnon")
 
 
 class TrimWhenAbove:
