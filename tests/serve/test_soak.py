@@ -3,7 +3,7 @@ vanishing mid-request, the fake LM failing, stalling and sending junk): every re
 outcome, no slot leaked, the server healthy after. "Lost" requests (neither audio nor a clear error)
 are not asserted here: on a host busy with other tests (as CI's xdist workers make it) some came
 (ids WebSockets whose keep-alive pings timed out, a pcm body reset; docs/http_server.md), while a
-30-minute run alone lost none (benchmarks/soak_serve_cpu_24khz_2core.md)."""
+30-minute run alone lost none (benchmarks/soak_serve_24khz.md, its CPU section)."""
 
 import json
 import subprocess
