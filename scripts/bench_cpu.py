@@ -173,6 +173,13 @@ def worker(cli, onnx_path, barrier, first_warm, queue, index: int) -> None:
     """One process: every contender once untimed (compiles, ONNX sessions, first touch; process 0
     first and alone, ``first_warm`` set after it), then the timed rounds in step with the others."""
     torch.manual_seed(index)
+    if index > 0:
+        # the processes after the first find its code in Inductor's cache: they compile in themselves,
+        # not each through a pool of compile workers of its own (one per core: 15 pools of 16 on a
+        # 16-core host, where they took 77-125 s to warm up against process 0's 114 s alone; 2026-12-07)
+        from torch._inductor import config as inductor_config
+
+        inductor_config.compile_threads = 1
     bench = Bench(cli, onnx_path)
     results = {}
     if first_warm is not None and index > 0:

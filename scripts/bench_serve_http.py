@@ -231,21 +231,46 @@ def stream_geometry(lookahead: int | str | None = None) -> dict:
             "per_frame": ORPHEUS.frame_size, "first_frames": engine.first_audio_frames}
 
 
-def chunk_delays(record: dict, sends: list, frame_samples: int, lookahead: int, per_frame: int,
-                 first_frames: int = 0) -> list[float]:
-    """Per audio chunk of one response (s): its arrival minus when the LM sent the token that
-    completed the frames it needed. A stream's audio after n frames ends at n * frame_samples -
-    lookahead, so a chunk ending at sample S needed frames (S + lookahead) / frame_samples; the flush's
-    chunk (the tail after the last frame) is left out."""
-    times = np.array([t for t, _ in sends])
-    tokens = np.array([n for _, n in sends])
+def ready_times(texts: list[str], lm_stats: dict, per_frame: int) -> tuple[np.ndarray, np.ndarray]:
+    """One stream's LM answers (``texts``, in order) as one count of audio tokens: (counts, when the
+    LM had sent each, time.monotonic). A later answer's tokens count after every earlier answer's
+    whole frames, and are ready no earlier than those: its request overlaps the one before."""
+    counts, times, base = [], [], 0
+    for text in texts:
+        sends = lm_stats[text]["sends"]
+        counts += [base + n for _, n in sends]
+        times += [t for t, _ in sends]
+        base += sends[-1][1] // per_frame * per_frame if sends else 0
+    return np.array(counts), np.maximum.accumulate(np.array(times, dtype=float))
+
+
+def chunk_ready(record: dict, counts: np.ndarray, times: np.ndarray, frame_samples: int, lookahead: int,
+                per_frame: int, first_frames: int = 0) -> list[float | None]:
+    """Per audio chunk of one pcm response: when the LM had sent the token completing the frames the
+    chunk needed (s, time.monotonic), or None for a chunk past the last whole frame (the flush's
+    tail). A stream's audio after n frames ends at n * frame_samples - lookahead, so a chunk ending
+    at sample S needed frames (S + lookahead) / frame_samples."""
     out, received = [], 0
-    for t, size in record["chunks"]:
+    for _, size in record["chunks"]:
         received += size // 2  # int16
-        frames, rest = divmod(received + lookahead, frame_samples)
-        if rest == 0 and frames * per_frame <= tokens[-1]:
-            out.append(t - times[np.searchsorted(tokens, frames * per_frame)])
+        frames = -(-(received + lookahead) // frame_samples)
+        needed = frames * per_frame
+        out.append(float(times[np.searchsorted(counts, needed)]) if len(counts) and needed <= counts[-1] else None)
     return out
+
+
+def chunk_delays(record: dict, ready: list[float | None]) -> list[float]:
+    """Per audio chunk whose frames the LM completed at a known time (:func:`chunk_ready`), its
+    arrival less that time (s): what the server and the way back added to it."""
+    return [t - r for (t, _), r in zip(record["chunks"], ready) if r is not None]
+
+
+def lm_paced(record: dict, ready: list[float | None]) -> dict:
+    """The record as a server adding nothing would have delivered it: each chunk when the LM had
+    completed its frames (the flush's tail with the last of them)."""
+    last = max((r for r in ready if r is not None), default=None)
+    return {"chunks": [(r if r is not None else last if last is not None else t, size)
+                       for (t, size), r in zip(record["chunks"], ready)]}
 
 
 def playback_stalls(record: dict, rate: int, buffer_s: float = 0.0) -> float:
@@ -320,12 +345,15 @@ def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geo
         values = [p[name] for p in parts if name in p and np.isfinite(p[name])]
         first.update({f"first_{name}_p50_ms": pct(values, 50), f"first_{name}_p99_ms": pct(values, 99),
                       f"first_{name}_max_ms": max(values, default=float("nan"))})
-    single = [r for r in known if len(texts[r["text"]]) == 1]  # one LM request: each chunk timed from its token
-    added = np.array([d for r in single if pcm
-                      for d in chunk_delays(r, lm_stats[texts[r["text"]][0]]["sends"], **geometry)]) * 1e3
+    # each pcm chunk timed from the LM token completing its frames, over all of a stream's LM answers
+    ready = {r["text"]: chunk_ready(r, *ready_times(texts[r["text"]], lm_stats, geometry["per_frame"]), **geometry)
+             for r in known} if pcm else {}
+    added = np.array([d for r in known if pcm for d in chunk_delays(r, ready[r["text"]])]) * 1e3
     gaps = np.concatenate([np.diff([t for t, _ in r["chunks"]]) * 1e3 for r in ok if len(r["chunks"]) > 1] or [np.zeros(0)])
     lm_gaps = np.concatenate([np.diff([t for t, n in stats["sends"]]) for stats in lm_stats.values()] or [np.zeros(0)]) * 1e3
     stalls = np.array([playback_stalls(r, 24000, buffer_s) for r in ok if pcm]) * 1e3
+    # the same players fed at the LM's pace (a server adding nothing): the stalls that are the LM's
+    paced = np.array([playback_stalls(lm_paced(r, ready[r["text"]]), 24000, buffer_s) for r in known if pcm]) * 1e3
     frames = {r["text"]: sum(lm_stats[t]["sends"][-1][1] // geometry["per_frame"] for t in texts[r["text"]]
                              if lm_stats[t]["sends"]) for r in known}
     complete = sum(1 for r in known if sum(n for _, n in r["chunks"]) == frames[r["text"]] * geometry["frame_samples"] * 2) \
@@ -343,6 +371,8 @@ def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geo
             "lm_chunk_gap_p99_ms": pct(lm_gaps, 99), "lm_chunk_gap_max_ms": float(lm_gaps.max()) if len(lm_gaps) else float("nan"),
             "player_buffer_ms": buffer_s * 1e3,
             "streams_with_stall": int((stalls > 0).sum()), "stall_max_ms": float(stalls.max()) if len(stalls) else float("nan"),
+            "streams_with_stall_at_lm_pace": int((paced > 0).sum()),
+            "stall_at_lm_pace_max_ms": float(paced.max()) if len(paced) else float("nan"),
             "end_over_nominal_p99_ms": pct(over, 99), "end_over_nominal_max_ms": max(over, default=float("nan")),
             "server_push_histogram": [line for line in scrape.splitlines()
                                       if line.startswith(("snac_fast_push_seconds_bucket", "snac_fast_first_audio_seconds_bucket", "snac_fast_late_chunks_total",
@@ -399,6 +429,8 @@ def serve_options(args) -> list[str]:
         options += ["--lookahead", args.lookahead]
     if args.gpu_memory_gb:
         options += ["--gpu-memory-gb", f"{args.gpu_memory_gb:g}"]
+    if args.memory_trim is not None:
+        options += ["--memory-trim", f"{args.memory_trim:g}"]
     return options
 
 
@@ -420,7 +452,9 @@ def markdown(results: dict) -> str:
              r["ok"] if r["complete_audio"] is None else f"{r['ok']} / {r['complete_audio']}",
              f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}",
              f"{r['lm_chunk_gap_p99_ms']:.1f} / {r['lm_chunk_gap_max_ms']:.1f}",
-             f"{r['streams_with_stall']} / {r['stall_max_ms']:.0f}" if "player_buffer_ms" in r else "–",
+             (f"{r['streams_with_stall']} / {r['stall_max_ms']:.0f}" + (
+                 f" ({r['streams_with_stall_at_lm_pace']} / {r['stall_at_lm_pace_max_ms']:.0f})"
+                 if "streams_with_stall_at_lm_pace" in r else "")) if "player_buffer_ms" in r else "–",
              f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}",
              f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}"]
             for r in rows if r["seconds"] >= 10 or r.get("input_chars") or "text-ws" in r["format"]]
@@ -444,10 +478,13 @@ def markdown(results: dict) -> str:
         out += ("\n## Keeping pace\n\n"
                 "Chunk gaps between successive audio chunks at the client beside the LM's between its chunks; end past "
                 "nominal: the last byte after the request's start + its audio / pace; server CPU: the server's processes "
-                "while the load ran, per stream and second.\n\n"
+                "while the load ran, per stream and second. Stalls: the silence a player starting 150 ms after the "
+                "first byte would add; in brackets, the same players fed at the LM's pace (each chunk when the LM "
+                "had sent the token completing its frames: a server adding nothing), the stalls that are the LM's "
+                "(pcm).\n\n"
                 + markdown_table(["format", "LM pace", "arrivals", "clients", "audio s / LM requests per client",
                                   "200 / complete", "chunk gap p50 / p99 / max ms", "LM chunk gap p99 / max ms",
-                                  "streams stalled (150 ms buffer) / longest ms", "end past nominal p99 / max ms",
+                                  "streams stalled (150 ms buffer) / longest ms (at the LM's pace)", "end past nominal p99 / max ms",
                                   "server CPU cores / ms per stream-second"], pace))
     beside = [r for r in rows if "lm_steps_per_s" in r]
     if beside:
@@ -511,6 +548,7 @@ def main() -> None:
     parser.add_argument("--lm-workers", type=int, default=1, help="fake LM processes")
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--gpu-memory-gb", type=float, default=0.0, help="serve --gpu-memory-gb")
+    parser.add_argument("--memory-trim", type=float, default=None, help="serve --memory-trim (default: serve's)")
     parser.add_argument("--colocated-lm", type=float, default=0.0, metavar="SHARE",
                         help="run scripts/colocated_lm.py first, holding this share of the GPU (0.9 as vLLM's default), "
                              "and measure its steps per second in each load and in idle windows between")

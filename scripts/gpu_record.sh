@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The GPU record in named sections, each well inside one 10-minute device call, each writing its
-# reports (JSON + Markdown) under $OUT/r as it finishes, with the GPU and the commit in $OUT/r/run.txt:
+# reports (JSON + Markdown) under r/ as it finishes, with the GPU and the commit in r/run.txt, and
+# packing r/, logs/ and steps.txt into $OUT/record.tgz after every step (a device call returns at
+# most 8 files: a run's loose reports and logs were left behind):
 #
 #   bash scripts/gpu_record.sh gputests memory        # sections in the order given
+#   tar xzf record.tgz                                # where the files came back
 #
 # Carry .whl (scripts/device_wheels.sh fills it; cpu16 wants .whl-cpu, benchmarks/README.md) and
-# copy what comes back under $OUT/r into benchmarks/ (corpora's report goes in as encode_corpus_24khz_h100's
+# copy what comes back under r/ into benchmarks/ (corpora's report goes in as encode_corpus_24khz_h100's
 # orpheus_rows_vs_notebook, cpu16's serve report as serve_cpu_24khz's sixteen_cores: benchmarks/README.md).
 # Sections, in the order the record wants them:
 #   gputests    every gpu test (the CPU suite is CI's)
@@ -20,21 +23,28 @@
 #   corpora     encode-dataset --format orpheus against Unsloth's notebook pipeline (WHEELS=.whl-corpora:
 #               scripts/device_wheels.sh corpora)
 #   cpu16       CPU streams and serve --device cpu on the host's 16 cores (WHEELS=.whl-cpu)
+#   ab          the formats' load on an older tree and this one, old / new / old / new, then 256 text
+#               WebSockets old / new (AB_TREE=.ab/REV,
+#               carried beside .whl: mkdir -p .ab/REV && git archive REV snac_fast scripts | tar x -C .ab/REV)
+#   trim        the formats' load with serve's --memory-trim default and with 0 (none), interleaved
 set -u
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT, the folder whose files come back}"
-mkdir -p "$OUT/r" "$OUT/logs"
-. scripts/device_setup.sh > "$OUT/logs/setup.log" 2>&1 || { echo "setup failed"; tail "$OUT/logs/setup.log"; exit 1; }
+R=/tmp/gpu_record  # this call's files, packed into $OUT/record.tgz
+rm -rf "$R" && mkdir -p "$R/r" "$R/logs"
+pack() { tar czf "$OUT/record.tgz.part" -C "$R" . && mv "$OUT/record.tgz.part" "$OUT/record.tgz"; }
+. scripts/device_setup.sh > "$R/logs/setup.log" 2>&1 || { echo "setup failed"; tail "$R/logs/setup.log"; pack; exit 1; }
 echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) $(date -u +%F)" \
-  | tee "$OUT/r/run.txt"
+  | tee "$R/r/run.txt"
 C="--workers 4 --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4"
 
-step() {  # step NAME SECONDS COMMAND...: its log in $OUT/logs, its status and time in $OUT/steps.txt
+step() {  # step NAME SECONDS COMMAND...: its log in logs/, its status and time in steps.txt
   local name=$1 limit=$2; shift 2
   local t0; t0=$(date +%s)
-  timeout "$limit" "$@" > "$OUT/logs/$name.log" 2>&1
-  echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$OUT/steps.txt"
-  tail -4 "$OUT/logs/$name.log"
+  timeout "$limit" "$@" > "$R/logs/$name.log" 2>&1
+  echo "$name rc=$? $(( $(date +%s) - t0 ))s" | tee -a "$R/steps.txt"
+  tail -4 "$R/logs/$name.log"
+  pack
 }
 
 for section in "$@"; do
@@ -42,26 +52,26 @@ for section in "$@"; do
     # test_schema.py holds no gpu test and imports schemathesis, which the GPU machine lacks
     gputests) step gputests 540 python -m pytest -q -n 8 -m gpu tests -p no:cacheprovider -rs --ignore tests/serve/test_schema.py ;;
     memory)
-      step recipe 150 python scripts/profile_memory.py --out "$OUT/r" --stem memory_recipe_24khz
-      step budget 300 python scripts/bench_budget.py --budgets 1,1.5,2,0 --max-streams 1024 --out "$OUT/r" ;;
+      step recipe 150 python scripts/profile_memory.py --out "$R/r" --stem memory_recipe_24khz
+      step budget 300 python scripts/bench_budget.py --budgets 1,1.5,2,0 --max-streams 1024 --out "$R/r" ;;
     coloc)
       CO="--clients 64,256 --seconds 12 --format pcm --colocated-lm 0.9 --lm-idle-s 5 --workers 4 --shared-engine \
-          --max-streams 1024 --max-batch 256 --lm-workers 4 --client-procs 4 --out $OUT/r --stem colocated_24khz"
+          --max-streams 1024 --max-batch 256 --lm-workers 4 --client-procs 4 --out $R/r --stem colocated_24khz"
       step coloc 250 python scripts/bench_serve_http.py $CO
       step coloc_mps 250 python scripts/bench_serve_http.py $CO --mps --append ;;
     formats)
       step formats 250 python scripts/bench_serve_http.py --clients 256 --format mp3,pcm --seconds 15 $C \
-        --out "$OUT/r" --stem serve_http_formats_24khz
+        --out "$R/r" --stem serve_http_formats_24khz
       step formats_w8 200 python scripts/bench_serve_http.py --clients 256 --format mp3 --seconds 15 --workers 8 \
-        --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4 --out "$OUT/r" \
+        --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4 --out "$R/r" \
         --stem serve_http_formats_24khz --append ;;
     first) step first 500 python scripts/bench_serve_http.py --clients 1,64,256 --arrivals poisson,burst --seconds 3 \
-             --pace 1 --repeat 3 --format pcm $C --out "$OUT/r" --stem serve_http_first_audio_24khz ;;
+             --pace 1 --repeat 3 --format pcm $C --out "$R/r" --stem serve_http_first_audio_24khz ;;
     text)
       step textws 200 python scripts/bench_serve_http.py --clients 256 --text-ws 5 --sentence-every 3 --seconds 20 $C \
-        --out "$OUT/r" --stem serve_http_long_text_24khz
+        --out "$R/r" --stem serve_http_long_text_24khz
       step long3x 300 python scripts/bench_serve_http.py --clients 256 --arrivals poisson --input-chars 1000 --pace 3 \
-        --seconds 60 $C --out "$OUT/r" --stem serve_http_long_text_24khz --append ;;
+        --seconds 60 $C --out "$R/r" --stem serve_http_long_text_24khz --append ;;
     soak_start)
       mkdir -p /tmp/soak
       setsid nohup python scripts/soak_serve.py --clients 256 --minutes 10 --disconnect 0.1 --lm-faults 0.05,0.02,0.01 $C \
@@ -69,14 +79,32 @@ for section in "$@"; do
       echo "soak started: soak_collect within 30 minutes of the machine's start" ;;
     soak_collect)
       for _ in $(seq 560); do [ -f /tmp/soak/soak_serve_24khz.json ] && break; sleep 1; done
-      cp /tmp/soak/soak_serve_24khz.* /tmp/soak/log "$OUT/r/" 2>/dev/null || echo "the soak has not finished" ;;
-    corpora) step corpora 560 python scripts/bench_dataset_notebook.py --files 3000 --out "$OUT/r" \
+      cp /tmp/soak/soak_serve_24khz.* /tmp/soak/log "$R/r/" 2>/dev/null || echo "the soak has not finished" ;;
+    corpora) step corpora 560 python scripts/bench_dataset_notebook.py --files 3000 --out "$R/r" \
                --stem dataset_orpheus_24khz ;;
     cpu16)
-      step cpu16 300 python scripts/bench_cpu.py --threads 1 --streams 1,16 --procs 16 --rounds 2 --forms layered,compiled \
-        --out "$OUT/r" --stem cpu_stream_24khz_16core
-      step serve_cpu16 250 python scripts/bench_serve_http.py --device cpu --workers 16 --clients 32,64,96,128 \
-        --seconds 20 --max-batch 64 --max-streams 64 --client-procs 2 --out "$OUT/r" --stem serve_cpu_24khz_16core ;;
-    *) echo "unknown section $section (see the head of this script)"; exit 2 ;;
+      step cpu16 330 python scripts/bench_cpu.py --threads 1 --streams 1,16 --procs 16 --rounds 2 --forms layered,compiled \
+        --out "$R/r" --stem cpu_stream_24khz_16core
+      # 16 workers of one thread each (SO_REUSEPORT's hash spreads the streams unevenly), then 4
+      # workers feeding one engine process that batches every stream on the 16 cores' threads
+      step serve_cpu16 120 python scripts/bench_serve_http.py --device cpu --workers 16 --clients 32,48 \
+        --seconds 20 --max-batch 64 --max-streams 64 --client-procs 2 --out "$R/r" --stem serve_cpu_24khz_16core
+      step serve_cpu16_shared 130 python scripts/bench_serve_http.py --device cpu --workers 4 --shared-engine --clients 32,48,64 \
+        --seconds 20 --max-batch 64 --max-streams 128 --client-procs 2 --out "$R/r" --stem serve_cpu_24khz_16core --append ;;
+    ab)  # the formats' and the text WebSockets' loads on an older tree (AB_TREE, carried) and this one
+      : "${AB_TREE:?set AB_TREE to the folder of an older tree: git archive REV snac_fast scripts | tar x -C .ab/REV}"
+      for k in old new old2 new2 textws_old textws_new; do
+        dir=$PWD; case $k in *old*) dir=$(cd "$AB_TREE" && pwd) ;; esac
+        load="--format mp3,pcm --seconds 15"; case $k in textws*) load="--text-ws 5 --sentence-every 3 --seconds 20" ;; esac
+        step "ab_$k" 110 bash -c "cd $dir && PYTHONPATH=/tmp/site:$dir python scripts/bench_serve_http.py --clients 256 \
+          $load $C --out $R/r --stem serve_http_ab_$k"
+      done ;;
+    trim)  # serve's memory trim against none, on one host: mp3 and pcm at 256 streams, on / off / on
+      for k in on off on2; do
+        step "trim_$k" 110 python scripts/bench_serve_http.py --clients 256 --format mp3,pcm --seconds 15 $C \
+          $([ $k = off ] && echo --memory-trim 0) --out "$R/r" --stem "serve_http_trim_$k"
+      done ;;
+    *) echo "unknown section $section (see the head of this script)"; pack; exit 2 ;;
   esac
 done
+pack
