@@ -265,12 +265,20 @@ def chunk_delays(record: dict, ready: list[float | None]) -> list[float]:
     return [t - r for (t, _), r in zip(record["chunks"], ready) if r is not None]
 
 
-def lm_paced(record: dict, ready: list[float | None]) -> dict:
-    """The record as a server adding nothing would have delivered it: each chunk when the LM had
-    completed its frames (the flush's tail with the last of them)."""
-    last = max((r for r in ready if r is not None), default=None)
-    return {"chunks": [(r if r is not None else last if last is not None else t, size)
-                       for (t, size), r in zip(record["chunks"], ready)]}
+def lm_paced(record: dict, counts: np.ndarray, times: np.ndarray, frame_samples: int, lookahead: int,
+             per_frame: int, first_frames: int) -> dict:
+    """The record's audio as a server adding nothing would have delivered it: each frame's samples
+    when the LM had sent the token completing it (:func:`ready_times`), the flush's tail with the
+    last. Frame by frame, not by the record's chunks: a late server's chunks hold several frames."""
+    total = sum(size for _, size in record["chunks"]) // 2
+    chunks, done, frame = [], 0, first_frames
+    while len(counts) and frame * per_frame <= counts[-1] and frame * frame_samples - lookahead <= total:
+        end = frame * frame_samples - lookahead
+        chunks.append((float(times[np.searchsorted(counts, frame * per_frame)]), 2 * (end - done)))
+        done, frame = end, frame + 1
+    if done < total:
+        chunks.append((chunks[-1][0] if chunks else record["chunks"][-1][0], 2 * (total - done)))
+    return {"chunks": chunks}
 
 
 def playback_stalls(record: dict, rate: int, buffer_s: float = 0.0) -> float:
@@ -346,14 +354,15 @@ def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geo
         first.update({f"first_{name}_p50_ms": pct(values, 50), f"first_{name}_p99_ms": pct(values, 99),
                       f"first_{name}_max_ms": max(values, default=float("nan"))})
     # each pcm chunk timed from the LM token completing its frames, over all of a stream's LM answers
-    ready = {r["text"]: chunk_ready(r, *ready_times(texts[r["text"]], lm_stats, geometry["per_frame"]), **geometry)
-             for r in known} if pcm else {}
-    added = np.array([d for r in known if pcm for d in chunk_delays(r, ready[r["text"]])]) * 1e3
+    sent = {r["text"]: ready_times(texts[r["text"]], lm_stats, geometry["per_frame"]) for r in known} if pcm else {}
+    added = np.array([d for r in known if pcm
+                      for d in chunk_delays(r, chunk_ready(r, *sent[r["text"]], **geometry))]) * 1e3
     gaps = np.concatenate([np.diff([t for t, _ in r["chunks"]]) * 1e3 for r in ok if len(r["chunks"]) > 1] or [np.zeros(0)])
     lm_gaps = np.concatenate([np.diff([t for t, n in stats["sends"]]) for stats in lm_stats.values()] or [np.zeros(0)]) * 1e3
     stalls = np.array([playback_stalls(r, 24000, buffer_s) for r in ok if pcm]) * 1e3
     # the same players fed at the LM's pace (a server adding nothing): the stalls that are the LM's
-    paced = np.array([playback_stalls(lm_paced(r, ready[r["text"]]), 24000, buffer_s) for r in known if pcm]) * 1e3
+    paced = np.array([playback_stalls(lm_paced(r, *sent[r["text"]], **geometry), 24000, buffer_s)
+                      for r in known if pcm]) * 1e3
     frames = {r["text"]: sum(lm_stats[t]["sends"][-1][1] // geometry["per_frame"] for t in texts[r["text"]]
                              if lm_stats[t]["sends"]) for r in known}
     complete = sum(1 for r in known if sum(n for _, n in r["chunks"]) == frames[r["text"]] * geometry["frame_samples"] * 2) \
@@ -434,6 +443,18 @@ def serve_options(args) -> list[str]:
     return options
 
 
+def server_form(args) -> str:
+    """The server's processes in words: workers, threads, the shared engine, the memory trim."""
+    words = [f"{args.workers} worker{'s' if args.workers > 1 else ''}"]
+    if args.cpu_threads:
+        words.append(f"{args.cpu_threads} thread{'s' if args.cpu_threads > 1 else ''} each")
+    if args.shared_engine:
+        words.append("one engine process")
+    if args.memory_trim is not None:
+        words.append(f"--memory-trim {args.memory_trim:g}")
+    return ", ".join(words)
+
+
 def _ms(row: dict, name: str, *quantiles: str) -> str:
     return " / ".join(f"{row[f'first_{name}_{q}_ms']:.1f}" for q in quantiles)
 
@@ -441,13 +462,16 @@ def _ms(row: dict, name: str, *quantiles: str) -> str:
 def markdown(results: dict) -> str:
     """Both tables of a report: time to first audio by load, and keeping pace."""
     rows = results["rows"]
-    first = [[r["format"], f"{r['pace']:g}x", r["lookahead"], "in turn" if r["clients"] == 1 else r["arrivals"], r["clients"], f"{r['ok']} / {r['first_audio_timed']}",
+    # a column for the server's form where the rows' differ (runs of several forms appended)
+    forms = [[r.get("server", "")] if len({r.get("server") for r in rows}) > 1 else [] for r in rows]
+    server = ["server"] if forms and forms[0] else []
+    first = [[*form, r["format"], f"{r['pace']:g}x", r["lookahead"], "in turn" if r["clients"] == 1 else r["arrivals"], r["clients"], f"{r['ok']} / {r['first_audio_timed']}",
               _ms(r, "total", "p50", "p99"), _ms(r, "lm_own", "p50", "p99"), f"**{_ms(r, 'added', 'p50', 'p99')}** / "
               f"{r['first_added_max_ms']:.1f}", " / ".join(f"{r[f'first_{n}_p99_ms']:.1f}" for n in
                                                           ("setup", "lm_client", "engine", "encode", "http")),
               " / ".join(f"{r.get(f'first_{n}_p99_ms', float('nan')):.1f}" for n in ("lm_request", "lm_response"))]
-             for r in rows]
-    pace = [[r["format"], f"{r['pace']:g}x", r["arrivals"], r["clients"],
+             for form, r in zip(forms, rows)]
+    pace = [[*form, r["format"], f"{r['pace']:g}x", r["arrivals"], r["clients"],
              f"{r.get('audio_s_per_client', float('nan')):.0f} / {r.get('lm_requests_per_client', float('nan')):.1f}",
              r["ok"] if r["complete_audio"] is None else f"{r['ok']} / {r['complete_audio']}",
              f"{r['gap_p50_ms']:.1f} / {r['gap_p99_ms']:.1f} / {r['gap_max_ms']:.1f}",
@@ -457,7 +481,7 @@ def markdown(results: dict) -> str:
                  if "streams_with_stall_at_lm_pace" in r else "")) if "player_buffer_ms" in r else "–",
              f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}",
              f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}"]
-            for r in rows if r["seconds"] >= 10 or r.get("input_chars") or "text-ws" in r["format"]]
+            for form, r in zip(forms, rows) if r["seconds"] >= 10 or r.get("input_chars") or "text-ws" in r["format"]]
     out = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
            f"Commands: {'; '.join(f'`{c}`' for c in results['commands'])}. A fake LM (1-4 tokens a chunk, at the "
            "pace shown), the server and the clients share one host; every time is `time.monotonic()` of that host.\n\n"
@@ -470,7 +494,7 @@ def markdown(results: dict) -> str:
            "request (the server's LM request sent to the LM's handler starting: the LM's accept and parsing, mostly) "
            "and response (the LM's chunk sent to the server's having read it: the server's event loop, mostly). Arrivals: `poisson` at clients / seconds-of-audio a second, "
            "`burst` all at once, `stagger` over one frame; 1 client: requests one after another.\n\n"
-           + markdown_table(["format", "LM pace", "lookahead", "arrivals", "clients", "200 / timed", "total p50 / p99 ms",
+           + markdown_table([*server, "format", "LM pace", "lookahead", "arrivals", "clients", "200 / timed", "total p50 / p99 ms",
                              "LM own p50 / p99 ms", "added p50 / p99 / max ms",
                              "p99 ms: set-up / LM client / engine / encoder / HTTP",
                              "LM client p99 ms: request / response"], first))
@@ -482,7 +506,7 @@ def markdown(results: dict) -> str:
                 "first byte would add; in brackets, the same players fed at the LM's pace (each chunk when the LM "
                 "had sent the token completing its frames: a server adding nothing), the stalls that are the LM's "
                 "(pcm).\n\n"
-                + markdown_table(["format", "LM pace", "arrivals", "clients", "audio s / LM requests per client",
+                + markdown_table([*server, "format", "LM pace", "arrivals", "clients", "audio s / LM requests per client",
                                   "200 / complete", "chunk gap p50 / p99 / max ms", "LM chunk gap p99 / max ms",
                                   "streams stalled (150 ms buffer) / longest ms (at the LM's pace)", "end past nominal p99 / max ms",
                                   "server CPU cores / ms per stream-second"], pace))
@@ -626,7 +650,7 @@ def main() -> None:
             row.update(clients=clients, requests=len(records), format="text-ws pcm" if args.text_ws else fmt,
                        input_chars=args.input_chars, arrivals=arrivals, pace=args.pace, lookahead=args.lookahead,
                        seconds=args.seconds, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients)
-            row.update(max_wait_ms=args.max_wait_ms, gpu_memory_gb=args.gpu_memory_gb, mps=bool(mps),
+            row.update(server=server_form(args), max_wait_ms=args.max_wait_ms, gpu_memory_gb=args.gpu_memory_gb, mps=bool(mps),
                        server_memory=results["server_memory"])  # this run's, after start-up
             if beside is not None:  # the LM while every client streams (past their first audio)
                 row["lm_steps_per_s"] = colocated_lm.steps_per_second(

@@ -22,7 +22,8 @@
 #   soak_collect  waits for the soak and copies its report
 #   corpora     encode-dataset --format orpheus against Unsloth's notebook pipeline (WHEELS=.whl-corpora:
 #               scripts/device_wheels.sh corpora)
-#   cpu16       CPU streams and serve --device cpu on the host's 16 cores (WHEELS=.whl-cpu)
+#   cpu16       CPU streams on the host's 16 cores (WHEELS=.whl-cpu)
+#   serve16     serve --device cpu on the host's 16 cores: workers and threads four ways
 #   ab          the formats' load on an older tree and this one, old / new / old / new, then 256 text
 #               WebSockets old / new (AB_TREE=.ab/REV,
 #               carried beside .whl: mkdir -p .ab/REV && git archive REV snac_fast scripts | tar x -C .ab/REV)
@@ -82,15 +83,18 @@ for section in "$@"; do
       cp /tmp/soak/soak_serve_24khz.* /tmp/soak/log "$R/r/" 2>/dev/null || echo "the soak has not finished" ;;
     corpora) step corpora 560 python scripts/bench_dataset_notebook.py --files 3000 --out "$R/r" \
                --stem dataset_orpheus_24khz ;;
-    cpu16)
-      step cpu16 330 python scripts/bench_cpu.py --threads 1 --streams 1,16 --procs 16 --rounds 2 --forms layered,compiled \
-        --out "$R/r" --stem cpu_stream_24khz_16core
-      # 16 workers of one thread each (SO_REUSEPORT's hash spreads the streams unevenly), then 4
-      # workers feeding one engine process that batches every stream on the 16 cores' threads
-      step serve_cpu16 120 python scripts/bench_serve_http.py --device cpu --workers 16 --clients 32,48 \
-        --seconds 20 --max-batch 64 --max-streams 64 --client-procs 2 --out "$R/r" --stem serve_cpu_24khz_16core
-      step serve_cpu16_shared 130 python scripts/bench_serve_http.py --device cpu --workers 4 --shared-engine --clients 32,48,64 \
-        --seconds 20 --max-batch 64 --max-streams 128 --client-procs 2 --out "$R/r" --stem serve_cpu_24khz_16core --append ;;
+    cpu16) step cpu16 420 python scripts/bench_cpu.py --threads 1 --streams 1,16 --procs 16 --rounds 2 --forms layered,compiled \
+             --out "$R/r" --stem cpu_stream_24khz_16core ;;
+    serve16)
+      # the workers' share of the cores: 16 of one thread each (SO_REUSEPORT's hash leaves the busiest
+      # with twice the mean), of two threads each (a busy worker may take a second core), 8 of two,
+      # and 4 feeding one engine process that batches every stream on the cores' threads
+      for variant in "16 1" "16 2" "8 2" "4 0"; do
+        set -- $variant
+        step "serve16_w$1_t$2" 125 python scripts/bench_serve_http.py --device cpu --workers "$1" --cpu-threads "$2" \
+          $([ "$2" = 0 ] && echo --shared-engine) --clients 32,48,64 --seconds 20 --max-batch 64 --max-streams 128 \
+          --client-procs 2 --out "$R/r" --stem serve_cpu_24khz_16core $([ "$1" = 16 ] && [ "$2" = 1 ] || echo --append)
+      done ;;
     ab)  # the formats' and the text WebSockets' loads on an older tree (AB_TREE, carried) and this one
       : "${AB_TREE:?set AB_TREE to the folder of an older tree: git archive REV snac_fast scripts | tar x -C .ab/REV}"
       for k in old new old2 new2 textws_old textws_new; do

@@ -65,6 +65,9 @@ def test_each_chunk_waits_on_the_token_completing_its_frames_over_every_answer_o
     assert ready[-1] is None  # the flush's tail waits on no token
     np.testing.assert_allclose(ready[:-1], due)
     np.testing.assert_allclose(bench.chunk_delays(record, ready), arrivals - np.array(due))
+    paced = bench.lm_paced(record, counts, times, **GEOMETRY)  # frame by frame, as this server sent them
+    assert [n for _, n in paced["chunks"]] == [n for _, n in record["chunks"]]
+    np.testing.assert_allclose([t for t, _ in paced["chunks"]], [*due, due[-1]])
 
 
 def test_a_stall_of_the_server_vanishes_at_the_lm_pace_and_one_of_the_lm_stays():
@@ -79,9 +82,16 @@ def test_a_stall_of_the_server_vanishes_at_the_lm_pace_and_one_of_the_lm_stays()
     ready = bench.chunk_ready(record, counts, times, **GEOMETRY)
 
     assert bench.playback_stalls(record, 24000, 0.15) > 0.3
-    assert bench.playback_stalls(bench.lm_paced(record, ready), 24000, 0.15) == 0.0
+    assert bench.playback_stalls(bench.lm_paced(record, counts, times, **GEOMETRY), 24000, 0.15) == 0.0
+    assert min(bench.chunk_delays(record, ready)) >= 0.0 and max(bench.chunk_delays(record, ready)) >= 0.5
+
+    # a late server sends what it held as one chunk: at the LM's pace its frames still come one by one
+    merged = {"chunks": record["chunks"][:10] + [(record["chunks"][20][0], sum(n for _, n in record["chunks"][10:21]))]
+              + record["chunks"][21:]}
+    paced = bench.lm_paced(merged, counts, times, **GEOMETRY)
+    assert sum(n for _, n in paced["chunks"]) == sum(n for _, n in merged["chunks"])
+    assert bench.playback_stalls(paced, 24000, 0.15) == 0.0 < bench.playback_stalls(merged, 24000, 0.15)
 
     slow = {"sends": [(t + (1.0 if n > 15 * PER_FRAME else 0.0), n) for t, n in answer["sends"]]}  # the LM pauses 1 s
     counts, times = bench.ready_times(["t"], {"t": slow}, PER_FRAME)
-    ready = bench.chunk_ready(record, counts, times, **GEOMETRY)
-    assert bench.playback_stalls(bench.lm_paced(record, ready), 24000, 0.15) > 0.5
+    assert bench.playback_stalls(bench.lm_paced(record, counts, times, **GEOMETRY), 24000, 0.15) > 0.5
