@@ -67,7 +67,11 @@ for section in "$@"; do
         --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4 --out "$R/r" \
         --stem serve_http_formats_24khz --append ;;
     first) step first 500 python scripts/bench_serve_http.py --clients 1,64,256 --arrivals poisson,burst --seconds 3 \
-             --pace 1 --repeat 3 --format pcm $C --out "$R/r" --stem serve_http_first_audio_24khz ;;
+             --pace 1 --repeat 3 --format pcm $C --out "$R/r" --stem serve_http_first_audio_24khz
+           # 8 workers: at 256 streams a worker's loop, 64 streams' chunks and LM events, holds the HTTP part
+           step first_w8 150 python scripts/bench_serve_http.py --clients 256 --arrivals poisson,burst --seconds 3 --pace 1 \
+             --format pcm --workers 8 --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4 \
+             --out "$R/r" --stem serve_http_first_audio_24khz --append ;;
     text)
       step textws 200 python scripts/bench_serve_http.py --clients 256 --text-ws 5 --sentence-every 3 --seconds 20 $C \
         --out "$R/r" --stem serve_http_long_text_24khz
