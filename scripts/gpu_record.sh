@@ -26,7 +26,8 @@
 #   serve16     serve --device cpu on the host's 16 cores: workers and threads four ways
 #   ab          the formats' load on an older tree and this one, old / new / old / new, then 256 text
 #               WebSockets old / new (AB_TREE=.ab/REV,
-#               carried beside .whl: mkdir -p .ab/REV && git archive REV snac_fast scripts | tar x -C .ab/REV)
+#               carried beside .whl: mkdir -p .ab/REV && git archive REV snac_fast scripts | tar x -C .ab/REV;
+#               9409443, the tree before the model presets, covers everything since the H100 record of 1907f54)
 #   trim        the formats' load with serve's --memory-trim default and with 0 (none), interleaved
 set -u
 cd "$(dirname "$0")/.."
