@@ -4,7 +4,7 @@
 # packing r/, logs/ and steps.txt into $OUT/record.tgz after every step (a device call returns at
 # most 8 files: a run's loose reports and logs were left behind):
 #
-#   bash scripts/gpu_record.sh gputests memory        # sections in the order given
+#   TREE=abc1234 bash scripts/gpu_record.sh gputests memory   # sections in the order given
 #   tar xzf record.tgz                                # where the files came back
 #
 # Carry .whl (scripts/device_wheels.sh fills it; cpu16 wants .whl-cpu, benchmarks/README.md) and
@@ -36,7 +36,9 @@ R=/tmp/gpu_record  # this call's files, packed into $OUT/record.tgz
 rm -rf "$R" && mkdir -p "$R/r" "$R/logs"
 pack() { tar czf "$OUT/record.tgz.part" -C "$R" . && mv "$OUT/record.tgz.part" "$OUT/record.tgz"; }
 . scripts/device_setup.sh > "$R/logs/setup.log" 2>&1 || { echo "setup failed"; tail "$R/logs/setup.log"; pack; exit 1; }
-echo "$(git rev-parse --short HEAD 2>/dev/null || echo unknown) $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) $(date -u +%F)" \
+# TREE: the commit as the caller names it (TREE=$(git rev-parse --short HEAD) on the calling side); the
+# device copy's own git HEAD has lagged the files it carried
+echo "${TREE:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown) (HEAD of the copy)} $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) $(date -u +%F)" \
   | tee "$R/r/run.txt"
 C="--workers 4 --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4"
 
