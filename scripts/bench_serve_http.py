@@ -244,6 +244,13 @@ def ready_times(texts: list[str], lm_stats: dict, per_frame: int) -> tuple[np.nd
     return np.array(counts), np.maximum.accumulate(np.array(times, dtype=float))
 
 
+def frame_sent_at(counts: np.ndarray, times: np.ndarray, frames: int, per_frame: int) -> float | None:
+    """When the LM had sent the token completing a stream's first ``frames`` frames (:func:`ready_times`),
+    or None past its last whole frame."""
+    needed = frames * per_frame
+    return float(times[np.searchsorted(counts, needed)]) if len(counts) and needed <= counts[-1] else None
+
+
 def chunk_ready(record: dict, counts: np.ndarray, times: np.ndarray, frame_samples: int, lookahead: int,
                 per_frame: int, first_frames: int = 0) -> list[float | None]:
     """Per audio chunk of one pcm response: when the LM had sent the token completing the frames the
@@ -253,9 +260,7 @@ def chunk_ready(record: dict, counts: np.ndarray, times: np.ndarray, frame_sampl
     out, received = [], 0
     for _, size in record["chunks"]:
         received += size // 2  # int16
-        frames = -(-(received + lookahead) // frame_samples)
-        needed = frames * per_frame
-        out.append(float(times[np.searchsorted(counts, needed)]) if len(counts) and needed <= counts[-1] else None)
+        out.append(frame_sent_at(counts, times, -(-(received + lookahead) // frame_samples), per_frame))
     return out
 
 
@@ -272,9 +277,9 @@ def lm_paced(record: dict, counts: np.ndarray, times: np.ndarray, frame_samples:
     last. Frame by frame, not by the record's chunks: a late server's chunks hold several frames."""
     total = sum(size for _, size in record["chunks"]) // 2
     chunks, done, frame = [], 0, first_frames
-    while len(counts) and frame * per_frame <= counts[-1] and frame * frame_samples - lookahead <= total:
+    while frame * frame_samples - lookahead <= total and (sent := frame_sent_at(counts, times, frame, per_frame)) is not None:
         end = frame * frame_samples - lookahead
-        chunks.append((float(times[np.searchsorted(counts, frame * per_frame)]), 2 * (end - done)))
+        chunks.append((sent, 2 * (end - done)))
         done, frame = end, frame + 1
     if done < total:
         chunks.append((chunks[-1][0] if chunks else record["chunks"][-1][0], 2 * (total - done)))

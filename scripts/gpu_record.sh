@@ -9,7 +9,7 @@
 #
 # Carry .whl (scripts/device_wheels.sh fills it; cpu16 wants .whl-cpu, benchmarks/README.md) and
 # copy what comes back under r/ into benchmarks/ (corpora's report goes in as encode_corpus_24khz_h100's
-# orpheus_rows_vs_notebook, cpu16's serve report as serve_cpu_24khz's sixteen_cores: benchmarks/README.md).
+# orpheus_rows_vs_notebook, serve16's report as serve_cpu_24khz's sixteen_cores: benchmarks/README.md).
 # Sections, in the order the record wants them:
 #   gputests    every gpu test (the CPU suite is CI's)
 #   memory      the README recipe by phase; the budget's cost at 1 / 1.5 / 2 GB
@@ -40,6 +40,7 @@ pack() { tar czf "$OUT/record.tgz.part" -C "$R" . && mv "$OUT/record.tgz.part" "
 # device copy's own git HEAD has lagged the files it carried
 echo "${TREE:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown) (HEAD of the copy)} $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) $(date -u +%F)" \
   | tee "$R/r/run.txt"
+# (a later --workers N overrides C's: argparse keeps an option's last value)
 C="--workers 4 --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4"
 
 step() {  # step NAME SECONDS COMMAND...: its log in logs/, its status and time in steps.txt
@@ -66,15 +67,13 @@ for section in "$@"; do
     formats)
       step formats 250 python scripts/bench_serve_http.py --clients 256 --format mp3,pcm --seconds 15 $C \
         --out "$R/r" --stem serve_http_formats_24khz
-      step formats_w8 200 python scripts/bench_serve_http.py --clients 256 --format mp3 --seconds 15 --workers 8 \
-        --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4 --out "$R/r" \
-        --stem serve_http_formats_24khz --append ;;
+      step formats_w8 200 python scripts/bench_serve_http.py --clients 256 --format mp3 --seconds 15 $C --workers 8 \
+        --out "$R/r" --stem serve_http_formats_24khz --append ;;
     first) step first 500 python scripts/bench_serve_http.py --clients 1,64,256 --arrivals poisson,burst --seconds 3 \
              --pace 1 --repeat 3 --format pcm $C --out "$R/r" --stem serve_http_first_audio_24khz
            # 8 workers: at 256 streams a worker's loop, 64 streams' chunks and LM events, holds the HTTP part
            step first_w8 150 python scripts/bench_serve_http.py --clients 256 --arrivals poisson,burst --seconds 3 --pace 1 \
-             --format pcm --workers 8 --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4 \
-             --out "$R/r" --stem serve_http_first_audio_24khz --append ;;
+             --format pcm $C --workers 8 --out "$R/r" --stem serve_http_first_audio_24khz --append ;;
     text)
       step textws 200 python scripts/bench_serve_http.py --clients 256 --text-ws 5 --sentence-every 3 --seconds 20 $C \
         --out "$R/r" --stem serve_http_long_text_24khz
