@@ -8,8 +8,10 @@
 #   tar xzf record.tgz                                # where the files came back
 #
 # Carry .whl (scripts/device_wheels.sh fills it; cpu16 wants .whl-cpu, benchmarks/README.md) and
-# copy what comes back under r/ into benchmarks/ (corpora's report goes in as encode_corpus_24khz_h100's
-# orpheus_rows_vs_notebook, serve16's report as serve_cpu_24khz's sixteen_cores: benchmarks/README.md).
+# put what comes back under r/ into benchmarks/ with scripts/nest_report.py (a rerun in place of its
+# report, a variant as a section: corpora's as encode_corpus_24khz_h100's orpheus_rows_vs_notebook,
+# serve16's as serve_cpu_24khz's sixteen_cores_forms, cpu16's as cpu_stream_24khz_2core's
+# sixteen_cores: benchmarks/README.md).
 # Sections, in the order the record wants them:
 #   gputests    every gpu test (the CPU suite is CI's)
 #   memory      the README recipe by phase; the budget's cost at 1 / 1.5 / 2 GB

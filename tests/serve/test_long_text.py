@@ -2,6 +2,7 @@
 one stream. The audio equals the offline decode of every segment's whole frames, concatenated
 (float32 >= 100 dB): the joins are the decoder's own, with no seam."""
 
+import asyncio
 import time
 
 import httpx
@@ -13,6 +14,7 @@ from live_server import serving
 from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
 from snac_fast.model.synthetic import synthetic_model
+from snac_fast.serve.lm.client import LMOutputError
 from snac_fast.serve.lm.segments import split_text
 
 TEXT = ("The first sentence is here. A second one follows it closely! Does a third ask a question? "
@@ -44,3 +46,55 @@ def test_a_long_input_is_one_exact_stream_over_its_segments():
     got = torch.from_numpy(np.frombuffer(r.content, "<f4").astype(np.float64))
     assert got.shape == want.shape and snr_db(want, got) >= 100
     assert too_long.status_code == 400 and "at most 200" in too_long.json()["error"]["message"]
+
+
+class _ChunkedLM:
+    """An LM stand-in answering each text with its list of id chunks, then, if given, an error."""
+
+    def __init__(self, answers: dict, error: Exception | None = None) -> None:
+        self.answers, self.error = answers, error
+
+    async def ids(self, text, voice, model):
+        for chunk in self.answers[text]:
+            await asyncio.sleep(0)
+            yield chunk
+        if self.error is not None:
+            raise self.error
+
+
+def _pieces(lm, texts: list[str], slow_s: float) -> list[tuple[int, list[int]]]:
+    """What segment_ids yields, read by a consumer that takes ``slow_s`` over each piece (an engine round)."""
+    from snac_fast.serve.services.speech import segment_ids
+
+    async def run():
+        out = []
+
+        async def listed():
+            for text in texts:
+                yield text
+        try:
+            async for k, ids in segment_ids(lm, listed(), "tara", None):
+                out.append((k, ids))
+                await asyncio.sleep(slow_s)
+        except LMOutputError as e:
+            out.append((-1, [str(e)]))
+        return out
+    return asyncio.run(run())
+
+
+def test_a_segment_behind_its_lm_catches_up_in_one_piece():
+    """The ids the LM sent while the segment before still spoke come as one piece (one engine push),
+    not one piece per LM chunk: one push a round held text WebSockets' audio seconds behind the LM."""
+    rng = np.random.default_rng(5)
+    chunks = {text: [rng.integers(0, 4096, rng.integers(1, 5)).tolist() for _ in range(40)] for text in ("a", "b")}
+    pieces = _pieces(_ChunkedLM(chunks), ["a", "b"], slow_s=0.05)
+    assert [i for k, ids in pieces if k == 0 for i in ids] == [i for c in chunks["a"] for i in c]
+    later = [ids for k, ids in pieces if k == 1]
+    assert later == [[i for c in chunks["b"] for i in c]]  # all 40 chunks were queued by then
+
+
+def test_ids_before_an_lm_error_come_out_before_it():
+    chunks = {"a": [[1, 2, 3], [4, 5, 6, 7], [8]]}
+    pieces = _pieces(_ChunkedLM(chunks, LMOutputError("cut")), ["a"], slow_s=0.05)
+    assert [i for k, ids in pieces if k == 0 for i in ids] == list(range(1, 9))
+    assert pieces[-1] == (-1, ["cut"])

@@ -17,6 +17,12 @@ import numpy as np
 from snac_fast.serve.lm.client import LMOutputError
 from snac_fast.serve.lm.segments import split_text
 
+# the most frames one push holds, so that a stream behind its LM catches up a few frames an engine
+# round without making the round long for every other stream: with 4, 4 text WebSockets on the
+# 2-core CPU stalled as with one frame a push (one stream of 4, 5-129 ms), with 8 all four (505 ms),
+# unbounded 1.4 s (a 23-frame push held the round ~450 ms)
+PUSH_FRAMES = 4
+
 
 @dataclass
 class FirstAudioTimes:
@@ -90,13 +96,24 @@ async def segment_ids(lm, texts: AsyncIterable[str], voice: str, model: str | No
                     return
                 arrived.clear()
                 await arrived.wait()
-            while (item := await queues[k].get()) is not None:
-                if isinstance(item, Exception):
-                    raise item
-                if not at["spoke"]:
-                    at["spoke"] = True
-                    start_allowed()
-                yield k, item
+            ended = False
+            while not ended:
+                # everything the LM sent meanwhile in one piece: a stream behind its LM (a later segment's
+                # ids queued while the one before still spoke) catches up PUSH_FRAMES frames a push, not
+                # one LM chunk of 1-4 tokens an engine round, which held text WebSockets' audio seconds
+                # behind their LM
+                items = [await queues[k].get()]
+                while isinstance(items[-1], list) and not queues[k].empty():
+                    items.append(queues[k].get_nowait())
+                ids = [i for item in items if isinstance(item, list) for i in item]
+                if ids:
+                    if not at["spoke"]:
+                        at["spoke"] = True
+                        start_allowed()
+                    yield k, ids
+                if isinstance(items[-1], Exception):
+                    raise items[-1]
+                ended = items[-1] is None
             at["segment"], at["spoke"] = k + 1, False
             start_allowed()
     finally:
@@ -129,17 +146,21 @@ async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice:
             raise LMOutputError(f"the language model sent a token that is not audio: {e}") from None
 
     async def whole_frames(ids: list[int]) -> AsyncIterator[np.ndarray]:
-        """The audio of whole frames' ids: all that arrived in one push (a stream that fell behind
-        catches up in one call); where one of them is not audio, the frames before it a push each,
-        so that their audio goes out before the error (a push is checked whole before it runs)."""
-        try:
-            yield await push(ids)
-            return
-        except LMOutputError:
-            if len(ids) <= frame_size or not server.backend.is_open(sid):
-                raise
-        for start in range(0, len(ids), frame_size):
-            yield await push(ids[start:start + frame_size])
+        """The audio of whole frames' ids, at most :data:`PUSH_FRAMES` frames a push: a stream behind
+        its LM catches up a few frames a round, its audio out after each, and the rounds the other
+        streams share stay short. Where one of them is not audio, the frames before it a push each, so
+        that their audio goes out before the error (a push is checked whole before it runs)."""
+        most = PUSH_FRAMES * frame_size
+        for start in range(0, len(ids), most):
+            piece = ids[start:start + most]
+            try:
+                yield await push(piece)
+                continue
+            except LMOutputError:
+                if len(piece) <= frame_size or not server.backend.is_open(sid):
+                    raise
+            for at in range(0, len(piece), frame_size):
+                yield await push(piece[at:at + frame_size])
 
     try:
         first = True
