@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from snac_fast.runtime.process_name import ENGINE_NAME, WORKER_NAME
 from snac_fast.serve.lm.fake import read_stats_dir
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -217,6 +218,19 @@ def process_tree(pid: int) -> dict[int, float]:
 def tree_cpu_seconds(pid: int) -> float:
     """CPU seconds of process ``pid`` and its descendants (:func:`process_tree`)."""
     return sum(process_tree(pid).values())
+
+
+def tree_cpu_by_name(pid: int) -> dict[str, float]:
+    """:func:`tree_cpu_seconds` by process name (``/proc/<pid>/comm``: serve names its engine process
+    and workers, snac_fast/runtime/process_name.py; the rest keep their program's name)."""
+    out: dict[str, float] = {}
+    for p, seconds in process_tree(pid).items():
+        try:
+            name = open(f"/proc/{p}/comm").read().strip()
+        except OSError:
+            continue
+        out[name] = out.get(name, 0.0) + seconds
+    return out
 
 
 def stream_geometry(lookahead: int | str | None = None) -> dict:
@@ -417,6 +431,17 @@ def server_memory(port: int, pid: int) -> dict:
     return reading
 
 
+def cpu_split(row: dict) -> str:
+    """A row's server CPU per stream-second by process, where serve named them: " (engine E, workers
+    W, other O)", or nothing."""
+    split = row.get("server_cpu_ms_per_stream_s_by_process") or {}
+    if not any(name in split for name in (ENGINE_NAME, WORKER_NAME)):
+        return ""
+    parts = {"engine": split.get(ENGINE_NAME, 0.0), "workers": split.get(WORKER_NAME, 0.0),
+             "other": sum(v for name, v in split.items() if name not in (ENGINE_NAME, WORKER_NAME))}
+    return " (" + ", ".join(f"{part} {ms:.1f}" for part, ms in parts.items()) + ")"
+
+
 def _memory_cell(reading: dict | None) -> str:
     """A colocation row's memory: nvidia-smi MiB over the server's processes / allocator reserve GB."""
     if not reading:
@@ -485,7 +510,7 @@ def markdown(results: dict) -> str:
                  f" ({r['streams_with_stall_at_lm_pace']} / {r['stall_at_lm_pace_max_ms']:.0f})"
                  if "streams_with_stall_at_lm_pace" in r else "")) if "player_buffer_ms" in r else "–",
              f"{r['end_over_nominal_p99_ms']:.0f} / {r['end_over_nominal_max_ms']:.0f}",
-             f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}"]
+             f"{r['server_cpu_cores']:.2f} / {r['server_cpu_ms_per_stream_s']:.1f}" + cpu_split(r)]
             for form, r in zip(forms, rows) if r["seconds"] >= 10 or r.get("input_chars") or "text-ws" in r["format"]]
     out = (f"# snac-fast serve under load ({results['device']}, {results['date']})\n\n"
            f"Commands: {'; '.join(f'`{c}`' for c in results['commands'])}. A fake LM (1-4 tokens a chunk, at the "
@@ -639,7 +664,7 @@ def main() -> None:
             if beside is not None:
                 idle_window()
             late0 = late_chunks(httpx.get(f"http://127.0.0.1:{port}/metrics").text)
-            cpu0, wall0 = tree_cpu_seconds(server.pid), time.monotonic()
+            cpu0, wall0 = tree_cpu_by_name(server.pid), time.monotonic()
             records = []
             for k in range(args.repeat if clients == 1 else 1):
                 offsets = arrival_offsets(clients, arrivals, args.seconds / args.pace, args.seed + k)
@@ -647,14 +672,18 @@ def main() -> None:
                            "text_ws": {"sentences": args.text_ws, "every": args.sentence_every} if args.text_ws else None}
                 records += all_clients(f"http://127.0.0.1:{port}", offsets, f"run{run}-{clients}-{arrivals}-{k}",
                                        args.client_procs, request)
-            cpu, wall = tree_cpu_seconds(server.pid) - cpu0, time.monotonic() - wall0
+            cpu1, wall = tree_cpu_by_name(server.pid), time.monotonic() - wall0
+            by_name = {name: seconds - cpu0.get(name, 0.0) for name, seconds in cpu1.items()}
+            cpu = sum(by_name.values())
             scrape = httpx.get(f"http://127.0.0.1:{port}/metrics").text
             row = summarize(records, read_stats_dir(stats_dir), args.pace, scrape, geometry,
                             pcm=fmt == "pcm" or bool(args.text_ws), buffer_s=args.player_buffer_ms / 1e3)
             # the server's processes (workers, the engine process): CPU cores while the load ran, per stream
             row.update(clients=clients, requests=len(records), format="text-ws pcm" if args.text_ws else fmt,
                        input_chars=args.input_chars, arrivals=arrivals, pace=args.pace, lookahead=args.lookahead,
-                       seconds=args.seconds, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients)
+                       seconds=args.seconds, server_cpu_cores=cpu / wall, server_cpu_ms_per_stream_s=1e3 * cpu / wall / clients,
+                       server_cpu_ms_per_stream_s_by_process={name: round(1e3 * seconds / wall / clients, 2)
+                                                              for name, seconds in sorted(by_name.items())})
             row.update(server=server_form(args), max_wait_ms=args.max_wait_ms, gpu_memory_gb=args.gpu_memory_gb, mps=bool(mps),
                        server_memory=results["server_memory"])  # this run's, after start-up
             if beside is not None:  # the LM while every client streams (past their first audio)

@@ -29,7 +29,9 @@
 #   ab          the formats' load on an older tree and this one, old / new / old / new, then 256 text
 #               WebSockets old / new (AB_TREE=.ab/REV,
 #               carried beside .whl: mkdir -p .ab/REV && git archive REV snac_fast scripts | tar x -C .ab/REV;
-#               9409443, the tree before the model presets, covers everything since the H100 record of 1907f54)
+#               9409443, the tree before the model presets, covers everything since the H100 record of 1907f54;
+#               AB_NEW=.ab/REV2 puts an archived tree in this one's place: AB_TREE=.ab/9409443 AB_NEW=.ab/1851d0f
+#               is the presets' commit alone)
 #   trim        the formats' load with serve's --memory-trim default and with 0 (none), interleaved
 set -u
 cd "$(dirname "$0")/.."
@@ -106,7 +108,7 @@ for section in "$@"; do
     ab)  # the formats' and the text WebSockets' loads on an older tree (AB_TREE, carried) and this one
       : "${AB_TREE:?set AB_TREE to the folder of an older tree: git archive REV snac_fast scripts | tar x -C .ab/REV}"
       for k in old new old2 new2 textws_old textws_new; do
-        dir=$PWD; case $k in *old*) dir=$(cd "$AB_TREE" && pwd) ;; esac
+        dir=$(cd "${AB_NEW:-.}" && pwd); case $k in *old*) dir=$(cd "$AB_TREE" && pwd) ;; esac
         load="--format mp3,pcm --seconds 15"; case $k in textws*) load="--text-ws 5 --sentence-every 3 --seconds 20" ;; esac
         step "ab_$k" 110 bash -c "cd $dir && PYTHONPATH=/tmp/site:$dir python scripts/bench_serve_http.py --clients 256 \
           $load $C --out $R/r --stem serve_http_ab_$k"

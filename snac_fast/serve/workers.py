@@ -64,7 +64,10 @@ def _worker(app: str, family: socket.AddressFamily, address: tuple, ready, grace
     that cannot serve it yet. ``limits``: settings for :func:`~snac_fast.serve.access.limits.uvicorn_options`."""
     import uvicorn
 
+    from snac_fast.runtime.process_name import WORKER_NAME, name_process
     from snac_fast.serve.access.limits import uvicorn_options
+
+    name_process(WORKER_NAME)
 
     options = uvicorn_options(limits) if limits is not None else {}
     config = uvicorn.Config(app, factory=True, timeout_graceful_shutdown=graceful_s, log_level=log_level, **options)

@@ -23,6 +23,7 @@ from snac_fast import FastSNAC
 from snac_fast.metrics import snr_db
 from snac_fast.model.synthetic import synthetic_model
 from snac_fast.orpheus import CUSTOM_TOKEN_ID, ORPHEUS
+from snac_fast.runtime.process_name import ENGINE_NAME, WORKER_NAME
 from snac_fast.serve import ServeSettings, create_app
 from snac_fast.serve.lm.client import LMClient, LMOutputError
 from snac_fast.serve.lm.presets import PRESETS
@@ -754,8 +755,9 @@ def test_serve_stops_with_status_1_when_its_engine_process_dies(tmp_path):
                 stat = open(f"/proc/{entry}/stat").read()
                 if int(stat.rsplit(")", 1)[1].split()[1]) == server.pid:  # field 4: the parent's pid
                     children.append(int(entry))
-        engines = [c for c in children if b"spawn_main" in open(f"/proc/{c}/cmdline", "rb").read()]
-        assert len(engines) == 1, children
+        names = {c: open(f"/proc/{c}/comm").read().strip() for c in children}
+        engines = [c for c, name in names.items() if name == ENGINE_NAME]  # named for ps and top
+        assert len(engines) == 1, names
         os.kill(engines[0], signal.SIGKILL)
         _, err = server.communicate(timeout=60)
     finally:
@@ -827,6 +829,7 @@ def test_workers_share_a_burst_of_connections_and_the_port_is_theirs(tmp_path):
             barrier.set()
             return await asyncio.gather(*tasks)
         pids = asyncio.run(burst())
+        names = [open(f"/proc/{p}/comm").read().strip() for p in set(pids)]  # named for ps and top
         listening = _listening_sockets(port)
         second = subprocess.run([sys.executable, "-m", "snac_fast.cli", "serve", "--port", str(port), "--device", "cpu",
                                  "--model", checkpoint], capture_output=True, text=True, timeout=120)
@@ -836,6 +839,7 @@ def test_workers_share_a_burst_of_connections_and_the_port_is_theirs(tmp_path):
         if server.poll() is None:
             server.kill()
     counts = sorted(pids.count(p) for p in set(pids))
+    assert names == [WORKER_NAME] * 2
     assert listening == 2  # one listening socket per worker (uvicorn's workers share one)
     assert len(counts) == 2 and counts[0] >= 64 * 0.2, counts  # a hash's spread: 20-80% (binomial tail ~1e-6)
     assert second.returncode == 1 and f"cannot listen on 127.0.0.1:{port}" in second.stderr, second.stderr[-1000:]

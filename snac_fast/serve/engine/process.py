@@ -39,6 +39,7 @@ import numpy as np
 
 from snac_fast.batching.batchers import freeze_startup_objects
 from snac_fast.runtime.host_memory import trim_periodically
+from snac_fast.runtime.process_name import ENGINE_NAME, name_process
 from snac_fast.serve.engine.batcher import EngineBatcher, Front
 from snac_fast.serve.engine.wire import LONG_SIZE, SIZE, audio_message
 from snac_fast.serve.settings import EngineSettings, ServeSettings
@@ -103,6 +104,7 @@ def _serve_engine(address: str, settings: EngineSettings, output: str, model_opt
     # the engine, reader and sender threads take turns at the interpreter: hand it over within 1 ms,
     # not the default 5, so a push waits less for the engine thread (docs/measurements.md)
     sys.setswitchinterval(0.001)
+    name_process(ENGINE_NAME)
     try:
         import torch
 
