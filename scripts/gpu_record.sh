@@ -26,9 +26,9 @@
 #               scripts/device_wheels.sh corpora)
 #   cpu16       CPU streams on the host's 16 cores (WHEELS=.whl-cpu)
 #   serve16     serve --device cpu on the host's 16 cores: workers and threads four ways
-#   ab          the formats' load on an older tree and this one, old / new / old / new, then 256 text
-#               WebSockets old / new (AB_TREE=.ab/REV,
-#               carried beside .whl: mkdir -p .ab/REV && git archive REV snac_fast scripts | tar x -C .ab/REV;
+#   ab          the formats' load on an older package and this one, old / new / old / new, then 256 text
+#               WebSockets old / new, all measured by this tree's bench script (AB_TREE=.ab/REV,
+#               carried beside .whl: bash scripts/ab_tree.sh REV;
 #               9409443, the tree before the model presets, covers everything since the H100 record of 1907f54;
 #               AB_NEW=.ab/REV2 puts an archived tree in this one's place: AB_TREE=.ab/9409443 AB_NEW=.ab/1851d0f
 #               is the presets' commit alone)
@@ -105,13 +105,14 @@ for section in "$@"; do
           $([ "$2" = 0 ] && echo --shared-engine) --clients 32,48,64 --seconds 20 --max-batch 64 --max-streams 128 \
           --client-procs 2 --out "$R/r" --stem serve_cpu_24khz_16core $([ "$1" = 16 ] && [ "$2" = 1 ] || echo --append)
       done ;;
-    ab)  # the formats' and the text WebSockets' loads on an older tree (AB_TREE, carried) and this one
-      : "${AB_TREE:?set AB_TREE to the folder of an older tree: git archive REV snac_fast scripts | tar x -C .ab/REV}"
+    ab)  # the formats' and the text WebSockets' loads on an older package (AB_TREE, carried) and this one,
+      # both measured by this tree's bench script
+      : "${AB_TREE:?set AB_TREE to an older package: bash scripts/ab_tree.sh REV makes .ab/REV}"
       for k in old new old2 new2 textws_old textws_new; do
         dir=$(cd "${AB_NEW:-.}" && pwd); case $k in *old*) dir=$(cd "$AB_TREE" && pwd) ;; esac
         load="--format mp3,pcm --seconds 15"; case $k in textws*) load="--text-ws 5 --sentence-every 3 --seconds 20" ;; esac
-        step "ab_$k" 110 bash -c "cd $dir && PYTHONPATH=/tmp/site:$dir python scripts/bench_serve_http.py --clients 256 \
-          $load $C --out $R/r --stem serve_http_ab_$k"
+        step "ab_$k" 110 env PYTHONPATH="/tmp/site:$dir" python scripts/bench_serve_http.py --clients 256 \
+          $load $C --out "$R/r" --stem "serve_http_ab_$k"
       done ;;
     trim)  # serve's memory trim against none, on one host: mp3 and pcm at 256 streams, on / off / on
       for k in on off on2; do
