@@ -412,6 +412,16 @@ def late_chunks(scrape: str) -> float:
     return sum(float(line.split()[-1]) for line in scrape.splitlines() if line.startswith("snac_fast_late_chunks_total"))
 
 
+def gpu_mib_by_pid(timeout_s: float) -> dict[int, float] | None:
+    """nvidia-smi's GPU memory (MiB) of each process using a GPU, or None without nvidia-smi."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=timeout_s).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return {int(p): float(mib) for p, mib in (line.split(",") for line in out.strip().splitlines() if "," in line)}
+
+
 def server_memory(port: int, pid: int) -> dict:
     """The server's GPU memory: its /health's figures, nvidia-smi's per process, and ``server_mib``,
     the sum of nvidia-smi's MiB over the server's process tree (workers and engine process; not a
@@ -419,12 +429,9 @@ def server_memory(port: int, pid: int) -> dict:
     import httpx
 
     reading = {"health": httpx.get(f"http://127.0.0.1:{port}/health").json().get("gpu_memory")}
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired):
+    listed = gpu_mib_by_pid(timeout_s=30)
+    if listed is None:
         return reading
-    listed = {int(p): float(mib) for p, mib in (line.split(",") for line in out.strip().splitlines() if "," in line)}
     reading["nvidia_smi_mib"] = listed
     tree = process_tree(pid)
     reading["server_mib"] = sum(mib for p, mib in listed.items() if p in tree)

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
-import os
 import random
 import subprocess
 import sys
@@ -33,7 +32,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_common import markdown_table, write_results
-from bench_serve_http import free_port, lm_texts, start, start_fake_lm, tree_cpu_seconds
+from bench_serve_http import free_port, gpu_mib_by_pid, lm_texts, process_tree, start, start_fake_lm, tree_cpu_seconds
 
 from snac_fast.runtime.host_memory import status_bytes
 from snac_fast.serve.lm.fake import FakeLM, read_stats_dir
@@ -174,25 +173,10 @@ def client_process(server: str, indices: list[int], until: float, disconnect: fl
 
 def tree_memory(pid: int) -> tuple[float, float]:
     """(RSS MB of ``pid`` and its descendants, their GPU memory MB per nvidia-smi, NaN without it)."""
-    parents = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            parents[int(entry)] = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
-        except OSError:
-            continue
-    tree, grew = {pid}, True
-    while grew:
-        more = {p for p, parent in parents.items() if parent in tree} - tree
-        tree |= more
-        grew = bool(more)
+    tree = set(process_tree(pid))
     rss = sum(status_bytes("VmRSS", p) or 0 for p in tree) / (1 << 20)
-    gpu = float("nan")
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=10).stdout
-        gpu = sum(float(m) for p, m in (line.split(",") for line in out.strip().splitlines() if line) if int(p) in tree)
-    except (OSError, ValueError, subprocess.TimeoutExpired):
-        pass
+    listed = gpu_mib_by_pid(timeout_s=10)
+    gpu = float("nan") if listed is None else sum(mib for p, mib in listed.items() if p in tree)
     return rss, gpu
 
 
