@@ -3,14 +3,15 @@
 # carry .whl to each call and `source scripts/device_setup.sh` there. The GPU image has torch,
 # triton, torchaudio, huggingface_hub, pyarrow, numpy, aiohttp, httpx, anyio, click, h11,
 # prometheus-client, nvidia-ml-py, hypothesis, pytest-xdist; what it lacks is listed here, with the
-# dependencies each one adds (openai 3.x: httpx2, httpcore2, truststore, jiter, pydantic).
+# dependencies each one adds (openai 3.x: httpx2, httpcore2, truststore, jiter, pydantic), and uvloop, which
+# uvicorn[standard] installs for users (uvicorn, the fake LM and the load clients run on it where present).
 # `bash scripts/device_wheels.sh corpora` fills .whl-corpora instead, for the corpora benchmark
 # (WHEELS=.whl-corpora): datasets 3 (4 and later decode audio through torchcodec and a system FFmpeg)
 # with the pins it needs (dill < 0.3.9, multiprocess < 0.70.17, pandas 2), snac, soundfile, av;
 # `... cpu` fills .whl-cpu, for bench_cpu.py's peers (snac, ONNX Runtime and the ONNX exporter's packages).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WHEELS=(snac==1.2.1 soundfile cffi pycparser starlette uvicorn httptools websockets av
+WHEELS=(snac==1.2.1 soundfile cffi pycparser starlette uvicorn httptools uvloop websockets av
         openai jiter distro pydantic pydantic-core annotated-types typing-inspection typing-extensions
         sniffio httpx2 httpcore2 truststore idna anyio h11 swagger-ui-py)
 PLATFORMS=()

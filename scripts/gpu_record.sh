@@ -46,6 +46,8 @@ pack() { tar czf "$OUT/record.tgz.part" -C "$R" . && mv "$OUT/record.tgz.part" "
 # device copy's own git HEAD has lagged the files it carried
 echo "${TREE:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown) (HEAD of the copy)} $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1) $(date -u +%F)" \
   | tee "$R/r/run.txt"
+# where the event loop comes from: the carried wheel (/tmp/site) or the image
+python -c "import uvloop; print('uvloop', uvloop.__version__, uvloop.__file__)" >> "$R/r/run.txt" 2>&1 || echo "no uvloop" >> "$R/r/run.txt"
 # (a later --workers N overrides C's: argparse keeps an option's last value)
 C="--workers 4 --shared-engine --max-streams 2048 --max-batch 512 --lm-workers 4 --client-procs 4"
 
