@@ -23,7 +23,7 @@ times are ``time.monotonic()``, one clock for all processes of the host.
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
 import asyncio
 import multiprocessing as mp
 import socket
@@ -725,7 +725,11 @@ def main() -> None:
     results["date"] = time.strftime("%Y-%m-%d")
     # uvicorn (server, fake LM) and the clients run on uvloop where it is installed, as uvicorn[standard]
     # installs it for users; GPU runs before 2026-12-07's last ones had none (its wheel was not carried)
-    results["event_loop"] = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
+    try:
+        importlib.import_module("uvloop")
+        results["event_loop"] = "uvloop"
+    except ImportError:
+        results["event_loop"] = "asyncio"
     if args.out:
         stem = args.stem or f"serve_http_24khz_{gpu_tag(results['device'])}"
         earlier = Path(args.out) / f"{stem}.json"

@@ -112,10 +112,14 @@ for section in "$@"; do
     ab)  # the formats' and the text WebSockets' loads on an older package (AB_TREE, carried) and this one,
       # both measured by this tree's bench script
       : "${AB_TREE:?set AB_TREE to an older package: bash scripts/ab_tree.sh REV makes .ab/REV}"
-      for k in old new old2 new2 textws_old textws_new; do
+      # new_asyncio: this tree without uvloop (a module of that name that fails to import comes first on
+      # the path, so uvicorn and the clients fall back to asyncio's loop, as in the runs before it was carried)
+      mkdir -p /tmp/no_uvloop/uvloop && echo "raise ImportError('uvloop hidden for an A/B')" > /tmp/no_uvloop/uvloop/__init__.py
+      for k in old new old2 new2 textws_old textws_new new_asyncio; do
         dir=$(cd "${AB_NEW:-.}" && pwd); case $k in *old*) dir=$(cd "$AB_TREE" && pwd) ;; esac
         load="--format mp3,pcm --seconds 15"; case $k in textws*) load="--text-ws 5 --sentence-every 3 --seconds 20" ;; esac
-        step "ab_$k" 110 env PYTHONPATH="/tmp/site:$dir" python scripts/bench_serve_http.py --clients 256 \
+        path="/tmp/site:$dir"; case $k in *asyncio) path="/tmp/no_uvloop:$path" ;; esac
+        step "ab_$k" 110 env PYTHONPATH="$path" python scripts/bench_serve_http.py --clients 256 \
           $load $C --out "$R/r" --stem "serve_http_ab_$k"
       done ;;
     trim)  # serve's memory trim against none, on one host: mp3 and pcm at 256 streams, on / off / on
