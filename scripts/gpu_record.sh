@@ -32,6 +32,7 @@
 #               9409443, the tree before the model presets, covers everything since the H100 record of 1907f54;
 #               AB_NEW=.ab/REV2 puts an archived tree in this one's place: AB_TREE=.ab/9409443 AB_NEW=.ab/1851d0f
 #               is the presets' commit alone)
+#               AB_KEYS picks runs (default: old new old2 new2 textws_old textws_new new_asyncio)
 #   levers      serve's GPU-memory levers alone and together (the recipe by phase), the Triton-only
 #               transposed convs' step time
 #   trim        the formats' load with serve's --memory-trim default and with 0 (none), interleaved
@@ -115,7 +116,7 @@ for section in "$@"; do
       # new_asyncio: this tree without uvloop (a module of that name that fails to import comes first on
       # the path, so uvicorn and the clients fall back to asyncio's loop, as in the runs before it was carried)
       mkdir -p /tmp/no_uvloop/uvloop && echo "raise ImportError('uvloop hidden for an A/B')" > /tmp/no_uvloop/uvloop/__init__.py
-      for k in old new old2 new2 textws_old textws_new new_asyncio; do
+      for k in ${AB_KEYS:-old new old2 new2 textws_old textws_new new_asyncio}; do
         dir=$(cd "${AB_NEW:-.}" && pwd); case $k in *old*) dir=$(cd "$AB_TREE" && pwd) ;; esac
         load="--format mp3,pcm --seconds 15"; case $k in textws*) load="--text-ws 5 --sentence-every 3 --seconds 20" ;; esac
         path="/tmp/site:$dir"; case $k in *asyncio) path="/tmp/no_uvloop:$path" ;; esac
