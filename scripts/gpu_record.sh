@@ -33,8 +33,7 @@
 #               AB_NEW=.ab/REV2 puts an archived tree in this one's place: AB_TREE=.ab/9409443 AB_NEW=.ab/1851d0f
 #               is the presets' commit alone)
 #               AB_KEYS picks runs (default: old new old2 new2 textws_old textws_new new_asyncio)
-#   levers      serve's GPU-memory levers alone and together (the recipe by phase), the Triton-only
-#               transposed convs' step time
+#   levers      serve's GPU-memory levers alone and together (the recipe by phase)
 #   trim        the formats' load with serve's --memory-trim default and with 0 (none), interleaved
 set -u
 cd "$(dirname "$0")/.."
@@ -129,21 +128,13 @@ for section in "$@"; do
           $([ $k = off ] && echo --memory-trim 0) --out "$R/r" --stem "serve_http_trim_$k"
       done ;;
     levers)  # serve's GPU-memory levers, one process each: the README recipe by phase (profile_memory.py)
-      # with none, each alone and all (with_levers.py); then the stream step's time without and with the
-      # Triton-only transposed convs (no cuDNN), the engine modes of bench_stream.py alone
-      for v in none outside expandable triton all; do
+      # with none, each alone and both (with_levers.py; the lease of bf108f2 ran a third, Triton-only transposed convs, dropped)
+      for v in none outside expandable both; do
         flags=""; alloc="-u PYTORCH_CUDA_ALLOC_CONF"
-        case $v in outside) flags="--buffers-outside-pool" ;; triton) flags="--triton-transposed" ;;
-          expandable) alloc="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" ;;
-          all) flags="--buffers-outside-pool --triton-transposed"; alloc="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" ;; esac
+        case $v in outside|both) flags="--buffers-outside-pool" ;; esac
+        case $v in expandable|both) alloc="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" ;; esac
         step "levers_$v" 150 env $alloc python scripts/with_levers.py $flags \
           scripts/profile_memory.py --out "$R/r" --stem "levers_$v"
-      done
-      SKIP="--skip window_eager_fp32,window_compile_fp16,window_compile_fp16_folded,window_snac_fast,load"
-      for v in none triton none2 triton2; do
-        flags=""; case $v in triton*) flags="--triton-transposed" ;; esac
-        step "levers_time_$v" 100 python scripts/with_levers.py $flags scripts/bench_stream.py --streams 1,64,256 \
-          $SKIP --out "$R/r/levers_time_$v"
       done ;;
     *) echo "unknown section $section (see the head of this script)"; pack; exit 2 ;;
   esac

@@ -1,13 +1,13 @@
-"""Run a script with the GPU-memory levers that are switches, not options, turned on in its process:
+"""Run a script with the GPU-memory lever that is a switch, not an option, turned on in its process:
 
-    python scripts/with_levers.py --buffers-outside-pool --triton-transposed scripts/profile_memory.py --out r
+    python scripts/with_levers.py --buffers-outside-pool scripts/profile_memory.py --out r
 
 --buffers-outside-pool: ``snac_fast.streaming.step_graph.BUFFERS_OUTSIDE_POOL`` (each step graph's
-output and noise taken outside the graphs' pool); --triton-transposed: every transposed conv through
-the Triton phase GEMM (``FusedConvTranspose1d.kernel_max_elements`` unbounded), so that serving
-never loads cuDNN's libraries. The allocator's expandable segments are an environment variable
-(``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and need nothing here. For scripts that do
-their work in this process (profile_memory.py, bench_stream.py), not in children they start.
+output and noise taken outside the graphs' pool). The allocator's expandable segments are an
+environment variable (``PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True``) and need nothing here.
+For scripts that do their work in this process (profile_memory.py, bench_stream.py), not in
+children they start. (A third lever, every transposed conv through Triton so that cuDNN never
+loads, was measured and dropped: docs/history.md.)
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import sys
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--buffers-outside-pool", action="store_true")
-    parser.add_argument("--triton-transposed", action="store_true")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     args = parser.parse_args()
@@ -28,10 +27,6 @@ def main() -> None:
         from snac_fast.streaming import step_graph
 
         step_graph.BUFFERS_OUTSIDE_POOL = True
-    if args.triton_transposed:
-        from snac_fast.model.modules import FusedConvTranspose1d
-
-        FusedConvTranspose1d.kernel_max_elements = 1 << 62
     sys.argv = [args.script, *args.args]
     runpy.run_path(args.script, run_name="__main__")
 
