@@ -181,9 +181,11 @@ def header_timeout_protocol(timeout_s: float, max_header_bytes: int = MAX_HEADER
 
 
 def uvicorn_options(settings: HTTPSettings) -> dict:
-    """The uvicorn options the limits set: the WebSocket message size, the keep-alive timeout, and the
-    header timeout where uvicorn runs httptools (``serve``'s extra installs it)."""
-    options = {"ws_max_size": settings.max_ws_message_bytes, "timeout_keep_alive": settings.keep_alive_s}
+    """The uvicorn options the settings set: the WebSocket message size and compression, the
+    keep-alive timeout, and the header timeout where uvicorn runs httptools (``serve``'s extra
+    installs it)."""
+    options = {"ws_max_size": settings.max_ws_message_bytes, "timeout_keep_alive": settings.keep_alive_s,
+               "ws_per_message_deflate": settings.ws_compression}
     try:
         options["http"] = header_timeout_protocol(settings.header_timeout_s)
     except ImportError:  # h11 only: no header timeout
