@@ -478,8 +478,8 @@ def serve_options(args) -> list[str]:
         options += ["--gpu-memory-gb", f"{args.gpu_memory_gb:g}"]
     if args.memory_trim is not None:
         options += ["--memory-trim", f"{args.memory_trim:g}"]
-    if args.ws_compression:
-        options += ["--ws-compression"]
+    if args.decline_ws_compression:
+        options += ["--decline-ws-compression"]
     return options
 
 
@@ -492,8 +492,8 @@ def server_form(args) -> str:
         words.append("one engine process")
     if args.memory_trim is not None:
         words.append(f"--memory-trim {args.memory_trim:g}")
-    if args.ws_compression:
-        words.append("--ws-compression")
+    if args.decline_ws_compression:
+        words.append("--decline-ws-compression")
     return ", ".join(words)
 
 
@@ -615,8 +615,8 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--gpu-memory-gb", type=float, default=0.0, help="serve --gpu-memory-gb")
     parser.add_argument("--memory-trim", type=float, default=None, help="serve --memory-trim (default: serve's)")
-    parser.add_argument("--ws-compression", action="store_true", help="serve --ws-compression (the text WebSockets' "
-                        "clients offer permessage-deflate, as the websockets library and browsers do)")
+    parser.add_argument("--decline-ws-compression", action="store_true", help="serve --decline-ws-compression (the text "
+                        "WebSockets' clients offer permessage-deflate, as the websockets library and browsers do)")
     parser.add_argument("--colocated-lm", type=float, default=0.0, metavar="SHARE",
                         help="run scripts/colocated_lm.py first, holding this share of the GPU (0.9 as vLLM's default), "
                              "and measure its steps per second in each load and in idle windows between")
