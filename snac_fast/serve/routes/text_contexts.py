@@ -214,6 +214,9 @@ class _Connection:
         self.open[cid] = text
         watcher = asyncio.create_task(self._watch(cid, text))
         self.watchers.add(watcher)
+        # a watcher cancelled before its first step (the connection ending right after this open) runs
+        # no finally: its done callback returns the slot then (a flood's last context held it for good)
+        watcher.add_done_callback(lambda task: self._context_over(text, task))
         return text
 
     async def _send_audio(self, cid: str | None, data: bytes) -> None:
@@ -237,11 +240,17 @@ class _Connection:
         except (WebSocketDisconnect, RuntimeError, OSError):  # gone before its isFinal
             self._end(CLOSED)
         finally:
-            text.cancel()
-            self.server.stream_ended(text.sid, release=True)
-            self.watchers.discard(asyncio.current_task())
-            if self.closing and not self.watchers:
-                self._end(DONE)
+            self._context_over(text, asyncio.current_task())
+
+    def _context_over(self, text: SpokenText, watcher: asyncio.Task) -> None:
+        """A context's end, once: its speaker stopped, its slot back, its watcher gone."""
+        if watcher not in self.watchers:
+            return
+        self.watchers.discard(watcher)
+        text.cancel()
+        self.server.stream_ended(text.sid, release=True)
+        if self.closing and not self.watchers:
+            self._end(DONE)
 
     async def _expire(self) -> None:
         """Contexts silent for ``inactivity_timeout`` closed; a connection with none and silent as long, ended."""
