@@ -234,3 +234,86 @@ def test_livekit_speaks_through_the_server(codec):
     # LiveKit sends what its tokenizer gathered as one piece, flushed at the end of input: one LM request
     assert prompts_of(lm) == [text] and pcm.shape == want.shape and np.abs(pcm - want).max() <= 1
     assert state.backend.open_streams == 0
+
+
+class _Speaker:
+    """SpokenText's part a context's watcher sees: a task that ends when told."""
+
+    def __init__(self, server, sid, *_):
+        self.sid, self.interrupted = sid, False
+        self.task = asyncio.get_running_loop().create_future()
+
+    def cancel(self):
+        self.task.cancel()
+
+
+class _Server:
+    """The server's stream slots: which were opened and which given back, in order."""
+
+    def __init__(self):
+        self.opened, self.ended = [], []
+        self.backend = type("Backend", (), {"rate": 24000})()
+
+    async def open_stream(self, seed, client):
+        self.opened.append(len(self.opened))
+        return self.opened[-1]
+
+    def stream_ended(self, sid, release=False):
+        self.ended.append((sid, release))
+
+
+def _connection(monkeypatch):
+    from types import SimpleNamespace
+
+    from snac_fast.serve.routes import text_contexts
+
+    monkeypatch.setattr(text_contexts, "SpokenText", _Speaker)
+    monkeypatch.setattr(text_contexts, "StreamEncoder", lambda *args, **kwargs: None)
+    server = _Server()
+    ws = SimpleNamespace(app=SimpleNamespace(state=SimpleNamespace(server=server)),
+                         path_params={"voice_id": "tara"}, scope={"client": ("127.0.0.1", 1)})
+    return text_contexts._Connection(ws, SimpleNamespace(rate=24000), 20.0), server
+
+
+@pytest.mark.parametrize("when", ["before_its_first_step", "while_it_waits"])
+def test_a_contexts_slot_comes_back_once_when_its_watcher_is_cancelled(monkeypatch, when):
+    """The connection ending right after a context opened cancels that context's watcher, perhaps
+    before it first ran (then no ``finally`` of its runs: a flood's last context kept its slot for
+    good), perhaps while it waits for the speech: either way the slot comes back, once."""
+    async def run():
+        connection, server = _connection(monkeypatch)
+        await connection._open("a", 1.0)
+        (watcher,) = connection.watchers
+        if when == "while_it_waits":
+            await asyncio.sleep(0)  # its first step: waiting on the speaker
+        watcher.cancel()
+        await asyncio.gather(watcher, return_exceptions=True)
+        await asyncio.sleep(0)  # done callbacks run on the loop's next turn
+        return connection, server
+
+    connection, server = asyncio.run(run())
+    assert server.ended == [(0, True)]
+    assert not connection.watchers
+
+
+def test_a_context_that_ends_gives_its_slot_back_once(monkeypatch):
+    """A context whose speech ended: its isFinal sent, its slot back once (its watcher's ``finally``
+    and its done callback both see the end)."""
+    async def run():
+        connection, server = _connection(monkeypatch)
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        connection._send = send
+        text = await connection._open("a", 1.0)
+        (watcher,) = connection.watchers
+        text.task.set_result(None)
+        await watcher
+        await asyncio.sleep(0)
+        return server, sent
+
+    server, sent = asyncio.run(run())
+    assert sent == [{"isFinal": True, "contextId": "a"}]
+    assert server.ended == [(0, True)]
