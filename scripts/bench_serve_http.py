@@ -334,8 +334,10 @@ def first_audio_parts(record: dict, stats: dict, geometry: dict) -> dict[str, fl
     part as the server saw it, less lm_own: connecting, transit, parsing, waits on the event loop),
     ``engine``, ``encode``, and ``http`` (total less the server's own span: accept, parsing, sending);
     ``lm_client`` split by the server's clock marks into ``lm_request`` (the server's LM request sent
-    to the LM's handler starting: mostly the LM's) and ``lm_response`` (the LM's chunk sent to the
-    server's having read it: mostly the server's event loop)."""
+    to the LM's handler starting) and ``lm_response`` (the LM's chunk sent to the server's having read
+    it: mostly the server's event loop); ``lm_request`` split in turn into ``lm_send`` (the server's
+    part: its request's task started, a pooled connection taken or a new one made, the headers
+    written) and ``lm_accept`` (the LM's: its event loop reading the request to its handler)."""
     if not record["chunks"] or stats.get("received") is None:
         return None
     needed = geometry["first_frames"] * geometry["per_frame"]
@@ -353,6 +355,8 @@ def first_audio_parts(record: dict, stats: dict, geometry: dict) -> dict[str, fl
     if "lm_asked_at" in timing and "frames_ready_at" in timing:  # the server's clock is the host's monotonic one
         parts.update(lm_request=stats["received"] * 1e3 - timing["lm_asked_at"],
                      lm_response=timing["frames_ready_at"] - ready * 1e3)
+    if "lm_sent_at" in timing:
+        parts.update(lm_send=timing["lm_send"], lm_accept=stats["received"] * 1e3 - timing["lm_sent_at"])
     return parts
 
 
@@ -368,8 +372,8 @@ def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geo
     known = [r for r in ok if all(t in lm_stats for t in texts[r["text"]])]
     parts = [p for r in known for p in [first_audio_parts(r, lm_stats[texts[r["text"]][0]], geometry)] if p is not None]
     first = {}
-    for name in ("total", "lm_own", "added", "setup", "lm_client", "lm_request", "lm_response", "engine", "encode",
-                 "http"):
+    for name in ("total", "lm_own", "added", "setup", "lm_client", "lm_request", "lm_send", "lm_accept", "lm_response",
+                 "engine", "encode", "http"):
         values = [p[name] for p in parts if name in p and np.isfinite(p[name])]
         first.update({f"first_{name}_p50_ms": pct(values, 50), f"first_{name}_p99_ms": pct(values, 99),
                       f"first_{name}_max_ms": max(values, default=float("nan"))})
@@ -478,8 +482,8 @@ def serve_options(args) -> list[str]:
         options += ["--gpu-memory-gb", f"{args.gpu_memory_gb:g}"]
     if args.memory_trim is not None:
         options += ["--memory-trim", f"{args.memory_trim:g}"]
-    if args.decline_ws_compression:
-        options += ["--decline-ws-compression"]
+    if args.ws_compression:
+        options += ["--ws-compression"]
     return options
 
 
@@ -492,8 +496,8 @@ def server_form(args) -> str:
         words.append("one engine process")
     if args.memory_trim is not None:
         words.append(f"--memory-trim {args.memory_trim:g}")
-    if args.decline_ws_compression:
-        words.append("--decline-ws-compression")
+    if args.ws_compression:
+        words.append("--ws-compression")
     return ", ".join(words)
 
 
@@ -511,7 +515,8 @@ def markdown(results: dict) -> str:
               _ms(r, "total", "p50", "p99"), _ms(r, "lm_own", "p50", "p99"), f"**{_ms(r, 'added', 'p50', 'p99')}** / "
               f"{r['first_added_max_ms']:.1f}", " / ".join(f"{r[f'first_{n}_p99_ms']:.1f}" for n in
                                                           ("setup", "lm_client", "engine", "encode", "http")),
-              " / ".join(f"{r.get(f'first_{n}_p99_ms', float('nan')):.1f}" for n in ("lm_request", "lm_response"))]
+              "{:.1f} ({:.1f} / {:.1f}) / {:.1f}".format(*(r.get(f"first_{n}_p99_ms", float("nan")) for n in
+                                                           ("lm_request", "lm_send", "lm_accept", "lm_response")))]
              for form, r in zip(forms, rows)]
     pace = [[*form, r["format"], f"{r['pace']:g}x", r["arrivals"], r["clients"],
              f"{r.get('audio_s_per_client', float('nan')):.0f} / {r.get('lm_requests_per_client', float('nan')):.1f}",
@@ -533,13 +538,14 @@ def markdown(results: dict) -> str:
            "less the LM's own: what the server and HTTP add. Parts (the server's `Server-Timing` header): set-up "
            "(arrival to the LM request), LM client (the LM's span as the server saw it, less the LM's own), engine, "
            "encoder, HTTP (total less the server's span). The LM client's part split by the server's clock marks: "
-           "request (the server's LM request sent to the LM's handler starting: the LM's accept and parsing, mostly) "
-           "and response (the LM's chunk sent to the server's having read it: the server's event loop, mostly). Arrivals: `poisson` at clients / seconds-of-audio a second, "
+           "request (the server's LM request sent to the LM's handler starting), split into send (the server's part: "
+           "the request's task started, a pooled connection taken or one made, its headers written) and accept (the "
+           "LM's event loop reading it to its handler); and response (the LM's chunk sent to the server's having read it: the server's event loop, mostly). Arrivals: `poisson` at clients / seconds-of-audio a second, "
            "`burst` all at once, `stagger` over one frame; 1 client: requests one after another.\n\n"
            + markdown_table([*server, "format", "LM pace", "lookahead", "arrivals", "clients", "200 / timed", "total p50 / p99 ms",
                              "LM own p50 / p99 ms", "added p50 / p99 / max ms",
                              "p99 ms: set-up / LM client / engine / encoder / HTTP",
-                             "LM client p99 ms: request / response"], first))
+                             "LM client p99 ms: request (send / accept) / response"], first))
     if pace:
         out += ("\n## Keeping pace\n\n"
                 "Chunk gaps between successive audio chunks at the client beside the LM's between its chunks; end past "
@@ -615,8 +621,8 @@ def main() -> None:
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--gpu-memory-gb", type=float, default=0.0, help="serve --gpu-memory-gb")
     parser.add_argument("--memory-trim", type=float, default=None, help="serve --memory-trim (default: serve's)")
-    parser.add_argument("--decline-ws-compression", action="store_true", help="serve --decline-ws-compression (the text "
-                        "WebSockets' clients offer permessage-deflate, as the websockets library and browsers do)")
+    parser.add_argument("--ws-compression", action="store_true", help="serve --ws-compression: accept the text "
+                        "WebSockets' clients' offer of permessage-deflate (the websockets library and browsers offer it)")
     parser.add_argument("--colocated-lm", type=float, default=0.0, metavar="SHARE",
                         help="run scripts/colocated_lm.py first, holding this share of the GPU (0.9 as vLLM's default), "
                              "and measure its steps per second in each load and in idle windows between")

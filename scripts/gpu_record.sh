@@ -34,8 +34,8 @@
 #               is the presets' commit alone)
 #               AB_KEYS picks runs (default: old new old2 new2 textws_old textws_new new_asyncio)
 #   levers      serve's GPU-memory levers alone and together (the recipe by phase)
-#   compress    256 text WebSockets with the clients' per-message deflate accepted and declined
-#               (--decline-ws-compression), interleaved accept / decline / accept / decline
+#   compress    256 text WebSockets with the clients' per-message deflate accepted (--ws-compression) and
+#               declined (the default), interleaved accept / decline / accept / decline
 #   trim        the formats' load with serve's --memory-trim default and with 0 (none), interleaved
 set -u
 cd "$(dirname "$0")/.."
@@ -141,7 +141,7 @@ for section in "$@"; do
     compress)  # what declining the WebSockets' compression does to the text WebSockets' load, on one host
       for k in accept decline accept2 decline2; do
         step "compress_$k" 110 python scripts/bench_serve_http.py --clients 256 --text-ws 5 --sentence-every 3 \
-          --seconds 20 $C $(case $k in decline*) echo --decline-ws-compression ;; esac) --out "$R/r" --stem "serve_http_compress_$k"
+          --seconds 20 $C $(case $k in accept*) echo --ws-compression ;; esac) --out "$R/r" --stem "serve_http_compress_$k"
       done ;;
     *) echo "unknown section $section (see the head of this script)"; pack; exit 2 ;;
   esac

@@ -214,9 +214,9 @@ class HTTPSettings:
                                  "its connection (uvicorn's own 5 s raced httpx's)", flag="--keep-alive-timeout")
     max_input_chars: int = option(20000, "longest speech 'input' in characters (~20 minutes of speech; OpenAI's own "
                                   "limit is 4,096)")
-    decline_ws_compression: bool = option(False, "decline a WebSocket client's offer of per-message compression "
-                                          "(permessage-deflate): base64 audio a quarter larger, ~1 ms of a worker's "
-                                          "CPU saved per 9 KB message (docs/http_server.md, \"Voice agents\")")
+    ws_compression: bool = option(False, "accept a WebSocket client's offer of per-message compression "
+                                  "(permessage-deflate; declined by default): base64 audio a quarter smaller for "
+                                  "~1 ms of a worker's CPU per 9 KB message (docs/http_server.md, \"Voice agents\")")
 
     def check(self) -> "HTTPSettings":
         """Raise ValueError naming the first bad value; returns the settings."""

@@ -111,9 +111,12 @@ def test_speech_wav_int16_sse_and_early_stop(codec):
     assert wav[36:40] == b"data"  # the plain 44-byte header that clients which skip 44 bytes expect
     # the way to the first audio, step by step, in Server-Timing (ms): each step >= 0, within the total
     timing = {k: float(v) for k, v in (part.strip().split(";dur=") for part in h1["server-timing"].split(","))}
-    marks = {name: timing.pop(name) for name in ("lm_asked_at", "frames_ready_at")}
-    assert set(timing) == {"setup", "lm_first", "lm", "engine", "encode", "total"}, timing
+    marks = {name: timing.pop(name) for name in ("lm_asked_at", "lm_sent_at", "frames_ready_at")}
+    assert set(timing) == {"setup", "lm_connect", "lm_send", "lm_first", "lm", "engine", "encode", "total"}, timing
     assert min(timing.values()) >= 0 and timing["lm_first"] <= timing["lm"]
+    # the LM request's connection taken or made, then its headers written, before its first ids came
+    assert timing["lm_connect"] <= timing["lm_send"] <= timing["lm_first"]
+    assert abs(marks["lm_sent_at"] - marks["lm_asked_at"] - timing["lm_send"]) <= 0.02
     assert timing["setup"] + timing["lm"] + timing["engine"] + timing["encode"] <= timing["total"] + 0.05
     # the clock marks: the host's monotonic clock (ms), the LM's span between them, before now
     assert abs(marks["frames_ready_at"] - marks["lm_asked_at"] - timing["lm"]) <= 0.02

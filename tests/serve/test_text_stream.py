@@ -140,14 +140,14 @@ def test_the_elevenlabs_sdk_speaks_through_the_server(codec, tmp_path, monkeypat
     assert pcm.shape == want.shape and np.abs(pcm - want).max() <= 1
 
 
-@pytest.mark.parametrize("decline", [False, True], ids=["compression accepted (default)", "--decline-ws-compression"])
-def test_a_clients_offer_of_compression_is_declined_when_the_server_is_told(codec, decline):
+@pytest.mark.parametrize("accept", [False, True], ids=["compression declined (default)", "--ws-compression"])
+def test_a_clients_offer_of_compression_is_declined_unless_the_server_is_told(codec, accept):
     """permessage-deflate costs a worker ~1 ms of CPU per 9 KB audio message for a quarter of its
-    bytes: serve declines the offer that the websockets library and browsers make when told."""
+    bytes: serve declines the offer that the websockets library and browsers make, unless told."""
     from websockets.asyncio.client import connect
 
     lm_codes = random_codes(codec.config, 4, seed=60)
-    with serving(codec, decline_ws_compression=decline) as (server, lm, state):
+    with serving(codec, ws_compression=accept) as (server, lm, state):
         lm.script("Hello there.", lm_codes)
 
         async def talk():
@@ -162,7 +162,7 @@ def test_a_clients_offer_of_compression_is_declined_when_the_server_is_told(code
                         audio.append(message["audio"])
             return agreed, audio
         agreed, audio = asyncio.run(talk())
-    assert (agreed is not None and "permessage-deflate" in agreed) == (not decline)
+    assert (agreed is not None and "permessage-deflate" in agreed) == accept
     pcm = np.frombuffer(b"".join(base64.b64decode(a) for a in audio), "<i2").astype(np.float64)
     want = joined_pcm(codec, [lm_codes])
     assert pcm.shape == want.shape and np.abs(pcm - want).max() <= 1

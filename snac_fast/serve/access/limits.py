@@ -185,7 +185,7 @@ def uvicorn_options(settings: HTTPSettings) -> dict:
     keep-alive timeout, and the header timeout where uvicorn runs httptools (``serve``'s extra
     installs it)."""
     options = {"ws_max_size": settings.max_ws_message_bytes, "timeout_keep_alive": settings.keep_alive_s,
-               "ws_per_message_deflate": not settings.decline_ws_compression}
+               "ws_per_message_deflate": settings.ws_compression}
     try:
         options["http"] = header_timeout_protocol(settings.header_timeout_s)
     except ImportError:  # h11 only: no header timeout

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import codecs
+import contextvars
+import functools
 import json
 import re
 import time
@@ -19,6 +21,18 @@ from snac_fast.serve.settings import LMSettings
 CUSTOM_TOKEN = re.compile(r"<custom_token_(\d+)>")
 KEEPALIVE_S = 4.0  # how long an idle LM connection stays pooled (LMClient._client)
 MAX_TOKEN_DIGITS = 9  # a <custom_token_N>'s N (Orpheus's reach 28,682): more digits is junk, not a number to parse
+# where a speech's first LM request got to (``time.perf_counter()``): "connected" (a pooled connection
+# taken or a new one made) and "sent" (its headers written), each the first of the speech's requests.
+# A context variable, so that the request's task (a child of the speech's, sharing the dict) marks
+# it without the LM's interface carrying it: it splits the request's way to the LM into the server's
+# part and the LM's accept (FirstAudioTimes)
+REQUEST_MARKS: contextvars.ContextVar[dict[str, float] | None] = contextvars.ContextVar("lm_request_marks", default=None)
+
+
+async def _mark(name: str, session, context, params) -> None:
+    marks = REQUEST_MARKS.get()
+    if marks is not None and name not in marks:
+        marks[name] = time.perf_counter()
 
 
 def redacted_url(url: str) -> str:
@@ -93,8 +107,13 @@ class LMClient:
             connector = aiohttp.TCPConnector(limit=self.max_connections + 8, keepalive_timeout=KEEPALIVE_S)
             timeout = aiohttp.ClientTimeout(total=None, connect=self.config.lm_timeout_s,
                                             sock_read=self.config.lm_timeout_s)
+            trace = aiohttp.TraceConfig()
+            trace.on_connection_reuseconn.append(functools.partial(_mark, "connected"))
+            trace.on_connection_create_end.append(functools.partial(_mark, "connected"))
+            trace.on_request_headers_sent.append(functools.partial(_mark, "sent"))
             # trust_env: HTTP(S)_PROXY and NO_PROXY apply, as for any HTTP client a user configures
-            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True)
+            self._session = aiohttp.ClientSession(connector=connector, timeout=timeout, trust_env=True,
+                                                  trace_configs=[trace])
         return self._session
 
     async def ids(self, text: str, voice: str, model: str | None) -> AsyncIterator[list[int]]:

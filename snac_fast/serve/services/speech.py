@@ -10,11 +10,11 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterable, AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from snac_fast.serve.lm.client import LMOutputError
+from snac_fast.serve.lm.client import REQUEST_MARKS, LMOutputError
 from snac_fast.serve.lm.segments import split_text
 
 # the most frames one push holds, so that a stream behind its LM catches up a few frames an engine
@@ -31,6 +31,7 @@ class FirstAudioTimes:
 
     received: float  # the route began (the body read)
     lm_asked: float | None = None  # the LM request went out
+    lm_marks: dict[str, float] = field(default_factory=dict)  # the LM client's: connected, sent (REQUEST_MARKS)
     lm_first_ids: float | None = None  # the LM's first audio ids arrived
     frames_ready: float | None = None  # the LM chunk completing the first decodable frames arrived
     audio: float | None = None  # the engine returned the first audio
@@ -39,13 +40,18 @@ class FirstAudioTimes:
     def header(self) -> str:
         """``Server-Timing``: ``setup`` (to the LM request), ``lm_first`` (to the LM's first ids),
         ``lm`` (to the chunk completing the first decodable frames), ``engine``, ``encode``, ``total``;
-        and two clock marks, ``lm_asked_at`` and ``frames_ready_at`` (ms on the host's monotonic
-        clock, which ``time.perf_counter`` reads on Linux), with which a harness on the same host
-        splits ``lm`` into the request's way to the LM and the answer's way back."""
-        marks = [("setup", self.received, self.lm_asked), ("lm_first", self.lm_asked, self.lm_first_ids),
+        ``lm_connect`` and ``lm_send`` (to the LM request's connection taken or made, to its headers
+        written); and three clock marks, ``lm_asked_at``, ``lm_sent_at`` and ``frames_ready_at`` (ms on
+        the host's monotonic clock, which ``time.perf_counter`` reads on Linux), with which a harness on
+        the same host splits ``lm`` into the request's way to the LM (the server's part to
+        ``lm_sent_at``, then the LM's accept) and the answer's way back."""
+        connected, sent = self.lm_marks.get("connected"), self.lm_marks.get("sent")
+        marks = [("setup", self.received, self.lm_asked), ("lm_connect", self.lm_asked, connected),
+                 ("lm_send", self.lm_asked, sent), ("lm_first", self.lm_asked, self.lm_first_ids),
                  ("lm", self.lm_asked, self.frames_ready), ("engine", self.frames_ready, self.audio),
                  ("encode", self.audio, self.encoded), ("total", self.received, self.encoded),
-                 ("lm_asked_at", 0.0, self.lm_asked), ("frames_ready_at", 0.0, self.frames_ready)]
+                 ("lm_asked_at", 0.0, self.lm_asked), ("lm_sent_at", 0.0, sent),
+                 ("frames_ready_at", 0.0, self.frames_ready)]
         return ", ".join(f"{name};dur={(end - start) * 1e3:.2f}" for name, start, end in marks
                          if start is not None and end is not None)
 
@@ -167,6 +173,7 @@ async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice:
         held: list[int] = []  # ids of a frame not yet whole: only whole frames are pushed
         segment = 0
         times.lm_asked = time.perf_counter()
+        REQUEST_MARKS.set(times.lm_marks)  # the LM requests' tasks, made below, mark it
         async for k, ids in segment_ids(server.lm, texts, voice, model):
             if times.lm_first_ids is None:
                 times.lm_first_ids = time.perf_counter()
