@@ -18,6 +18,7 @@ reference path, which runs where no rule applies, is not a kernel and is not rec
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import inspect
 import json
@@ -76,6 +77,12 @@ def _is_constexpr(annotation) -> bool:
     return annotation is not inspect.Parameter.empty and "constexpr" in str(annotation)
 
 
+@functools.cache
+def _parameters(fn: Callable) -> tuple[tuple[str, inspect.Parameter], ...]:
+    """A kernel's parameters (inspect.signature took a third of a recording's time, once a launch)."""
+    return tuple(inspect.signature(fn).parameters.items())
+
+
 def _launch_of(kernel, args: tuple, kwargs: dict) -> Launch:
     """The Launch of ``kernel[grid](*args, **kwargs)`` (an interpreted kernel)."""
     from triton.backends.compiler import BaseBackend
@@ -84,11 +91,12 @@ def _launch_of(kernel, args: tuple, kwargs: dict) -> Launch:
     fn = kernel.fn
     fixed = set(kernel.kwargs.get("do_not_specialize") or ())  # as @triton.jit(do_not_specialize=...) asks
     unaligned = fixed | set(kernel.kwargs.get("do_not_specialize_on_alignment") or ())
-    params = inspect.signature(fn).parameters
-    values = dict(zip(params, args))
-    values.update({k: v for k, v in kwargs.items() if k in params})
+    params = _parameters(fn)
+    names = [name for name, _ in params]
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kwargs.items() if k in names})
     signature, constexprs, aligned = [], [], []
-    for name, param in params.items():
+    for name, param in params:
         value = values.get(name, param.default)
         if _is_constexpr(param.annotation) or value is None:
             kind, key = "constexpr", value
@@ -123,9 +131,10 @@ def record_launches(run: Callable[[], object], limits: GpuLimits) -> list[Launch
 
     import torch.nn.functional as F
 
-    # cuDNN's convolutions (long transposed convs run there on GPUs too) are not kernels of ours:
-    # only their output's shape is needed, and fp16 on the CPU would take minutes
-    heavy = {name: getattr(F, name) for name in ("conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d")}
+    # cuDNN's convolutions (long transposed convs run there on GPUs too) and cuBLAS's matmuls are not
+    # kernels of ours: only their output's shape is needed, and fp16 on the CPU would take minutes
+    # (the 256-stream step's linears alone 8 of its 14 s)
+    heavy = {name: getattr(F, name) for name in ("conv1d", "conv2d", "conv_transpose1d", "conv_transpose2d", "linear")}
     InterpretedFunction.run = record
     for name, fn in heavy.items():
         setattr(F, name, _shape_only(fn))
