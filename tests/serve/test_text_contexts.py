@@ -297,8 +297,7 @@ def test_a_contexts_slot_comes_back_once_when_its_watcher_is_cancelled(monkeypat
 
 
 def test_a_context_that_ends_gives_its_slot_back_once(monkeypatch):
-    """A context whose speech ended: its isFinal sent, its slot back once (its watcher's ``finally``
-    and its done callback both see the end)."""
+    """A context whose speech ended: its isFinal sent, then its slot back once."""
     async def run():
         connection, server = _connection(monkeypatch)
         sent = []

@@ -214,8 +214,9 @@ class _Connection:
         self.open[cid] = text
         watcher = asyncio.create_task(self._watch(cid, text))
         self.watchers.add(watcher)
-        # a watcher cancelled before its first step (the connection ending right after this open) runs
-        # no finally: its done callback returns the slot then (a flood's last context held it for good)
+        # the context's end goes in the watcher's done callback, not a finally of its own: a watcher
+        # cancelled before its first step (the connection ending right after this open) runs no
+        # finally, and a flood's last context held its slot for good
         watcher.add_done_callback(lambda task: self._context_over(text, task))
         return text
 
@@ -239,13 +240,10 @@ class _Connection:
                 await self._send({"isFinal": True, "contextId": cid})
         except (WebSocketDisconnect, RuntimeError, OSError):  # gone before its isFinal
             self._end(CLOSED)
-        finally:
-            self._context_over(text, asyncio.current_task())
 
     def _context_over(self, text: SpokenText, watcher: asyncio.Task) -> None:
-        """A context's end, once: its speaker stopped, its slot back, its watcher gone."""
-        if watcher not in self.watchers:
-            return
+        """A context's end (its watcher's done callback, so once): its speaker stopped, its slot
+        back, its watcher gone."""
         self.watchers.discard(watcher)
         text.cancel()
         self.server.stream_ended(text.sid, release=True)
