@@ -18,6 +18,7 @@
 #   coloc       an LM stand-in holding 90% of the card beside serve: default, then MPS
 #   formats     256 mp3 and pcm streams, 4 workers; then mp3 with 8
 #   first       time to first audio: 1 / 64 / 256 clients, Poisson and burst, by part
+#   first256    time to first audio at 256 Poisson clients alone, three rounds (the LM request's parts)
 #   text        256 text WebSockets; long text at the LM's 3x
 #   soak_start  a 10-minute soak at 256 streams (10% disconnects, LM faults) in a process of its own
 #               session that outlives the call: run other sections, then soak_collect within 30 minutes
@@ -84,6 +85,10 @@ for section in "$@"; do
            # 8 workers: at 256 streams a worker's loop, 64 streams' chunks and LM events, holds the HTTP part
            step first_w8 150 python scripts/bench_serve_http.py --clients 256 --arrivals poisson,burst --seconds 3 --pace 1 \
              --format pcm $C --workers 8 --out "$R/r" --stem serve_http_first_audio_24khz --append ;;
+    first256)  # time to first audio at 256 Poisson clients, pcm, three rounds: the LM request's way split
+      # into send and accept (Server-Timing's lm_send / lm_sent_at)
+      step first256 300 python scripts/bench_serve_http.py --clients 256 --arrivals poisson --seconds 3 --pace 1 \
+        --repeat 3 --format pcm $C --out "$R/r" --stem serve_http_first_audio_256 ;;
     text)
       step textws 200 python scripts/bench_serve_http.py --clients 256 --text-ws 5 --sentence-every 3 --seconds 20 $C \
         --out "$R/r" --stem serve_http_long_text_24khz
