@@ -89,12 +89,16 @@ class StreamEngine:
 
     ``max_call_frames``: the most stream-frames (streams x frames) one call through the model
     decodes, a bound on a CPU call's live memory (:func:`.schedule.checked_call_frames`; None: the device's default).
+
+    ``rows_per_pass``: a step of more streams runs the stages on slices of at most this many in turn,
+    inside its one graph (None: all at once): the step's intermediates, and so the step graphs'
+    memory pool, are a slice's, for a little more GPU time; the audio is the same.
     """
 
     def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, lookahead: int | str | None = None, cuda_graphs: bool = False,
                  max_frames_per_step: int = 8, max_graphs: int = 64, layered: bool | None = None, compile: bool = False,
-                 max_call_frames: int | None = None, lock=None) -> None:
+                 max_call_frames: int | None = None, rows_per_pass: int | None = None, lock=None) -> None:
         if max_streams < 1:
             raise ValueError("max_streams must be at least 1")
         self.model, self.config = model, config
@@ -144,6 +148,7 @@ class StreamEngine:
         self.steps = StepRunner(self.forward, self.state, self.slots, self.checks, self.timing,
                                 max_frames_per_step=min(max_frames_per_step, self.max_call_frames or max_frames_per_step),
                                 cuda_graphs=cuda_graphs, max_graphs=max_graphs, lock=self._lock)
+        self.rows_per_pass = rows_per_pass
         self.schedule = Schedule(model, self.timing, self.slots, self.pending, self.steps, self.checks, self.max_call_frames)
         self.emission = None if self.approximate_lookahead is None else ApproximateEmission(
             self.timing, max_streams + 1, self.state, lambda slots: self.schedule.run(TAIL, slots, 0),
@@ -163,6 +168,20 @@ class StreamEngine:
     def cuda_graphs(self) -> bool:
         """Whether steps replay captured CUDA graphs."""
         return self.steps.cuda_graphs
+
+    @property
+    def rows_per_pass(self) -> int | None:
+        """The most streams a step's stages run at once (None: all of the step's)."""
+        return self.forward.rows_per_pass
+
+    @rows_per_pass.setter
+    def rows_per_pass(self, rows: int | None) -> None:
+        if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+            raise ValueError(f"rows_per_pass must be None or an int >= 1, got {rows!r}")
+        with self._lock:
+            if rows != self.forward.rows_per_pass:
+                self.steps.drop_graphs()  # captured with the old slices
+                self.forward.rows_per_pass = rows
 
     @property
     def max_frames_per_step(self) -> int:

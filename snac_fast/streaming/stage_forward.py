@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
 from torch import Tensor
 
 from snac_fast.model.noise import patched_noise
@@ -26,16 +27,27 @@ class StageForward:
     it runs one batched step on device tensors; it keeps, per row count, the kernel launches the
     one-group step recorded (which the other steps of that many rows reuse)."""
 
-    def __init__(self, model, geometry, state: list[Tensor], layered=None, tail_keep: list[int] | None = None) -> None:
+    def __init__(self, model, geometry, state: list[Tensor], layered=None, tail_keep: list[int] | None = None,
+                 rows_per_pass: int | None = None) -> None:
         self.model, self.geometry, self.state, self.layered, self.tail_keep = model, geometry, state, layered, tail_keep
         self.launches: dict[int, dict] = {}
+        # a step of more rows runs its stages on slices of at most this many rows in turn (None: all
+        # at once): its intermediates, and so the step graphs' pool, are a slice's; each row's audio
+        # and state are the same, its rows being independent
+        self.rows_per_pass = rows_per_pass
 
     def __call__(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
                  noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:
         """The step itself, on device tensors only (what a CUDA graph captures). keys: int64
         [4, B] (state slot, frames consumed, seed, row); codes: per level [B, L_i] (not for flush).
-        noise_for: where NoiseBlocks get their noise (default: :meth:`draw_noise`)."""
+        noise_for: where NoiseBlocks get their noise (default: :meth:`draw_noise`). Returns the
+        rows' new audio, [B, 1, samples] in the state's dtype."""
         rows = keys.shape[1]
+        slice_rows = self.rows_per_pass
+        if slice_rows is not None and rows > slice_rows and self.layered is None:
+            return torch.cat([self(kind, keys[:, rows_of], [c[rows_of] for c in codes], frames,
+                                   _rows_of_noise(noise_for, rows_of))
+                              for rows_of in (slice(i, i + slice_rows) for i in range(0, rows, slice_rows))])
         recording = kind == STEP and frames == self.geometry.group
         with tiles_as_for_fewer_rows(rows if rows <= ONE_ROW_TILES_UP_TO else 1), \
                 launches_as_recorded(self.launches.setdefault(rows, {}), recording):
@@ -89,3 +101,11 @@ class StageForward:
         ``call.dtype``, written into ``out`` where given."""
         return keyed_normal(keys[2], keys[3], keys[1], call.per_frame, call.start, call.length, call.index,
                             dtype=call.dtype, out=out)
+
+
+def _rows_of_noise(noise_for: Callable[[NoiseCall], Tensor] | None, rows: slice) -> Callable[[NoiseCall], Tensor] | None:
+    """A slice of a step's rows' noise source: ``noise_for`` gives all the step's rows (a graph's
+    noise buffers); None stays None (the slice's own keys then draw its noise)."""
+    if noise_for is None:
+        return None
+    return lambda call: noise_for(call)[rows]

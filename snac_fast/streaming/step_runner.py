@@ -59,6 +59,12 @@ class StepRunner:
         self._pool_reserved = False
         self._graph_streams: tuple | None = None  # (capture, side), made at the first capture
 
+    def drop_graphs(self) -> None:
+        """Forget every captured graph and the warmed shapes (the step they captured has changed);
+        the pool stays reserved."""
+        self.graphs.clear()
+        self.warmed = None
+
     # -- one batched step ----------------------------------------------------------------------
 
     def bucket(self, n: int) -> int:

@@ -5,7 +5,7 @@ arguments as torch does (tests/fake_cuda.py): an unindexed CUDA device, what use
 import pytest
 import torch
 from fake_cuda import FakeCuda, indexed, optional_index
-from helpers import engine64, frames_of, random_codes
+from helpers import NARROW, engine64, frames_of, random_codes
 from torch.cuda._utils import _get_device_index
 
 from snac_fast.configs import published_config
@@ -30,9 +30,10 @@ def test_the_fakes_refuse_what_torch_refuses():
         optional_index(torch.device("meta"))
 
 
-def graphed_engine(streams: int):
-    """A float64 engine on the CPU with its CUDA-graph paths switched on (the fakes stand in)."""
-    engine = engine64("snac_24khz", streams=streams, layered=False)
+def graphed_engine(streams: int, narrow: bool = False):
+    """A float64 engine on the CPU with its CUDA-graph paths switched on (the fakes stand in);
+    ``narrow``: helpers.NARROW's widths."""
+    engine = engine64("snac_24khz", streams=streams, narrow=narrow, layered=False)
     engine.steps.cuda_graphs, engine.steps.pool = True, torch.cuda.MemPool()
     return engine
 
@@ -57,3 +58,23 @@ def test_an_unindexed_device_warms_up_captures_and_steps(fake_cuda, monkeypatch,
         assert len(pieces) == 2 and all(p.dtype == torch.float64 and p.ndim == 1 for p in pieces)
     assert fake_cuda.calls["synchronize"] > 0
 
+
+
+@pytest.mark.parametrize("kind", ["prefill", "step", "flush"])
+def test_a_captured_step_in_slices_of_rows_outputs_the_whole_steps_audio(fake_cuda, kind):
+    """A step graph captured with rows_per_pass runs its stages on slices of the rows, each taking
+    its rows of the graph's noise buffers (drawn once for the whole step, beside the first layers):
+    its output equals the graph of the whole step's, row for row, from the same state."""
+    engine = graphed_engine(streams=4, narrow=True)
+    config = {**published_config("snac_24khz"), **NARROW}
+    frames = {"prefill": engine.prefill_frames, "step": engine.frames_per_group, "flush": 0}[kind]
+    keys = torch.zeros((4, 4), dtype=torch.int64)
+    keys[0], keys[1], keys[2], keys[3] = torch.arange(4), 3 * engine.prefill_frames, 7, torch.arange(4)
+    codes = [] if kind == "flush" else [c.numpy() for c in random_codes(config, frames, batch=4, seed=9)]
+    for state in engine.state:  # a context that is not all zeros, the same for both captures
+        state.copy_(torch.randn(state.shape, dtype=state.dtype, generator=torch.Generator().manual_seed(5)))
+    whole = engine.steps._step_graph(kind, keys.numpy(), codes, frames).output.clone()
+    engine.rows_per_pass = 3  # slices of 3 and 1
+    sliced = engine.steps._step_graph(kind, keys.numpy(), codes, frames).output
+    assert sliced.shape == whole.shape == (4, 1, sliced.shape[2]) and sliced.shape[2] > 0
+    torch.testing.assert_close(sliced, whole, rtol=0, atol=1e-12)

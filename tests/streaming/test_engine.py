@@ -735,3 +735,46 @@ def test_gpu_back_to_back_steps_wait_for_their_uploads(cuda, no_tf32):
     expected = fast.decode(codes, seed=3)
     for b, s in enumerate(streams):
         assert snr_db(expected[b, 0], torch.cat([p[b] for p in pieces] + [ends[s]])) >= 100
+
+
+def test_steps_in_slices_of_rows_equal_the_whole_decode():
+    """rows_per_pass: each step's stages run on slices of at most that many rows (5 streams: 2, 2
+    and 1), each slice's noise drawn from its own keys; every stream still equals its row of the
+    whole decode to float64 rounding, and the slices are what ran. Narrow (helpers.NARROW): what
+    is checked is the slicing."""
+    name, rows_per_pass = "snac_24khz", 2
+    config = {**published_config(name), **NARROW}
+    engine = engine64(name, streams=5, narrow=True, layered=False, max_frames_per_step=2, rows_per_pass=rows_per_pass)
+    passes = []
+    forward_rows = engine.forward._forward_rows
+    engine.forward._forward_rows = lambda kind, keys, *rest: passes.append(keys.shape[1]) or forward_rows(kind, keys, *rest)
+    g, strides = engine.frames_per_group, config["vq_strides"]
+    frames = engine.prefill_frames + 3 * g
+    codes = random_codes(config, frames, batch=5, seed=8)
+    expected = decode_with_keyed_noise(upstream64(name, True), codes, 13)
+    streams = [engine.open(13, row=b) for b in range(5)]
+    pieces, f = [[] for _ in streams], 0
+    for k in [engine.prefill_frames, g, 2 * g]:
+        for piece, audio in zip(pieces, engine.step(streams, frames_of_rows(codes, strides, f, f + k))):
+            piece.append(audio)
+        f += k
+    ends = engine.advance(finish=streams)
+    assert passes and set(passes) == {1, 2} and sum(passes) % 5 == 0
+    for b, s in enumerate(streams):
+        got = torch.cat(pieces[b] + [ends[s]])
+        assert got.shape == expected[b, 0].shape
+        assert (got - expected[b, 0]).abs().max().item() < 1e-12, b
+
+
+def test_rows_per_pass_is_checked_and_a_change_drops_the_captured_graphs():
+    engine = engine64("snac_24khz", streams=2, layered=False)
+    assert engine.rows_per_pass is None
+    for bad in (0, -1, True, 1.5, "2"):
+        with pytest.raises(ValueError, match="rows_per_pass must be None or an int >= 1"):
+            engine.rows_per_pass = bad
+    engine.steps.graphs[("step", 2, 1)] = object()
+    engine.steps.warmed = {("step", 2, 1)}
+    engine.rows_per_pass = None  # unchanged: the graphs stay
+    assert engine.steps.graphs
+    engine.rows_per_pass = 1
+    assert engine.rows_per_pass == 1 and not engine.steps.graphs and engine.steps.warmed is None
