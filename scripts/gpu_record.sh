@@ -37,6 +37,8 @@
 #   levers      serve's GPU-memory levers alone and together (the recipe by phase)
 #   compress    256 text WebSockets with the clients' per-message deflate accepted (--ws-compression) and
 #               declined (the default), interleaved accept / decline / accept / decline
+#   slices      the README recipe by phase, its steps whole and in slices of 128 and 64 rows (--rows-per-pass),
+#               a fresh process each, interleaved (SLICE_KEYS picks)
 #   trim        the formats' load with serve's --memory-trim default and with 0 (none), interleaved
 set -u
 cd "$(dirname "$0")/.."
@@ -142,6 +144,14 @@ for section in "$@"; do
         case $v in expandable|both) alloc="PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True" ;; esac
         step "levers_$v" 150 env $alloc python scripts/with_levers.py $flags \
           scripts/profile_memory.py --out "$R/r" --stem "levers_$v"
+      done ;;
+    slices)  # the README recipe by phase with the step's stages on slices of rows (--rows-per-pass) and whole,
+      # a fresh process each, interleaved; SLICE_KEYS: the rows per pass in order (0: whole steps)
+      i=0
+      for rows in ${SLICE_KEYS:-0 128 64 0 128 64}; do
+        i=$((i + 1))
+        step "slices_${rows}_$i" 150 python scripts/profile_memory.py --rows-per-pass "$rows" --out "$R/r" \
+          --stem "slices_${rows}_$i"
       done ;;
     compress)  # what declining the WebSockets' compression does to the text WebSockets' load, on one host
       for k in accept decline accept2 decline2; do

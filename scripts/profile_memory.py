@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=256, help="streams stepped after the warm-up")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--empty-cache", action="store_true", help="torch.cuda.empty_cache() after the warm-up")
+    parser.add_argument("--rows-per-pass", type=int, default=0,
+                        help="the engine's rows_per_pass (serve's --rows-per-pass; 0: whole steps)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--stem", default=None, help="default: memory_24khz_<gpu>")
     args = parser.parse_args()
@@ -72,6 +74,7 @@ def main() -> None:
     codec = FastSNAC.from_pretrained(args.model, device=device)
     rows.append(reading("codec loaded", device, started))
     engine = codec.shared_stream_engine(max_streams=args.max_streams)
+    engine.rows_per_pass = args.rows_per_pass or None
     rows.append(reading(f"engine of {args.max_streams} slots", device, started))
     from snac_fast.runtime.warmup import compile_kernels
 
@@ -87,15 +90,29 @@ def main() -> None:
     streams = [engine.open(seed=i) for i in range(args.streams)]
     group = engine.frames_per_group
     rng = np.random.default_rng(0)
+    step_ms, gpu_ms = [], []
     for step in range(args.steps):
         pushes = {s: [torch.from_numpy(rng.integers(0, 4096, (1, group * r))) for r in engine.ratios] for s in streams}
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        begin.record()
         engine.advance(pushes)
+        end.record()
+        torch.cuda.synchronize(device)
+        step_ms.append(1000 * (time.perf_counter() - t0))
+        gpu_ms.append(begin.elapsed_time(end))
     rows.append(reading(f"{args.steps} steps of {args.streams} streams", device, started))
+    # the steps after the first (a prefill): each a call of every stream's one new frame, with sync
+    steady = slice(2, None)
+    rows[-1].update(step_ms_p50=float(np.median(step_ms[steady])), step_gpu_ms_p50=float(np.median(gpu_ms[steady])))
+    print(f"step of {args.streams} streams: {rows[-1]['step_ms_p50']:.3f} ms with sync, "
+          f"{rows[-1]['step_gpu_ms_p50']:.3f} ms GPU (median of {len(step_ms[steady])})", flush=True)
     engine.advance({}, finish=streams)
     rows.append(reading("streams finished", device, started))
     torch.cuda.empty_cache()
     rows.append(reading("empty_cache at the end", device, started))
     result = {"device": torch.cuda.get_device_name(device), "date": time.strftime("%Y-%m-%d"),
+              "rows_per_pass": args.rows_per_pass or None,
               "command": "python scripts/profile_memory.py " + " ".join(sys.argv[1:]), "rows": rows}
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)

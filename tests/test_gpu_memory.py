@@ -32,6 +32,17 @@ def test_the_choice_grows_with_the_budget_and_stops_at_max_batch():
     assert tops == sorted(tops) and tops[-1] == 256 and tops[0] < 256
 
 
+def test_steps_in_slices_of_rows_fit_larger_calls_in_the_same_budget():
+    """With rows_per_pass, a step's intermediates stop growing at a slice's rows: a budget that
+    fits 64-row steps whole fits every call up to max_batch in slices of 32."""
+    held, fixed, per_row = 0.6 * GB, 10e6, 4e6
+    whole, _ = choose_max_batch(1.0 * GB, held, fixed, per_row, 512)
+    sliced, figures = choose_max_batch(1.0 * GB, held, fixed, per_row, 512, rows_per_pass=32)
+    assert whole < 512 and sliced == 512
+    assert figures["need_gb"] == round((held + WARMUP_FACTOR * (fixed + per_row * 32)) / GB, 3)
+    assert choose_max_batch(1.0 * GB, held, fixed, per_row, 512, rows_per_pass=4096)[0] == whole
+
+
 def test_a_budget_that_fits_no_step_is_refused_by_name():
     with pytest.raises(ValueError, match=r"--gpu-memory-gb 0\.5 does not fit .*0\.70 GB .*lower --max-streams"):
         choose_max_batch(0.5 * GB, 0.7 * GB, 10e6, 2e6, 256, "0.08 GB of state for 1024 streams")
@@ -41,6 +52,9 @@ def test_the_budget_setting_is_checked():
     assert ServeSettings.of(gpu_memory_gb=2).check().engine.gpu_memory_gb == 2
     with pytest.raises(ValueError, match="--gpu-memory-gb must be >= 0"):
         ServeSettings.of(gpu_memory_gb=-1).check()
+    assert ServeSettings.of(rows_per_pass=128).check().engine.rows_per_pass == 128
+    with pytest.raises(ValueError, match="--rows-per-pass must be >= 0"):
+        ServeSettings.of(rows_per_pass=-1).check()
 
 
 def test_no_gpu_memory_is_read_off_cuda():
@@ -135,3 +149,17 @@ def test_the_step_graphs_pool_is_about_the_largest_steps_intermediates():
     pool = [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) == tuple(engine.steps.pool.id)]
     held = sum(s["total_size"] for s in pool)
     assert most > 0 and held <= 1.25 * most, f"pool {held / GB:.3f} GB in {len(pool)} segments for {most / GB:.3f} GB"
+
+
+@pytest.mark.gpu
+def test_a_step_in_slices_of_rows_allocates_a_slices_intermediates():
+    """rows_per_pass=64: the largest 256-row step allocates about a 64-row step's intermediates,
+    well under half the whole step's (what lets the graphs' pool shrink)."""
+    from snac_fast import FastSNAC
+
+    codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
+    engine = codec.stream_engine(256)
+    whole, at_64 = engine.intermediates(256), engine.intermediates(64)
+    engine.rows_per_pass = 64
+    sliced = engine.intermediates(256)
+    assert sliced <= 0.4 * whole and sliced <= 1.1 * at_64, (sliced / GB, whole / GB, at_64 / GB)

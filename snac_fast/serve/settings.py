@@ -69,6 +69,9 @@ class EngineSettings:
                               "workers)")
     max_streams: int = option(256, "concurrent streams per worker (per engine with --shared-engine)")
     max_batch: int = option(SERVER_MAX_BATCH, "streams per engine call, and the largest call the warm-up captures")
+    rows_per_pass: int = option(0, "a GPU step of more streams runs the decoder on slices of at most this many in "
+                                "turn, inside its one CUDA graph: the step graphs' memory is a slice's, for a little "
+                                "more GPU time; the audio is the same (0: the whole step at once)")
     max_wait_ms: float = option(SERVER_MAX_WAIT_MS, "while pushes keep coming, engine calls start at most this often "
                                 "(or once --max-batch pushes wait), never holding a stream's first audio: fuller, "
                                 "fewer calls, so an LM on the same GPU loses few steps (0: whatever is pending when "
@@ -93,7 +96,7 @@ class EngineSettings:
     def check(self) -> "EngineSettings":
         """Raise ValueError naming the first bad value; returns the settings."""
         _at_least(self, ("max_streams", "max_batch"), 1)
-        _at_least(self, ("cpu_threads", "gpu_memory_gb", "max_wait_ms"), 0)
+        _at_least(self, ("cpu_threads", "gpu_memory_gb", "max_wait_ms", "rows_per_pass"), 0)
         _at_least(self, ("idle_timeout_s",), 0, strict=True)
         if self.dtype is not None and self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")

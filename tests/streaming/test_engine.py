@@ -556,6 +556,29 @@ def test_gpu_batches_between_powers_of_two_run_their_bucket_graphs_exactly(cuda,
             assert snr_db(expected, torch.cat(got[slots[i]])) >= 100, (streams, i)
 
 
+@pytest.mark.gpu
+def test_gpu_steps_in_slices_of_rows_under_cuda_graphs_equal_decode(cuda, no_tf32):
+    """rows_per_pass=24 on a 64-row engine: every captured step runs its stages on slices of 24, 24
+    and 16 rows, each taking its rows of the graph's noise; every stream equals its whole decode in
+    float32, as the whole steps do."""
+    fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
+    engine = fast.stream_engine(64, rows_per_pass=24)
+    engine.warmup(max_batch=64)
+    strides, n = fast.config["vq_strides"], engine.prefill_frames + 3 * engine.frames_per_group
+    codes = [random_codes(fast.config, n, seed=200 + i) for i in range(64)]
+    slots = [engine.open(seed=i) for i in range(64)]
+    got = {slot: [] for slot in slots}
+    for start, stop in ((0, engine.prefill_frames), (engine.prefill_frames, n)):
+        for slot, audio in engine.advance({s: frames_of(c, strides, start, stop) for s, c in zip(slots, codes)}).items():
+            got[slot].append(audio)
+    for slot, audio in engine.advance(finish=slots).items():
+        got[slot].append(audio)
+    assert ("step", 64, engine.frames_per_group) in engine.steps.graphs
+    for i in (0, 23, 24, 47, 48, 63):  # each slice's first and last rows
+        expected = fast.decode(codes[i], seed=i)[0, 0]
+        assert snr_db(expected, torch.cat(got[slots[i]])) >= 100, i
+
+
 def steady_steps_with_bad_ids(engine, config, seed=20):
     """Three started streams stepped one frame at a time, alternately through step (int32 codes)
     and advance (per-stream pushes); before every good step, bad ids (too large, negative) in both

@@ -2,7 +2,8 @@
 
 A stream engine holds its weights, its state rows (``max_streams`` of them) and one memory pool that
 all its step graphs share (they replay one at a time, on one capture stream), reserved as one
-segment a tenth larger than the largest step's intermediates, which grow with its rows; the
+segment a tenth larger than the largest step's intermediates, which grow with its rows (up to
+``rows_per_pass``, where the stages run on slices of a step's rows); the
 warm-up's eager passes run inside it too. :func:`fit_max_batch` measures those intermediates at
 two small batch buckets (a shapes-only pass: no kernel runs), extrapolates them by rows and
 returns the largest bucket whose warm-up fits a budget; calls of more streams then run as several
@@ -93,22 +94,26 @@ def fit_max_batch(engine, budget_bytes: int, max_batch: int) -> tuple[int, dict]
     device = engine.device
     torch.cuda.empty_cache()
     held = torch.cuda.memory_reserved(device) + context_bytes(device)
-    (r1, r2) = CALIBRATION_ROWS
+    # measured within one slice of the step's rows (engine.rows_per_pass): a larger step's are a slice's
+    r2 = min(CALIBRATION_ROWS[1], engine.rows_per_pass or CALIBRATION_ROWS[1])
+    r1 = min(CALIBRATION_ROWS[0], max(1, r2 // 4))
     m1, m2 = engine.intermediates(r1), engine.intermediates(r2)
     torch.cuda.empty_cache()
-    per_row = max(0.0, (m2 - m1) / (r2 - r1))
+    per_row = max(0.0, (m2 - m1) / (r2 - r1)) if r2 > r1 else m2 / r2
+    fixed = max(0.0, m1 - per_row * r1) if r2 > r1 else 0.0
     state = sum(t.numel() * t.element_size() for t in engine.state)
-    return choose_max_batch(budget_bytes, held, max(0.0, m1 - per_row * r1), per_row, max_batch,
-                            f"{state / GB:.2f} GB of state for {engine.max_streams} streams")
+    return choose_max_batch(budget_bytes, held, fixed, per_row, max_batch,
+                            f"{state / GB:.2f} GB of state for {engine.max_streams} streams", engine.rows_per_pass)
 
 
 def choose_max_batch(budget_bytes: float, held: float, fixed: float, per_row: float, max_batch: int,
-                     state: str = "") -> tuple[int, dict]:
+                     state: str = "", rows_per_pass: int | None = None) -> tuple[int, dict]:
     """The largest warm-up bucket up to ``max_batch`` whose steps need at most ``budget_bytes`` with
-    ``held`` bytes held already, a step of r rows allocating ``fixed + per_row * r``; (bucket,
+    ``held`` bytes held already, a step of r rows allocating ``fixed + per_row * min(r, rows_per_pass)``
+    (its stages run on slices of at most ``rows_per_pass`` rows; None: all at once); (bucket,
     figures). ValueError when not one row fits."""
     def need(rows: int) -> float:
-        return held + WARMUP_FACTOR * (fixed + per_row * rows)
+        return held + WARMUP_FACTOR * (fixed + per_row * min(rows, rows_per_pass or rows))
 
     figures = {"budget_gb": round(budget_bytes / GB, 3), "held_gb": round(held / GB, 3),
                "per_row_mb": round(per_row / 1e6, 3), "fixed_mb": round(fixed / 1e6, 1)}

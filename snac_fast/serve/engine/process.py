@@ -283,6 +283,7 @@ def ready_engine(codec, settings: EngineSettings, cpu_threads: int) -> tuple[Any
     import torch
 
     engine = codec.shared_stream_engine(settings.lookahead, max_streams=settings.max_streams)
+    engine.rows_per_pass = settings.rows_per_pass or None
     if codec.device.type == "cuda":
         if settings.gpu_memory_gb:
             from snac_fast.serve.engine.gpu_memory import GB, fit_max_batch
