@@ -480,6 +480,8 @@ def serve_options(args) -> list[str]:
         options += ["--lookahead", args.lookahead]
     if args.gpu_memory_gb:
         options += ["--gpu-memory-gb", f"{args.gpu_memory_gb:g}"]
+    if args.rows_per_pass is not None:
+        options += ["--rows-per-pass", str(args.rows_per_pass)]
     if args.memory_trim is not None:
         options += ["--memory-trim", f"{args.memory_trim:g}"]
     if args.ws_compression:
@@ -620,6 +622,7 @@ def main() -> None:
     parser.add_argument("--lm-workers", type=int, default=1, help="fake LM processes")
     parser.add_argument("--client-procs", type=int, default=1, help="client processes")
     parser.add_argument("--gpu-memory-gb", type=float, default=0.0, help="serve --gpu-memory-gb")
+    parser.add_argument("--rows-per-pass", type=int, default=None, help="serve --rows-per-pass (default: serve's)")
     parser.add_argument("--memory-trim", type=float, default=None, help="serve --memory-trim (default: serve's)")
     parser.add_argument("--ws-compression", action="store_true", help="serve --ws-compression: accept the text "
                         "WebSockets' clients' offer of permessage-deflate (the websockets library and browsers offer it)")

@@ -69,9 +69,10 @@ class EngineSettings:
                               "workers)")
     max_streams: int = option(256, "concurrent streams per worker (per engine with --shared-engine)")
     max_batch: int = option(SERVER_MAX_BATCH, "streams per engine call, and the largest call the warm-up captures")
-    rows_per_pass: int = option(0, "a GPU step of more streams runs the decoder on slices of at most this many in "
+    rows_per_pass: int = option(128, "a step of more streams runs the decoder on slices of at most this many in "
                                 "turn, inside its one CUDA graph: the step graphs' memory is a slice's, for a little "
-                                "more GPU time; the audio is the same (0: the whole step at once)")
+                                "more GPU time (H100, 256 streams: 0.63 GB less, +6%%); the audio is the same "
+                                "(0: the whole step at once)")
     max_wait_ms: float = option(SERVER_MAX_WAIT_MS, "while pushes keep coming, engine calls start at most this often "
                                 "(or once --max-batch pushes wait), never holding a stream's first audio: fuller, "
                                 "fewer calls, so an LM on the same GPU loses few steps (0: whatever is pending when "
