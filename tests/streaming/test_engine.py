@@ -5,6 +5,7 @@ geometry; torch ops, fast on the CPU): a stream must equal the whole decode to f
 The fused kernels (Triton's interpreter) are checked end to end in float32 on fewer frames.
 """
 
+import os
 import random
 import subprocess
 import sys
@@ -700,6 +701,8 @@ def test_gpu_codec_warmup_compiles_in_one_pass_then_captures_every_step(cuda, no
                         lambda self, *args, **kwargs: pools.append(self) or unpatched_pool(self, *args, **kwargs))
     monkeypatch.setattr(StreamEngine, "compile_steps", lambda self, *args, **kwargs: seen.append(
         (len(pools), getattr(compiling._this_thread, "compile_only", False))) or unpatched_compile(self, *args, **kwargs))
+    # no manifest shortcut: a Triton cache that an earlier run filled (a warm machine) skips the pass
+    monkeypatch.setattr("snac_fast.runtime.warmup._manifest_path", lambda *args: None)
     fast = FastSNAC.from_pretrained("synthetic:snac_24khz", device=cuda, dtype=torch.float32)
     before = len(pools)
     times = fast.warmup([1], [4], streams=4)
@@ -711,11 +714,13 @@ def test_gpu_codec_warmup_compiles_in_one_pass_then_captures_every_step(cuda, no
 
 
 @pytest.mark.gpu
-def test_gpu_codec_warmup_pass_compiles_every_variant_its_captures_launch(cuda):
+def test_gpu_codec_warmup_pass_compiles_every_variant_its_captures_launch(cuda, tmp_path):
     """After warmup's compile pass, the decode and step captures launch no kernel variant that the
     pass did not compile: a miss is compiled (or loaded) one by one then, on a server's cold start.
-    Run in a fresh process (this one's kernels are already loaded, which would hide a miss); any
-    Triton compile after the pass reaches the post-compile hook, whose calls are counted."""
+    Run in a fresh process (this one's kernels are already loaded, which would hide a miss) with an
+    empty Triton cache (a filled one's manifest skips the pass, and the captures then load every
+    kernel: on a warm machine this failed with nothing missed); any Triton compile after the pass
+    reaches the post-compile hook, whose calls are counted."""
     script = (
         "import torch, triton\n"
         "import snac_fast.runtime.warmup as warmup\n"
@@ -732,7 +737,8 @@ def test_gpu_codec_warmup_pass_compiles_every_variant_its_captures_launch(cuda):
         "warmup.compile_kernels = counted\n"
         "fast.warmup([1, 3], [4], streams=8)\n"
         "print('late', late)\n")
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "TRITON_CACHE_DIR": str(tmp_path)})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "late []"
 
