@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
+from snac_fast.batching.defaults import ROWS_PER_PASS
 from snac_fast.model.noise import check_seed
 from snac_fast.streaming.code_checks import CodeChecker, host_numpy
 from snac_fast.streaming.geometry import Geometry, align_contexts, build_stages
@@ -92,13 +93,14 @@ class StreamEngine:
 
     ``rows_per_pass``: a step of more streams runs the stages on slices of at most this many in turn,
     inside its one graph (None: all at once): the step's intermediates, and so the step graphs'
-    memory pool, are a slice's, for a little more GPU time; the audio is the same.
+    memory pool, are a slice's, for a little more GPU time; the audio is the same (default:
+    :data:`snac_fast.batching.defaults.ROWS_PER_PASS`).
     """
 
     def __init__(self, model: nn.Module, config: dict, max_streams: int = 256, *, device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, lookahead: int | str | None = None, cuda_graphs: bool = False,
                  max_frames_per_step: int = 8, max_graphs: int = 64, layered: bool | None = None, compile: bool = False,
-                 max_call_frames: int | None = None, rows_per_pass: int | None = None, lock=None) -> None:
+                 max_call_frames: int | None = None, rows_per_pass: int | None = ROWS_PER_PASS, lock=None) -> None:
         if max_streams < 1:
             raise ValueError("max_streams must be at least 1")
         self.model, self.config = model, config

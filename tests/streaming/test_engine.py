@@ -15,6 +15,7 @@ import torch
 from helpers import NARROW, engine64, frames_of, random_codes, upstream64
 
 from snac_fast import FastSNAC
+from snac_fast.batching.defaults import ROWS_PER_PASS
 from snac_fast.configs import published_config
 from snac_fast.metrics import snr_db
 from snac_fast.model.noise import decode_with_keyed_noise
@@ -797,13 +798,13 @@ def test_steps_in_slices_of_rows_equal_the_whole_decode():
 
 def test_rows_per_pass_is_checked_and_a_change_drops_the_captured_graphs():
     engine = engine64("snac_24khz", streams=2, layered=False)
-    assert engine.rows_per_pass is None
+    assert engine.rows_per_pass == ROWS_PER_PASS
     for bad in (0, -1, True, 1.5, "2"):
         with pytest.raises(ValueError, match="rows_per_pass must be None or an int >= 1"):
             engine.rows_per_pass = bad
     engine.steps.graphs[("step", 2, 1)] = object()
     engine.steps.warmed = {("step", 2, 1)}
-    engine.rows_per_pass = None  # unchanged: the graphs stay
+    engine.rows_per_pass = ROWS_PER_PASS  # unchanged: the graphs stay
     assert engine.steps.graphs
-    engine.rows_per_pass = 1
-    assert engine.rows_per_pass == 1 and not engine.steps.graphs and engine.steps.warmed is None
+    engine.rows_per_pass = None
+    assert engine.rows_per_pass is None and not engine.steps.graphs and engine.steps.warmed is None
