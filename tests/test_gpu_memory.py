@@ -158,7 +158,7 @@ def test_a_step_in_slices_of_rows_allocates_a_slices_intermediates():
     from snac_fast import FastSNAC
 
     codec = FastSNAC.from_pretrained("synthetic:snac_24khz", device="cuda")
-    engine = codec.stream_engine(256)
+    engine = codec.stream_engine(256, rows_per_pass=None)  # whole steps first
     whole, at_64 = engine.intermediates(256), engine.intermediates(64)
     engine.rows_per_pass = 64
     sliced = engine.intermediates(256)
