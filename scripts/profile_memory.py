@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench_common import gpu_tag  # noqa: E402
 
 from snac_fast import FastSNAC  # noqa: E402
+from snac_fast.streaming.shapes import STEP  # noqa: E402
 
 GB = 1e9
 
@@ -52,6 +53,17 @@ def reading(phase: str, device: torch.device, started: float) -> dict:
         print(f"    {k}: reserved {v[0]:.3f} GB, allocated {v[1]:.3f} GB, {v[2]} segments", flush=True)
     torch.cuda.reset_peak_memory_stats(device)
     return row
+
+
+def timed(run, device: torch.device) -> tuple[float, float]:
+    """(ms with sync on the host's clock, GPU ms between CUDA events) of one ``run()``."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    begin.record()
+    run()
+    end.record()
+    torch.cuda.synchronize(device)
+    return 1000 * (time.perf_counter() - t0), begin.elapsed_time(end)
 
 
 def main() -> None:
@@ -93,14 +105,9 @@ def main() -> None:
     step_ms, gpu_ms = [], []
     for step in range(args.steps):
         pushes = {s: [torch.from_numpy(rng.integers(0, 4096, (1, group * r))) for r in engine.ratios] for s in streams}
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        begin.record()
-        engine.advance(pushes)
-        end.record()
-        torch.cuda.synchronize(device)
-        step_ms.append(1000 * (time.perf_counter() - t0))
-        gpu_ms.append(begin.elapsed_time(end))
+        wall, gpu = timed(lambda: engine.advance(pushes), device)
+        step_ms.append(wall)
+        gpu_ms.append(gpu)
     rows.append(reading(f"{args.steps} steps of {args.streams} streams", device, started))
     # the steps after the first (a prefill): each a call of every stream's one new frame, with sync
     steady = slice(2, None)
@@ -108,16 +115,9 @@ def main() -> None:
     print(f"step of {args.streams} streams: {rows[-1]['step_ms_p50']:.3f} ms with sync, "
           f"{rows[-1]['step_gpu_ms_p50']:.3f} ms GPU (median of {len(step_ms[steady])})", flush=True)
     # the 256-stream step's graph alone, replayed back to back: its GPU time without the host's part
-    graph = engine.steps.graphs.get(("step", engine.steps.bucket(args.streams), group))
+    graph = engine.steps.graphs.get((STEP, engine.steps.bucket(args.streams), group))
     if graph is not None:
-        replays = []
-        for _ in range(60):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            graph.launch()
-            end.record()
-            torch.cuda.synchronize(device)
-            replays.append(begin.elapsed_time(end))
+        replays = [timed(graph.launch, device)[1] for _ in range(60)]
         rows[-1]["step_replay_gpu_ms_p50"] = float(np.median(replays[10:]))
         print(f"the step graph's replay: {rows[-1]['step_replay_gpu_ms_p50']:.3f} ms GPU (median of 50)", flush=True)
     engine.advance({}, finish=streams)

@@ -27,14 +27,13 @@ class StageForward:
     it runs one batched step on device tensors; it keeps, per row count, the kernel launches the
     one-group step recorded (which the other steps of that many rows reuse)."""
 
-    def __init__(self, model, geometry, state: list[Tensor], layered=None, tail_keep: list[int] | None = None,
-                 rows_per_pass: int | None = None) -> None:
+    def __init__(self, model, geometry, state: list[Tensor], layered=None, tail_keep: list[int] | None = None) -> None:
         self.model, self.geometry, self.state, self.layered, self.tail_keep = model, geometry, state, layered, tail_keep
         self.launches: dict[int, dict] = {}
         # a step of more rows runs its stages on slices of at most this many rows in turn (None: all
         # at once): its intermediates, and so the step graphs' pool, are a slice's; each row's audio
-        # and state are the same, its rows being independent
-        self.rows_per_pass = rows_per_pass
+        # and state are the same, its rows being independent. Set by the engine (StreamEngine.rows_per_pass)
+        self.rows_per_pass: int | None = None
 
     def __call__(self, kind: str, keys: Tensor, codes: list[Tensor], frames: int,
                  noise_for: Callable[[NoiseCall], Tensor] | None = None) -> Tensor:

@@ -545,17 +545,25 @@ def test_gpu_batches_between_powers_of_two_run_their_bucket_graphs_exactly(cuda,
     strides, n = fast.config["vq_strides"], engine.prefill_frames + 3 * engine.frames_per_group
     for streams, bucket in ((40, 48), (70, 96)):
         codes = [random_codes(fast.config, n, seed=100 + i) for i in range(streams)]
-        slots = [engine.open(seed=i) for i in range(streams)]
-        got = {slot: [] for slot in slots}
-        for start, stop in ((0, engine.prefill_frames), (engine.prefill_frames, n)):
-            for slot, audio in engine.advance({s: frames_of(c, strides, start, stop) for s, c in zip(slots, codes)}).items():
-                got[slot].append(audio)
-        for slot, audio in engine.advance(finish=slots).items():
-            got[slot].append(audio)
+        got = prefill_step_and_finish(engine, codes, strides)
         assert {key[1] for key in engine.steps.graphs} >= {bucket}
         for i in (0, streams // 2, streams - 1):
             expected = fast.decode(codes[i], seed=i)[0, 0]
-            assert snr_db(expected, torch.cat(got[slots[i]])) >= 100, (streams, i)
+            assert snr_db(expected, got[i]) >= 100, (streams, i)
+
+
+def prefill_step_and_finish(engine, codes, strides):
+    """Stream i (seed i) of each of ``codes`` (per level [1, L_i]) through ``engine``: its prefill's
+    frames in one call for all, the rest in a second, then the finish; returns each stream's audio."""
+    n = codes[0][0].shape[1]  # level 0: one id a coarse frame
+    slots = [engine.open(seed=i) for i in range(len(codes))]
+    got = {slot: [] for slot in slots}
+    for start, stop in ((0, engine.prefill_frames), (engine.prefill_frames, n)):
+        for slot, audio in engine.advance({s: frames_of(c, strides, start, stop) for s, c in zip(slots, codes)}).items():
+            got[slot].append(audio)
+    for slot, audio in engine.advance(finish=slots).items():
+        got[slot].append(audio)
+    return [torch.cat(got[slot]) for slot in slots]
 
 
 @pytest.mark.gpu
@@ -568,17 +576,11 @@ def test_gpu_steps_in_slices_of_rows_under_cuda_graphs_equal_decode(cuda, no_tf3
     engine.warmup(max_batch=64)
     strides, n = fast.config["vq_strides"], engine.prefill_frames + 3 * engine.frames_per_group
     codes = [random_codes(fast.config, n, seed=200 + i) for i in range(64)]
-    slots = [engine.open(seed=i) for i in range(64)]
-    got = {slot: [] for slot in slots}
-    for start, stop in ((0, engine.prefill_frames), (engine.prefill_frames, n)):
-        for slot, audio in engine.advance({s: frames_of(c, strides, start, stop) for s, c in zip(slots, codes)}).items():
-            got[slot].append(audio)
-    for slot, audio in engine.advance(finish=slots).items():
-        got[slot].append(audio)
+    got = prefill_step_and_finish(engine, codes, strides)
     assert ("step", 64, engine.frames_per_group) in engine.steps.graphs
     for i in (0, 23, 24, 47, 48, 63):  # each slice's first and last rows
         expected = fast.decode(codes[i], seed=i)[0, 0]
-        assert snr_db(expected, torch.cat(got[slots[i]])) >= 100, i
+        assert snr_db(expected, got[i]) >= 100, i
 
 
 def steady_steps_with_bad_ids(engine, config, seed=20):
