@@ -383,6 +383,8 @@ def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geo
                       for d in chunk_delays(r, chunk_ready(r, *sent[r["text"]], **geometry))]) * 1e3
     gaps = np.concatenate([np.diff([t for t, _ in r["chunks"]]) * 1e3 for r in ok if len(r["chunks"]) > 1] or [np.zeros(0)])
     lm_gaps = np.concatenate([np.diff([t for t, n in stats["sends"]]) for stats in lm_stats.values()] or [np.zeros(0)]) * 1e3
+    # the fake LM's event loop, late from its waits: how loaded the LM's own loop was (its accept waits on it)
+    lm_lags = np.concatenate([np.asarray(stats.get("lags", []), dtype=float) for stats in lm_stats.values()] or [np.zeros(0)]) * 1e3
     stalls = np.array([playback_stalls(r, 24000, buffer_s) for r in ok if pcm]) * 1e3
     # the same players fed at the LM's pace (a server adding nothing): the stalls that are the LM's
     paced = np.array([playback_stalls(lm_paced(r, *sent[r["text"]], **geometry), 24000, buffer_s)
@@ -402,6 +404,8 @@ def summarize(records: list[dict], lm_stats: dict, pace: float, scrape: str, geo
             "gap_p50_ms": pct(gaps, 50), "gap_p99_ms": pct(gaps, 99), "gap_max_ms": float(gaps.max()) if len(gaps) else float("nan"),
             "gaps_over_frame": int((gaps > frame_ms).sum()), "gaps": len(gaps),
             "lm_chunk_gap_p99_ms": pct(lm_gaps, 99), "lm_chunk_gap_max_ms": float(lm_gaps.max()) if len(lm_gaps) else float("nan"),
+            "lm_loop_lag_p50_ms": pct(lm_lags, 50), "lm_loop_lag_p99_ms": pct(lm_lags, 99),
+            "lm_loop_lag_max_ms": float(lm_lags.max()) if len(lm_lags) else float("nan"),
             "player_buffer_ms": buffer_s * 1e3,
             "streams_with_stall": int((stalls > 0).sum()), "stall_max_ms": float(stalls.max()) if len(stalls) else float("nan"),
             "streams_with_stall_at_lm_pace": int((paced > 0).sum()),
@@ -518,7 +522,8 @@ def markdown(results: dict) -> str:
               f"{r['first_added_max_ms']:.1f}", " / ".join(f"{r[f'first_{n}_p99_ms']:.1f}" for n in
                                                           ("setup", "lm_client", "engine", "encode", "http")),
               "{:.1f} ({:.1f} / {:.1f}) / {:.1f}".format(*(r.get(f"first_{n}_p99_ms", float("nan")) for n in
-                                                           ("lm_request", "lm_send", "lm_accept", "lm_response")))]
+                                                           ("lm_request", "lm_send", "lm_accept", "lm_response"))),
+              f"{r.get('lm_loop_lag_p99_ms', float('nan')):.1f} / {r.get('lm_loop_lag_max_ms', float('nan')):.1f}"]
              for form, r in zip(forms, rows)]
     pace = [[*form, r["format"], f"{r['pace']:g}x", r["arrivals"], r["clients"],
              f"{r.get('audio_s_per_client', float('nan')):.0f} / {r.get('lm_requests_per_client', float('nan')):.1f}",
@@ -542,12 +547,13 @@ def markdown(results: dict) -> str:
            "encoder, HTTP (total less the server's span). The LM client's part split by the server's clock marks: "
            "request (the server's LM request sent to the LM's handler starting), split into send (the server's part: "
            "the request's task started, a pooled connection taken or one made, its headers written) and accept (the "
-           "LM's event loop reading it to its handler); and response (the LM's chunk sent to the server's having read it: the server's event loop, mostly). Arrivals: `poisson` at clients / seconds-of-audio a second, "
+           "LM's event loop reading it to its handler); and response (the LM's chunk sent to the server's having read it: the server's event loop, mostly). LM loop lag: how late the "
+           "fake LM's event loop woke from its waits between chunks (its own load; its accept waits on the same loop). Arrivals: `poisson` at clients / seconds-of-audio a second, "
            "`burst` all at once, `stagger` over one frame; 1 client: requests one after another.\n\n"
            + markdown_table([*server, "format", "LM pace", "lookahead", "arrivals", "clients", "200 / timed", "total p50 / p99 ms",
                              "LM own p50 / p99 ms", "added p50 / p99 / max ms",
                              "p99 ms: set-up / LM client / engine / encoder / HTTP",
-                             "LM client p99 ms: request (send / accept) / response"], first))
+                             "LM client p99 ms: request (send / accept) / response", "LM loop lag p99 / max ms"], first))
     if pace:
         out += ("\n## Keeping pace\n\n"
                 "Chunk gaps between successive audio chunks at the client beside the LM's between its chunks; end past "

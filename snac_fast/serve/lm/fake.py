@@ -148,6 +148,7 @@ class FakeLM:
             nonlocal fault
             start, at = time.monotonic(), 0
             sends = []  # (when a chunk left, whole tokens sent so far)
+            lags = []  # how late this event loop woke from each wait: its own load, not the server's
             while at < len(text_out):
                 if fault in ("fail", "stall") and at >= len(text_out) // 2:
                     if fault == "fail":
@@ -162,7 +163,9 @@ class FakeLM:
                 whole = int(np.searchsorted(token_ends, end, side="right"))  # tokens complete after this chunk
                 wait = script["delay"] if script["delay"] is not None else start + whole * token_seconds - time.monotonic()
                 if wait > 0:
+                    due = time.monotonic() + wait
                     await asyncio.sleep(wait)
+                    lags.append(time.monotonic() - due)
                 yield f"data: {json.dumps({'choices': [{'text': text_out[at:end], 'index': 0}]})}\n\n"
                 sent = time.monotonic()
                 sends.append((sent, whole))
@@ -172,7 +175,7 @@ class FakeLM:
             if self._stats_path is not None:  # one line per request
                 with open(self._stats_path, "a") as f:  # noqa: ASYNC230 (a local file, once a request)
                     f.write(json.dumps({"text": text, "received": received, "first_sent": self.first_sent.get(text),
-                                        "sends": sends}) + "\n")
+                                        "sends": sends, "lags": lags}) + "\n")
             if script["end"] and "<custom_token_2>" not in (body.get("stop") or []):
                 yield f"data: {json.dumps({'choices': [{'text': END_OF_SPEECH_TEXT, 'index': 0}]})}\n\n"
             yield "data: [DONE]\n\n"
