@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterable, AsyncIterator
+from collections.abc import AsyncIterable, AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -133,11 +133,14 @@ async def _listed(texts: list[str]) -> AsyncIterator[str]:
 
 
 async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice: str, model: str | None,
-                        times: FirstAudioTimes | None = None) -> AsyncIterator[np.ndarray]:
+                        times: FirstAudioTimes | None = None,
+                        on_first_ids: Callable[[], object] | None = None) -> AsyncIterator[np.ndarray]:
     """float32 audio of one stream's speech as it becomes final; the stream is released on any exit.
     ``text``: a text, spoken a segment at a time when longer than ``--segment-chars``
     (:mod:`snac_fast.serve.lm.segments`), or texts as they arrive; all of them into this one stream.
-    ``times``: marked on the way to the first audio."""
+    ``times``: marked on the way to the first audio. ``on_first_ids``: called when the LM's first
+    ids arrive, for the work the first audio will need (the encoder opened): the LM request is out
+    by then, and the LM has the rest of the first frames to make."""
     times = times or FirstAudioTimes(time.perf_counter())
     finished = False
     frame_size = server.settings.layout.frame_size
@@ -177,6 +180,8 @@ async def speech_chunks(server, sid: int, text: str | AsyncIterable[str], voice:
         async for k, ids in segment_ids(server.lm, texts, voice, model):
             if times.lm_first_ids is None:
                 times.lm_first_ids = time.perf_counter()
+                if on_first_ids is not None:
+                    on_first_ids()
             if k != segment:  # a join: an LM that stopped mid-frame leaves a piece of a frame, dropped
                 segment, held = k, []
             held += ids

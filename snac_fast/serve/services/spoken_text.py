@@ -102,7 +102,9 @@ class SpokenText:
             yield text
 
     async def _speak(self) -> None:
-        async for audio in speech_chunks(self.server, self.sid, self._sentences(), self.voice, None):
+        # the encoder as it is then (set_speed may replace it before any text)
+        async for audio in speech_chunks(self.server, self.sid, self._sentences(), self.voice, None,
+                                         on_first_ids=lambda: self.encoder.prepare()):
             data = self.encoder.encode(audio)
             if data:
                 await self._send(data)
