@@ -311,6 +311,91 @@ def test_stream_encoder_chunks_join_to_the_whole(name):
         assert rate == 48000 and abs(len(got) - 2 * len(audio)) <= 2 * 960
 
 
+@pytest.mark.parametrize("name,speed,seekable", [("mp3", 1.0, False), ("mp3", 1.25, False), ("opus", 1.0, False),
+                                                   ("aac", 1.0, False), ("flac", 1.0, False), ("wav", 1.0, True),
+                                                   ("pcm_16000", 1.0, False), ("ulaw_8000", 1.0, False)])
+def test_an_encoder_opened_ahead_writes_the_same_bytes(name, speed, seekable):
+    """prepare() (the encoder opened, the container's header written, before any audio) changes no
+    byte: the header comes with the first encode, as it did when the first encode opened it."""
+    rng = np.random.default_rng(3)
+    audio = (0.2 * rng.standard_normal(RATE)).astype(np.float32)
+    cuts = np.cumsum(rng.integers(1, 5000, 12))
+    pieces = np.split(audio, cuts[cuts < len(audio)])
+    out = []
+    for ahead in (False, True):
+        encoder = StreamEncoder(FORMATS[name], RATE, seekable=seekable, speed=speed)
+        if ahead:
+            encoder.prepare()
+            encoder.prepare()  # twice changes nothing either
+        out.append(b"".join(encoder.encode(p) for p in pieces) + encoder.finish())
+    assert out[0] == out[1] and len(out[0]) > 1000
+
+
+def test_mp3_at_the_models_rate_equals_ffmpegs_own_conversion():
+    """Mono int16 at the output rate goes into LAME as its planar int16 samples without a resampler:
+    the bytes of FFmpeg's resampler to LAME's first format (s32p) in front of the same encoder and muxer."""
+    from fractions import Fraction
+
+    rng = np.random.default_rng(4)
+    audio = (0.3 * rng.standard_normal(RATE)).astype(np.float32)
+    encoder = StreamEncoder(FORMATS["mp3"], RATE, seekable=True)  # into a BytesIO, as the reference's
+    ours = b"".join(encoder.encode(p) for p in np.array_split(audio, 7)) + encoder.finish()
+    sink = io.BytesIO()
+    container = av.open(sink, mode="w", format="mp3", options={"fflags": "+bitexact"})
+    stream = container.add_stream("libmp3lame", rate=RATE, layout="mono")
+    stream.codec_context.format = "s32p"
+    stream.codec_context.bit_rate = 64000
+    resampler = av.AudioResampler(format="s32p", layout="mono", rate=RATE)
+    at = 0
+    for piece in np.array_split(audio, 7):
+        frame = av.AudioFrame.from_ndarray(int16_samples(piece)[None], format="s16", layout="mono")
+        frame.sample_rate, frame.pts, frame.time_base = RATE, at, Fraction(1, RATE)
+        at += len(piece)
+        for converted in resampler.resample(frame):
+            for packet in stream.encode(converted):
+                container.mux(packet)
+    for converted in resampler.resample(None):
+        for packet in stream.encode(converted):
+            container.mux(packet)
+    for packet in stream.encode(None):
+        container.mux(packet)
+    container.close()
+    assert ours == sink.getvalue()
+
+
+def test_the_encoder_opens_after_the_lm_request_and_before_the_first_audio(codec, monkeypatch):
+    """A speech request's encoder opens once the LM's first ids are in (the LM request went out
+    before it, and the LM still makes the first frames), once, and before its first encode: its
+    set-up is off the way to the first audio."""
+    import time
+
+    events = []
+    prepare, encode = StreamEncoder.prepare, StreamEncoder.encode
+
+    def prepared(self):
+        events.append(("prepare", time.monotonic()))
+        prepare(self)
+
+    def encoded(self, audio):
+        events.append(("encode", time.monotonic()))
+        return encode(self, audio)
+
+    monkeypatch.setattr(StreamEncoder, "prepare", prepared)
+    monkeypatch.setattr(StreamEncoder, "encode", encoded)
+    codes = random_codes(codec.config, 12, seed=8)
+    with serving(codec) as (server, lm, state):
+        lm.script("open it early", codes, delay=0.02)
+        events.clear()  # the server's start-up encodes a warm-up frame
+        response = httpx.post(server.url + "/v1/audio/speech", json={"model": "orpheus", "voice": "tara",
+                              "input": "open it early", "response_format": "mp3", "seed": 2}, timeout=60)
+        asked = lm.received["open it early"]
+    assert response.status_code == 200
+    check_audio("mp3", response.content, expected_pcm(codec, codes, 2))
+    names = [name for name, _ in events]
+    assert names.count("prepare") == 1 and names[0] == "prepare" and "encode" in names, names
+    assert events[0][1] > asked
+
+
 @pytest.mark.parametrize("speed", [1.5, 0.3])
 def test_speed_scales_time_keeps_pitch_and_ignores_chunking(speed):
     """The encoder's speed (FFmpeg's atempo): audio speed times as short, a tone's pitch where it

@@ -112,28 +112,29 @@ class StreamEncoder:
                                       options={"fflags": "+bitexact", **dict(fmt.options)})
             self._stream = self._container.add_stream(fmt.encoder, rate=self.rate, layout="mono")
             context = self._stream.codec_context
-            context.format = context.codec.audio_formats[0].name
         else:
             context = av.CodecContext.create(fmt.encoder, "w")
             context.sample_rate, context.layout = self.rate, "mono"
-            context.format = context.codec.audio_formats[0].name
+        self._float = fmt.encoder == "pcm_f32le"  # float32 in and out, no int16 rounding
+        samples = "flt" if self._float else "s16"
+        # speed: FFmpeg's atempo before the resampler (time scaled, pitch kept); 1.0 leaves the samples as they are
+        self.speed = speed
+        self._tempo = None if speed == 1.0 else Tempo(speed, in_rate, samples)
+        # At the output rate and unscaled, the samples go into the encoder as they are where it takes
+        # them (one channel's planar samples are the same bytes as packed ones; LAME lists s32p first,
+        # and its s16p encodes the same frames): the resampler's set-up at the first chunk cost ~0.5 ms
+        # of CPU on the way to a stream's first audio. Else a resampler to the encoder's first format
+        # (LAME's s32p keeps a rate change's fractions).
+        formats = [f.name for f in context.codec.audio_formats]
+        same = self._tempo is None and self.rate == in_rate
+        self._direct = next((f for f in (samples, samples + "p") if f in formats), None) if same else None
+        context.format = self._direct or formats[0]
         if fmt.bit_rate:
             context.bit_rate = fmt.bit_rate
         self._context = context
-        sample_format = context.format.name  # the encoder's first sample format (set above or by add_stream)
         self._av = av
-        self._float = fmt.encoder == "pcm_f32le"  # float32 in and out, no int16 rounding
-        # speed: FFmpeg's atempo before the resampler (time scaled, pitch kept); 1.0 leaves the samples as they are
-        self.speed = speed
-        self._tempo = None if speed == 1.0 else Tempo(speed, in_rate, "flt" if self._float else "s16")
-        samples = "flt" if self._float else "s16"
-        # at the output rate, unscaled, the samples go in as the encoder takes them, no resampler: one
-        # channel's planar samples (LAME's s16p) are the same bytes as packed ones; the resampler's
-        # set-up at the first chunk cost ~0.5 ms of CPU on the way to a stream's first audio
-        self._direct = sample_format if self._tempo is None and self.rate == in_rate and \
-            sample_format in (samples, samples + "p") else None
         self._frame_format = self._direct or samples
-        self._resampler = None if self._direct else av.AudioResampler(format=sample_format, layout="mono", rate=self.rate)
+        self._resampler = None if self._direct else av.AudioResampler(format=formats[0], layout="mono", rate=self.rate)
         self._samples_in = 0
         self._done = False
 
