@@ -2,12 +2,29 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import torch
 
 from snac_fast.configs import published_config
 from snac_fast.model.synthetic import synthetic_model
 from snac_fast.ops.common import is_channels_last
 from snac_fast.streaming import StreamEngine
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def cli(*args, timeout: float = 600) -> subprocess.CompletedProcess:
+    """``snac-fast ARGS`` in a process of its own, as a user runs it: the command line's plumbing,
+    kernels on their torch references (the kernels themselves are tested in-process through Triton's
+    interpreter, which would take minutes on a whole model)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="0")
+    return subprocess.run([sys.executable, "-m", "snac_fast.cli", *map(str, args)], capture_output=True,
+                          text=True, env=env, timeout=timeout, cwd=ROOT)
+
 
 # a published model's structure (strides, attention windows, receptive field) at 1/4 to 1/6 of its
 # channel widths: for tests whose check is not about full-width tiles, the interpreter runs it fast

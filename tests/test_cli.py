@@ -1,28 +1,17 @@
 """The snac-fast command line, end to end in subprocesses."""
 
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile
 import torch
+from helpers import ROOT, cli
 
 from snac_fast import FastSNAC, load_tokens
 from snac_fast.metrics import snr_db
 
-ROOT = Path(__file__).resolve().parent.parent
 SAMPLE_24 = ROOT / "samples" / "snac_24khz.pt"
-
-
-def cli(*args, timeout=600):
-    # the command line's plumbing: kernels run on their torch references here (the kernels
-    # themselves are tested in-process through Triton's interpreter)
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TRITON_INTERPRET="0")
-    return subprocess.run([sys.executable, "-m", "snac_fast.cli", *map(str, args)], capture_output=True,
-                          text=True, env=env, timeout=timeout, cwd=ROOT)
 
 
 def assert_usage_error(proc, *fragments):
