@@ -35,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 
+from snac_fast.batching.batchers import freeze_startup_objects
 from snac_fast.runtime.process_name import ENGINE_NAME, WORKER_NAME
 from snac_fast.serve.lm.fake import read_stats_dir
 
@@ -180,6 +181,9 @@ def client_process(server: str, indices: list[int], offsets: list[float], tag: s
         uvloop.install()
     except ImportError:
         pass
+    # this script's imports (torch's among them) out of the collector's scans, as in the server and the
+    # fake LM: a full collection held a client's loop 60-100 ms, and its chunks were timed that late
+    freeze_startup_objects()
     return asyncio.run(run_clients(server, indices, offsets, tag, t_start, request))
 
 

@@ -187,8 +187,15 @@ ENVIRONMENT = "SNAC_FAST_FAKE_LM"  # FakeLM's settings (JSON) for each uvicorn w
 
 
 def app_from_environment():
-    """uvicorn's app factory for ``--workers``: a FakeLM from the settings in ``SNAC_FAST_FAKE_LM``."""
-    return FakeLM(**json.loads(os.environ[ENVIRONMENT])).app
+    """uvicorn's app factory for ``python -m snac_fast.serve.lm.fake``: a FakeLM from the settings in
+    ``SNAC_FAST_FAKE_LM``, the process's start-up objects frozen as a serving process's are (this
+    module's imports hold ~180k objects, torch's among them: unfrozen, each full collection held the
+    LM's event loop 60-100 ms, and its accept and chunks waited that long)."""
+    from snac_fast.batching.batchers import freeze_startup_objects
+
+    app = FakeLM(**json.loads(os.environ[ENVIRONMENT])).app
+    freeze_startup_objects()
+    return app
 
 
 def read_stats_dir(stats_dir: str) -> dict[str, dict]:
