@@ -95,3 +95,22 @@ def test_a_stall_of_the_server_vanishes_at_the_lm_pace_and_one_of_the_lm_stays()
     slow = {"sends": [(t + (1.0 if n > 15 * PER_FRAME else 0.0), n) for t, n in answer["sends"]]}  # the LM pauses 1 s
     counts, times = bench.ready_times(["t"], {"t": slow}, PER_FRAME)
     assert bench.playback_stalls(bench.lm_paced(record, counts, times, **GEOMETRY), 24000, 0.15) > 0.5
+
+
+def test_the_fake_lm_process_freezes_its_start_up_objects():
+    """The fake LM as `python -m snac_fast.serve.lm.fake` builds it (its app factory) leaves its
+    start-up objects out of the collector's scans, as the server's processes do: unfrozen, a full
+    collection of torch's ~180k objects stalled its loop 60-140 ms, charged to the server's accept."""
+    import json
+    import os
+    import subprocess
+
+    from snac_fast.serve.lm.fake import ENVIRONMENT
+
+    code = ("import gc\nfrom snac_fast.serve.lm.fake import app_from_environment\nbefore = gc.get_freeze_count()\n"
+            "app_from_environment()\nprint(before, gc.get_freeze_count())")
+    env = dict(os.environ, **{ENVIRONMENT: json.dumps({"pace": 1.0, "frames": 4})})
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    before, after = map(int, done.stdout.split())
+    assert before == 0 and after > 50_000, (before, after)
