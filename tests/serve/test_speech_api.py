@@ -313,6 +313,7 @@ def test_stream_encoder_chunks_join_to_the_whole(name):
 
 @pytest.mark.parametrize("name,speed,seekable", [("mp3", 1.0, False), ("mp3", 1.25, False), ("opus", 1.0, False),
                                                    ("aac", 1.0, False), ("flac", 1.0, False), ("wav", 1.0, True),
+                                                   ("wav", 1.0, False), ("mp3", 1.0, True),
                                                    ("pcm_16000", 1.0, False), ("ulaw_8000", 1.0, False)])
 def test_an_encoder_opened_ahead_writes_the_same_bytes(name, speed, seekable):
     """prepare() (the encoder opened, the container's header written, before any audio) changes no

@@ -140,7 +140,7 @@ class StreamEncoder:
 
     def prepare(self) -> None:
         """Open the encoder (and write the container's header) now instead of at the first
-        :meth:`encode`: LAME's set-up is ~1.5 ms of CPU, better spent while the LM makes a stream's
+        :meth:`encode`: LAME's set-up is ~1.3 ms of CPU, better spent while the LM makes a stream's
         first frames than on the way to its first audio. The header's bytes come with that encode."""
         if self._container is not None:
             self._container.start_encoding()
