@@ -15,26 +15,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
-import socket
-import subprocess
-import sys
 import tempfile
 import time
+from pathlib import Path
 
 import numpy as np
+from bench_serve_http import FRAME_S, arrival_offsets, free_port, start_fake_lm
 
 from snac_fast.serve.lm.fake import read_stats_dir
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-async def load(port: int, streams: int, seconds: float, run_s: float) -> dict[str, float]:
-    """Requests for ``run_s`` seconds; prompt text -> when its headers were written."""
+async def load(port: int, offsets: list[float]) -> dict[str, float]:
+    """One request at each of ``offsets`` (s after the start); prompt text -> when its headers were written."""
     import aiohttp
 
     sent: dict[str, float] = {}
@@ -53,14 +45,19 @@ async def load(port: int, streams: int, seconds: float, run_s: float) -> dict[st
 
     trace = aiohttp.TraceConfig()
     trace.on_request_headers_sent.append(on_sent)
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=4 * streams), trace_configs=[trace]) as session:
-        rng, tasks, at = random.Random(0), [], time.monotonic()
-        for i in range(int(streams / seconds * run_s)):
-            at += rng.expovariate(streams / seconds)
-            await asyncio.sleep(max(0.0, at - time.monotonic()))
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=len(offsets)), trace_configs=[trace]) as session:
+        tasks, t0 = [], time.monotonic()
+        for i, offset in enumerate(offsets):
+            await asyncio.sleep(max(0.0, t0 + offset - time.monotonic()))
             tasks.append(asyncio.create_task(one(session, i)))
         await asyncio.gather(*tasks)
     return sent
+
+
+def percentiles(name: str, values_ms: np.ndarray) -> dict[str, float]:
+    return {f"{name}_p50_ms": round(float(np.percentile(values_ms, 50)), 2),
+            f"{name}_p99_ms": round(float(np.percentile(values_ms, 99)), 2),
+            f"{name}_max_ms": round(float(values_ms.max()), 2)}
 
 
 def main() -> None:
@@ -71,30 +68,22 @@ def main() -> None:
     parser.add_argument("--run-s", type=float, default=12.0, help="how long requests keep arriving")
     args = parser.parse_args()
     port, stats = free_port(), tempfile.mkdtemp()
-    lm = subprocess.Popen([sys.executable, "-m", "snac_fast.serve.lm.fake", "--port", str(port), "--pace", "1",
-                           "--frames", str(round(args.seconds / (2048 / 24000))), "--stats-dir", stats,
-                           "--workers", str(args.workers)])
+    requests = int(args.streams / args.seconds * args.run_s)
+    # a Poisson process of rate streams / seconds: about ``streams`` answers in flight at once
+    offsets = arrival_offsets(requests, "poisson", args.seconds * requests / args.streams, seed=0)
+    lm = start_fake_lm(port, 1.0, round(args.seconds / FRAME_S), Path(stats) / "fake_lm.log", "--stats-dir", stats,
+                       "--workers", str(args.workers))
     try:
-        for _ in range(300):  # up when it accepts a connection
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.1)
-        time.sleep(1.0)  # every worker up
-        sent = asyncio.run(load(port, args.streams, args.seconds, args.run_s))
+        time.sleep(1.0)  # every worker up, not only the one that answered
+        sent = asyncio.run(load(port, offsets))
     finally:
         lm.terminate()
         lm.wait(timeout=30)
     entries = read_stats_dir(stats)
     accept = np.array([(entries[k]["received"] - t) * 1e3 for k, t in sent.items() if k in entries])
     lags = np.concatenate([np.asarray(e.get("lags", []), float) for e in entries.values()] or [np.zeros(0)]) * 1e3
-    result = {"streams": args.streams, "workers": args.workers, "requests": len(accept),
-              **{f"accept_{name}_ms": round(float(f(accept)), 2) for name, f in
-                 (("p50", lambda a: np.percentile(a, 50)), ("p99", lambda a: np.percentile(a, 99)), ("max", np.max))},
-              **{f"loop_lag_{name}_ms": round(float(f(lags)), 2) for name, f in
-                 (("p50", lambda a: np.percentile(a, 50)), ("p99", lambda a: np.percentile(a, 99)), ("max", np.max))}}
-    print(json.dumps(result))
+    print(json.dumps({"streams": args.streams, "workers": args.workers, "requests": len(accept),
+                      **percentiles("accept", accept), **percentiles("loop_lag", lags)}))
 
 
 if __name__ == "__main__":
