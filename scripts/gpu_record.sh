@@ -19,7 +19,7 @@
 #   formats     256 mp3 and pcm streams, 4 workers; then mp3 with 8
 #   first       time to first audio: 1 / 64 / 256 clients, Poisson and burst, by part
 #   first256    time to first audio at 256 Poisson clients alone, three rounds (the LM request's parts)
-#   text        256 text WebSockets; long text at the LM's 3x
+#   text        256 text WebSockets (staggered, then Poisson); long text at the LM's 3x
 #   soak_start  a 10-minute soak at 256 streams (10% disconnects, LM faults) in a process of its own
 #               session that outlives the call: run other sections, then soak_collect within 30 minutes
 #   soak_collect  waits for the soak and copies its report
@@ -92,7 +92,8 @@ for section in "$@"; do
       step first256 300 python scripts/bench_serve_http.py --clients 256 --arrivals poisson --seconds 3 --pace 1 \
         --repeat 3 --format pcm $C --out "$R/r" --stem serve_http_first_audio_256 ;;
     text)
-      step textws 200 python scripts/bench_serve_http.py --clients 256 --text-ws 5 --sentence-every 3 --seconds 20 $C \
+      step textws 300 python scripts/bench_serve_http.py --clients 256 --text-ws 5 --sentence-every 3 --seconds 20 $C \
+        --arrivals stagger,poisson \
         --out "$R/r" --stem serve_http_long_text_24khz
       step long3x 300 python scripts/bench_serve_http.py --clients 256 --arrivals poisson --input-chars 1000 --pace 3 \
         --seconds 60 $C --out "$R/r" --stem serve_http_long_text_24khz --append ;;

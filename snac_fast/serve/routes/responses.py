@@ -16,13 +16,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-import numpy as np
 
 from snac_fast.serve.access.limits import TooManyStreams, client_of
 from snac_fast.serve.engine.client import EngineLostError
 from snac_fast.serve.lm.client import LMBusyError, LMOutputError
 from snac_fast.serve.routes.protocol import SpeechRequest, json_or_none
-from snac_fast.serve.services.formats import AudioFormat, StreamEncoder
+from snac_fast.serve.services.formats import AudioFormat, StreamEncoder, encoded
 from snac_fast.serve.services.speech import FirstAudioTimes, speech_chunks
 
 log = logging.getLogger("snac_fast.serve")
@@ -61,7 +60,7 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
     if sid is None:
         server.metrics.outcome(endpoint, "busy")
         return error(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
-    chunks = _encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
+    chunks = encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
                                              speech_request.model, times, on_first_ids=encoder.prepare))
     try:  # the status is decided by the first audio: an LM that fails before it gets a clear 502
         first = await _unless_gone(request, chunks.__anext__())
@@ -144,20 +143,6 @@ async def _disconnected(request) -> None:
 
 async def _collected(chunks: AsyncIterator[bytes]) -> list[bytes]:
     return [chunk async for chunk in chunks]
-
-
-async def _encoded(encoder: StreamEncoder, audio: AsyncIterator[np.ndarray]) -> AsyncIterator[bytes]:
-    """The stream's audio in its format: each piece's bytes as soon as the encoder has them, then
-    the encoder's rest (its held frames, the container's trailer). Encoded on the event loop: a
-    thread pool (FFmpeg releases the GIL) doubled the server's CPU at 256 mp3 streams and did not
-    keep them in pace either (docs/http_server.md, "Formats")."""
-    async for piece in audio:
-        data = encoder.encode(piece)
-        if data:
-            yield data
-    rest = encoder.finish()
-    if rest:
-        yield rest
 
 
 def _outcome(error: Exception) -> str:

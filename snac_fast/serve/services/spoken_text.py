@@ -13,7 +13,7 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from snac_fast.serve.lm.segments import ended_sentences, split_text
-from snac_fast.serve.services.formats import StreamEncoder
+from snac_fast.serve.services.formats import StreamEncoder, encoded
 from snac_fast.serve.services.speech import speech_chunks
 
 
@@ -96,18 +96,16 @@ class SpokenText:
             self._queued += 1
             self._queued_chars += len(segment)
 
-    async def _sentences(self) -> AsyncIterator[str]:
-        while (text := await self._texts.get()) is not None:
+    async def _sentences(self, text: str | None) -> AsyncIterator[str]:
+        while text is not None:
             self._queued_chars -= len(text)
             yield text
+            text = await self._texts.get()
 
     async def _speak(self) -> None:
-        # the encoder as it is then (set_speed may replace it before any text)
-        async for audio in speech_chunks(self.server, self.sid, self._sentences(), self.voice, None,
-                                         on_first_ids=lambda: self.encoder.prepare()):
-            data = self.encoder.encode(audio)
-            if data:
-                await self._send(data)
-        rest = self.encoder.finish()
-        if rest:
-            await self._send(rest)
+        # the encoder is final once the first text came (set_speed may replace it before any)
+        first = await self._texts.get()
+        audio = speech_chunks(self.server, self.sid, self._sentences(first), self.voice, None,
+                              on_first_ids=self.encoder.prepare)
+        async for data in encoded(self.encoder, audio):
+            await self._send(data)
