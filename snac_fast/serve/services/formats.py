@@ -181,7 +181,8 @@ class StreamEncoder:
         the end) encodes nothing here."""
         if self._seekable or self._audio_out():
             return b"", audio
-        self.prepare()  # the header written first, so that what follows it is audio; frame_size set
+        if self._header_bytes is None:
+            self.prepare()  # the header written first, so that what follows it is audio; frame_size set
         step = self._context.frame_size
         if not step:
             return b"", audio
