@@ -80,7 +80,8 @@ def main() -> None:
     args = parser.parse_args()
     port, stats = free_port(), tempfile.mkdtemp()
     requests = int(args.streams / args.seconds * args.run_s) if args.arrivals == "poisson" else args.streams
-    # a Poisson process of rate streams / seconds: about ``streams`` answers in flight at once
+    # poisson: a process of rate streams / seconds, about ``streams`` answers in flight at once;
+    # stagger and burst: ``streams`` requests within one frame, or at once
     offsets = arrival_offsets(requests, args.arrivals, args.seconds * requests / args.streams, seed=0)
     lm = start_fake_lm(port, 1.0, round(args.seconds / FRAME_S), Path(stats) / "fake_lm.log", "--stats-dir", stats,
                        "--workers", str(args.workers))

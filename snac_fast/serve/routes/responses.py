@@ -16,7 +16,6 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-
 from snac_fast.serve.access.limits import TooManyStreams, client_of
 from snac_fast.serve.engine.client import EngineLostError
 from snac_fast.serve.lm.client import LMBusyError, LMOutputError
@@ -61,7 +60,7 @@ async def spoken_response(request, speech_request: SpeechRequest, fmt: AudioForm
         server.metrics.outcome(endpoint, "busy")
         return error(503, "all stream slots are in use; retry shortly", "server_busy", **{"Retry-After": "1"})
     chunks = encoded(encoder, speech_chunks(server, sid, speech_request.text, speech_request.voice,
-                                             speech_request.model, times, on_first_ids=encoder.prepare))
+                                            speech_request.model, times, on_first_ids=encoder.prepare))
     try:  # the status is decided by the first audio: an LM that fails before it gets a clear 502
         first = await _unless_gone(request, chunks.__anext__())
         times.encoded = time.perf_counter()
